@@ -1,0 +1,271 @@
+"""Structured-config schemas for every Hydra config group.
+
+The schemas are registered in Hydra's ConfigStore and sit under ``conf/config.yaml`` as its first
+default, so every YAML file and command-line override is merged into a typed node: a misspelled key
+or a value of the wrong type fails at composition time with Hydra's message naming the key.
+Cross-field rules live in ``__post_init__`` and run when :func:`to_config` turns the composed
+DictConfig into these dataclasses; they raise ``ValueError`` naming the value and the valid choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+ENGINES = ("single",)
+PRECISIONS = ("fp32", "bf16")
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+# Known names that may be unavailable on a machine; they warn once and fall back to sdpa.
+ATTENTION_FALLBACKS = ("fa2", "flash_attention_2")
+SCHEDULERS = ("cosine", "constant", "warmup_constant", "frozen_backbone")
+WANDB_MODES = ("offline", "online", "disabled")
+DEVICES = ("auto", "cpu", "cuda")
+DROID_CAMERAS = (
+    "observation.images.exterior_1_left",
+    "observation.images.exterior_2_left",
+    "observation.images.wrist_left",
+)
+DROID_INSTRUCTION_KEYS = ("language_instruction", "language_instruction_2", "language_instruction_3")
+
+
+def _choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
+
+
+def _positive(name: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}={value!r} is not valid; it must be {bound}")
+
+
+@dataclass
+class EngineConfig:
+    name: str = "single"
+    # Process-group backend: "auto" picks nccl on CUDA and gloo on CPU.
+    backend: str = "auto"
+    timeout_s: int = 1800
+
+    def __post_init__(self) -> None:
+        _choice("engine.name", self.name, ENGINES)
+        _choice("engine.backend", self.backend, ("auto", "nccl", "gloo"))
+        _positive("engine.timeout_s", self.timeout_s)
+
+
+@dataclass
+class PolicyConfig:
+    name: str = "flow_vla"
+    size: str = "tiny"
+    image_size: int = 64
+    patch_size: int = 16
+    num_cameras: int = 3
+    vision_width: int = 64
+    vision_depth: int = 1
+    vision_heads: int = 2
+    width: int = 64
+    depth: int = 2
+    num_heads: int = 2
+    head_dim: int = 32
+    expert_width: int = 48
+    mlp_ratio: float = 2.0
+    max_text_len: int = 24
+    state_dim: int = 8
+    action_dim: int = 8
+    action_horizon: int = 8
+    num_inference_steps: int = 10
+    attention_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False
+    freeze_vision_encoder: bool = False
+    train_expert_only: bool = False
+
+    def __post_init__(self) -> None:
+        _choice("policy.name", self.name, ("flow_vla",))
+        _choice(
+            "policy.attention_implementation",
+            self.attention_implementation,
+            ATTENTION_IMPLEMENTATIONS + ATTENTION_FALLBACKS,
+        )
+        for key in ("image_size", "patch_size", "num_cameras", "vision_width", "vision_depth", "vision_heads",
+                    "width", "depth", "num_heads", "head_dim", "expert_width", "max_text_len", "state_dim",
+                    "action_dim", "action_horizon", "num_inference_steps"):
+            _positive(f"policy.{key}", getattr(self, key))
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"policy.image_size={self.image_size} must be a multiple of policy.patch_size={self.patch_size}"
+            )
+        if self.vision_width % self.vision_heads:
+            raise ValueError(
+                f"policy.vision_width={self.vision_width} must be divisible by policy.vision_heads={self.vision_heads}"
+            )
+
+
+@dataclass
+class DataConfig:
+    name: str = "droid"
+    # A LeRobot-format dataset. null means the small DROID-format sample dataset, written on first
+    # use into cache_dir (python -m slurmvla.data.synthetic writes the same thing by hand).
+    root: str | None = None
+    cache_dir: str = "${oc.env:SLURMVLA_CACHE,${oc.env:HOME}/.cache/slurmvla}"
+    sample_episodes: int = 24
+    cameras: list[str] = field(default_factory=lambda: list(DROID_CAMERAS))
+    state_key: str = "observation.state"
+    action_key: str = "action"
+    instruction_keys: list[str] = field(default_factory=lambda: list(DROID_INSTRUCTION_KEYS))
+    success_only: bool = False
+    control_mode: str = "joint_position"
+    num_workers: int = 2
+    # Decoded episodes kept per dataloader worker (the map-style reader decodes a whole episode once).
+    episode_cache_size: int = 64
+
+    def __post_init__(self) -> None:
+        _positive("data.num_workers", self.num_workers, allow_zero=True)
+        _positive("data.sample_episodes", self.sample_episodes)
+        if not self.cameras:
+            raise ValueError("data.cameras is empty; name at least one camera feature, e.g. " f"{list(DROID_CAMERAS)}")
+
+    @property
+    def resolved_root(self) -> Path:
+        if self.root is not None:
+            return Path(self.root).expanduser()
+        return Path(self.cache_dir).expanduser() / f"droid_sample_v3.0_{self.sample_episodes}ep"
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    # The backbone (vision encoder, language tower) learns at lr * backbone_lr_scale.
+    backbone_lr_scale: float = 1.0
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    # "auto": fused AdamW on CUDA, the foreach implementation elsewhere.
+    fused: str = "auto"
+
+    def __post_init__(self) -> None:
+        _choice("optim.name", self.name, ("adamw",))
+        _choice("optim.fused", self.fused, ("auto", "true", "false"))
+        _positive("optim.lr", self.lr)
+        _positive("optim.backbone_lr_scale", self.backbone_lr_scale, allow_zero=True)
+        _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas={self.betas!r} is not valid; give two values in [0, 1)")
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = "cosine"
+    warmup_steps: int = 0
+    # cosine decays to lr * min_lr_ratio at trainer.max_steps.
+    min_lr_ratio: float = 0.1
+    # frozen_backbone: the backbone's lr is 0 for this many steps while the action expert trains.
+    frozen_backbone_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _choice("scheduler.name", self.name, SCHEDULERS)
+        _positive("scheduler.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("scheduler.frozen_backbone_steps", self.frozen_backbone_steps, allow_zero=True)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"scheduler.min_lr_ratio={self.min_lr_ratio!r} is not valid; it must be in [0, 1]")
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    seed: int = 0
+    # Samples per optimizer step summed over all ranks and accumulation steps.
+    global_batch_size: int = 16
+    grad_accum_steps: int = 1
+    max_grad_norm: float = 1.0
+    log_every_steps: int = 10
+    device: str = "auto"
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("trainer.max_steps", self.max_steps)
+        _positive("trainer.global_batch_size", self.global_batch_size)
+        _positive("trainer.grad_accum_steps", self.grad_accum_steps)
+        _positive("trainer.max_grad_norm", self.max_grad_norm, allow_zero=True)
+        _positive("trainer.log_every_steps", self.log_every_steps)
+        _choice("trainer.device", self.device, DEVICES)
+
+    def micro_batch_size(self, world_size: int) -> int:
+        per_step = world_size * self.grad_accum_steps
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"trainer.global_batch_size={self.global_batch_size} is not divisible by world size "
+                f"{world_size} x trainer.grad_accum_steps={self.grad_accum_steps} = {per_step}; "
+                f"choose a multiple of {per_step}"
+            )
+        return self.global_batch_size // per_step
+
+
+@dataclass
+class CheckpointConfig:
+    # 0 saves only at the end of training.
+    every_steps: int = 100
+    keep: int = 2
+    # Resume from the newest complete checkpoint in the run directory, if there is one.
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
+        _positive("checkpoint.keep", self.keep)
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    project: str = "slurmvla"
+    entity: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _choice("logging.wandb.mode", self.mode, WANDB_MODES)
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    level: str = "INFO"
+
+
+@dataclass
+class Config:
+    engine: EngineConfig = MISSING
+    policy: PolicyConfig = MISSING
+    data: DataConfig = MISSING
+    optim: OptimConfig = MISSING
+    scheduler: SchedulerConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    checkpoint: CheckpointConfig = MISSING
+    logging: LoggingConfig = MISSING
+    # bf16: bf16 compute with fp32 master weights and fp32 optimizer state, on every engine.
+    precision: str = "fp32"
+    name: str = "debug"
+
+    def __post_init__(self) -> None:
+        _choice("precision", self.precision, PRECISIONS)
+        if self.trainer.log_every_steps > self.trainer.max_steps:
+            self.trainer.log_every_steps = self.trainer.max_steps
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="slurmvla_schema", node=Config)
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Resolve a composed DictConfig into the typed dataclasses, running every validation rule."""
+    # Hydra's own node, when present, is not part of the schema.
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container.pop("hydra", None)
+    typed = OmegaConf.merge(OmegaConf.structured(Config), container)
+    return OmegaConf.to_object(typed)
+
+
+register_configs()

@@ -1,0 +1,180 @@
+"""The DROID dataset, map-style: one sample per frame, with its action chunk and provenance.
+
+A sample is a dict of tensors plus provenance (``dataset_index``, ``dataset_name``,
+``control_mode``, ``episode_index``, ``frame_index``). State and actions are raw; the policy owns the
+normalization statistics (``stats``) as buffers, so an exported policy normalizes by itself.
+
+Video is decoded one whole episode at a time and kept in a per-worker LRU cache: random access
+never seeks per sample. The episode-shuffle stream replaces this reader for full-size DROID behind
+the same sample contract.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from slurmvla.config import DataConfig
+from slurmvla.data.lerobot import LeRobotDataset
+from slurmvla.data.tokenizer import tokenize
+from slurmvla.data.video import decode_range
+
+
+class DroidDataset(Dataset):
+    def __init__(self, cfg: DataConfig, image_size: int, action_horizon: int, max_text_len: int,
+                 seed: int = 0, dataset_index: int = 0):
+        self.cfg = cfg
+        self.image_size = image_size
+        self.action_horizon = action_horizon
+        self.max_text_len = max_text_len
+        self.seed = seed
+        self.dataset_index = dataset_index
+        self.meta = LeRobotDataset(cfg.resolved_root)
+        self.meta.require_features([*cfg.cameras, cfg.state_key, cfg.action_key], needed_by="the policy (data.cameras, "
+                                   "data.state_key, data.action_key)")
+        for cam in cfg.cameras:
+            if self.meta.features[cam].get("dtype") != "video":
+                raise ValueError(f"feature {cam!r} in {self.meta.root} is not a video feature; video features: "
+                                 f"{self.meta.video_keys}")
+        self.instruction_keys = [k for k in cfg.instruction_keys if k in self.meta.features]
+        if not self.instruction_keys and "task_index" not in self.meta.features:
+            raise ValueError(f"dataset {str(self.meta.root)!r} has none of the instruction features "
+                             f"{list(cfg.instruction_keys)}; features it has: {sorted(self.meta.features)}")
+        keys = [cfg.state_key, cfg.action_key, *self.instruction_keys]
+        if cfg.success_only:
+            self.meta.require_features(["is_episode_successful"], needed_by="data.success_only=true")
+            keys.append("is_episode_successful")
+        columns = self.meta.read_columns(keys)
+        self.state = columns[cfg.state_key].astype(np.float32)
+        self.action = columns[cfg.action_key].astype(np.float32)
+        self.instructions = np.stack([columns[k] for k in self.instruction_keys], axis=1) if self.instruction_keys else None
+
+        ep = self.meta.episodes
+        self.ep_from = ep["dataset_from_index"].astype(np.int64)
+        self.ep_to = ep["dataset_to_index"].astype(np.int64)
+        self.ep_index = ep["episode_index"].astype(np.int64)
+        keep = np.ones(len(self.ep_from), dtype=bool)
+        if cfg.success_only:
+            keep = columns["is_episode_successful"][self.ep_from].astype(bool).reshape(-1)
+        self.kept_episodes = np.flatnonzero(keep)
+        if len(self.kept_episodes) == 0:
+            raise ValueError(f"no episodes left in {self.meta.root} after filtering (data.success_only={cfg.success_only})")
+        lengths = self.ep_to[self.kept_episodes] - self.ep_from[self.kept_episodes]
+        # Samples are addressed through cumulative episode lengths: memory per episode, not per frame.
+        self.cum_lengths = np.concatenate([[0], np.cumsum(lengths)])
+        self.videos = {cam: self.meta.video_location(cam) for cam in cfg.cameras}
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    @property
+    def stats(self) -> dict[str, torch.Tensor]:
+        """Mean / std of state and action, from the dataset's stats (or computed when absent)."""
+        out = {}
+        for prefix, key, values in (("state", self.cfg.state_key, self.state), ("action", self.cfg.action_key, self.action)):
+            s = self.meta.stats.get(key)
+            mean = s["mean"] if s is not None and "mean" in s else values.mean(0)
+            std = s["std"] if s is not None and "std" in s else values.std(0)
+            out[f"{prefix}_mean"] = torch.as_tensor(np.asarray(mean, dtype=np.float32).reshape(-1))
+            out[f"{prefix}_std"] = torch.as_tensor(np.asarray(std, dtype=np.float32).reshape(-1))
+        return out
+
+    def __len__(self) -> int:
+        return int(self.cum_lengths[-1])
+
+    def _frames(self, episode_pos: int) -> np.ndarray:
+        """All cameras of one episode, ``[T, num_cams, H, W, 3]`` uint8, through the LRU cache."""
+        if episode_pos in self._cache:
+            self._cache.move_to_end(episode_pos)
+            return self._cache[episode_pos]
+        per_cam = []
+        for cam in self.cfg.cameras:
+            loc = self.videos[cam]
+            per_cam.append(decode_range(loc.paths[episode_pos], loc.from_ts[episode_pos], loc.to_ts[episode_pos],
+                                        self.meta.fps, self.image_size))
+        frames = np.stack(per_cam, axis=1)
+        length = self.ep_to[episode_pos] - self.ep_from[episode_pos]
+        if len(frames) != length:
+            raise ValueError(f"episode {self.ep_index[episode_pos]}: {len(frames)} video frames for {length} data frames")
+        self._cache[episode_pos] = frames
+        while len(self._cache) > self.cfg.episode_cache_size:
+            self._cache.popitem(last=False)
+        return frames
+
+    def _instruction(self, row: int) -> str:
+        if self.instructions is None:
+            return ""
+        options = [s for s in self.instructions[row] if s]
+        if not options:
+            return ""
+        # A seeded choice that depends only on (seed, frame): the same on every worker and resume.
+        digest = hashlib.blake2b(f"{self.seed}:{row}".encode(), digest_size=8).digest()
+        return options[int.from_bytes(digest, "little") % len(options)]
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        k = int(np.searchsorted(self.cum_lengths, i, side="right") - 1)
+        episode_pos = int(self.kept_episodes[k])
+        start, end = int(self.ep_from[episode_pos]), int(self.ep_to[episode_pos])
+        t = int(i - self.cum_lengths[k])
+        row = start + t
+        chunk_rows = np.arange(row, row + self.action_horizon)
+        valid = chunk_rows < end
+        # Past the episode end the last action repeats; the mask keeps it out of the loss.
+        actions = self.action[np.minimum(chunk_rows, end - 1)]
+        images = self._frames(episode_pos)[t]
+        text, text_mask = tokenize(self._instruction(row), self.max_text_len)
+        return {
+            "images": torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2))),  # [cams, 3, H, W] uint8
+            "image_mask": torch.ones(len(self.cfg.cameras), dtype=torch.bool),
+            "state": torch.from_numpy(self.state[row]),
+            "actions": torch.from_numpy(actions),
+            "action_mask": torch.from_numpy(valid),
+            "text": text,
+            "text_mask": text_mask,
+            "dataset_index": torch.tensor(self.dataset_index),
+            "episode_index": torch.tensor(int(self.ep_index[episode_pos])),
+            "frame_index": torch.tensor(t),
+            "dataset_name": self.name,
+            "control_mode": self.cfg.control_mode,
+        }
+
+
+class EpochSampler(Sampler[int]):
+    """Shuffled indices for one rank; the order is a pure function of ``(seed, epoch, rank)``.
+
+    Every rank gets the same number of samples (the tail that does not divide evenly is dropped
+    for the epoch), and ``set_position`` starts an epoch part-way, which is how a resumed run picks
+    up the exact sample the interrupted one would have read next.
+    """
+
+    def __init__(self, num_samples: int, seed: int, rank: int = 0, world_size: int = 1):
+        if num_samples < world_size:
+            raise ValueError(f"dataset has {num_samples} samples, fewer than world size {world_size}")
+        self.num_samples = num_samples
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self.start = 0
+
+    def set_position(self, epoch: int, start: int) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __len__(self) -> int:
+        return self.num_samples // self.world_size - self.start
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.num_samples, generator=g)
+        per_rank = self.num_samples // self.world_size
+        mine = order[self.rank :: self.world_size][:per_rank]
+        return iter(mine[self.start :].tolist())

@@ -1,0 +1,283 @@
+"""Write a small DROID-format dataset in the LeRobot v3.0 layout, with real mp4 video.
+
+    python -m slurmvla.data.synthetic --out DIR --episodes 24
+
+Feature names and shapes are DROID 1.0.1's (three 180x320 cameras at 15 fps, 8-D state and action
+plus their sub-keys, three language instructions, ``is_episode_successful``). The episodes are
+learnable: the arm moves smoothly from its start towards a goal that the scene colour and the
+instruction reveal, and the action is the next joint position, so a policy's loss visibly falls.
+Episode lengths vary, and some episodes are shorter than an action chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from slurmvla.config import DROID_CAMERAS
+
+FPS = 15
+HEIGHT, WIDTH = 180, 320
+OBJECTS = ["red cup", "blue block", "green marker", "yellow sponge", "black bowl", "white towel"]
+PLACES = ["the drawer", "the shelf", "the sink", "the left bin", "the right bin", "the tray"]
+LABS = ["AUTOLab", "ILIAD", "IRIS", "RAIL", "PennPAL", "REAL"]
+DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+
+
+def _episode(rng: np.random.Generator, length: int) -> dict[str, np.ndarray]:
+    """One episode's low-dimensional data and the goal that drives it."""
+    goal_id = int(rng.integers(len(OBJECTS)))
+    start = rng.uniform(-1.0, 1.0, size=7)
+    goal = np.linspace(-0.8, 0.8, len(OBJECTS))[goal_id] + rng.normal(0, 0.05, size=7) * np.arange(1, 8) / 7
+    t = np.arange(length + 1) / max(length, 1)
+    progress = (1 - np.cos(np.pi * t)) / 2
+    wobble = 0.05 * np.sin(2 * np.pi * (t[:, None] * 1.5 + rng.uniform(0, 1, size=7)))
+    joints = start + (goal - start) * progress[:, None] + wobble
+    close_at = rng.uniform(0.3, 0.7)
+    gripper = np.clip((t - close_at) * 5.0, 0.0, 1.0)[:, None]
+    state = np.concatenate([joints[:-1], gripper[:-1]], axis=1).astype(np.float32)
+    action = np.concatenate([joints[1:], gripper[1:]], axis=1).astype(np.float32)
+    return {"state": state, "action": action, "goal_id": goal_id}
+
+
+def _cartesian(joints: np.ndarray) -> np.ndarray:
+    """A smooth stand-in for forward kinematics: 3 position + 3 orientation values."""
+    c = np.cumsum(joints[:, :6], axis=1)
+    return np.concatenate([np.cos(c[:, :3]) * 0.5, np.sin(c[:, 3:]) * 0.5], axis=1).astype(np.float32)
+
+
+def _render(state: np.ndarray, goal_id: int, camera: int) -> np.ndarray:
+    """Frames ``[T, H, W, 3]``: scene colour shows the goal, a square tracks the arm, brightness the gripper."""
+    length = len(state)
+    hue = np.array([[200, 60, 60], [60, 60, 200], [60, 180, 60], [210, 200, 60], [40, 40, 40], [220, 220, 220]])
+    frames = np.empty((length, HEIGHT, WIDTH, 3), dtype=np.uint8)
+    base = (hue[goal_id] * (0.6 + 0.2 * camera)).clip(0, 255)
+    for i in range(length):
+        frame = frames[i]
+        frame[:] = base.astype(np.uint8)
+        x = int((state[i, camera] + 1.2) / 2.4 * (WIDTH - 40))
+        y = int((state[i, camera + 3] + 1.2) / 2.4 * (HEIGHT - 40))
+        x, y = min(max(x, 0), WIDTH - 40), min(max(y, 0), HEIGHT - 40)
+        shade = int(80 + 170 * state[i, 7])
+        frame[y : y + 40, x : x + 40] = (shade, 255 - shade, 128)
+    return frames
+
+
+def _encode(path: Path, frames: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=Fraction(FPS))
+        stream.width, stream.height, stream.pix_fmt = WIDTH, HEIGHT, "yuv420p"
+        # A short GOP keeps seeking to an episode start cheap, as in LeRobot's own encodings.
+        stream.options = {"crf": "23", "preset": "veryfast", "g": str(FPS), "bf": "0"}
+        for i, img in enumerate(frames):
+            frame = av.VideoFrame.from_ndarray(img, format="rgb24")
+            frame.pts = i
+            frame.time_base = Fraction(1, FPS)
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def _stats(x: np.ndarray) -> dict[str, list]:
+    return {
+        "min": x.min(0).tolist(), "max": x.max(0).tolist(), "mean": x.mean(0).tolist(),
+        "std": x.std(0).tolist(), "count": [int(len(x))],
+        "q01": np.quantile(x, 0.01, axis=0).tolist(), "q99": np.quantile(x, 0.99, axis=0).tolist(),
+    }
+
+
+def _float_list(x: np.ndarray) -> pa.Array:
+    return pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1), pa.float32()), x.shape[1])
+
+
+def write_droid_sample(out: str | Path, num_episodes: int, seed: int = 0, episodes_per_file: int = 1000,
+                       min_length: int = 4, max_length: int = 60) -> Path:
+    """Write the dataset into ``out`` atomically (a temporary folder renamed at the end)."""
+    out = Path(out)
+    if (out / "meta" / "info.json").is_file():
+        raise FileExistsError(f"{out} already holds a dataset")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    rng = np.random.default_rng(seed)
+    # A quarter of the episodes are short (shorter than a typical action chunk).
+    lengths = [int(rng.integers(min_length, 12)) if rng.random() < 0.25 else int(rng.integers(24, max_length + 1))
+               for _ in range(num_episodes)]
+    episodes = [_episode(rng, n) for n in lengths]
+    tasks: list[str] = []
+    episode_rows: list[dict] = []
+    global_index = 0
+    num_files = (num_episodes + episodes_per_file - 1) // episodes_per_file
+    for file_index in range(num_files):
+        file_eps = range(file_index * episodes_per_file, min(num_episodes, (file_index + 1) * episodes_per_file))
+        columns: dict[str, list] = {}
+        video_frames: dict[str, list[np.ndarray]] = {cam: [] for cam in DROID_CAMERAS}
+        video_cursor = 0
+        for e in file_eps:
+            ep, n = episodes[e], lengths[e]
+            obj, place = OBJECTS[ep["goal_id"]], PLACES[ep["goal_id"]]
+            instructions = [f"put the {obj} in {place}", f"move the {obj} to {place}", ""]
+            if rng.random() < 0.5:
+                instructions[2] = f"place {obj} into {place}"
+            if rng.random() < 0.2:
+                instructions[1] = ""
+            if instructions[0] not in tasks:
+                tasks.append(instructions[0])
+            success = bool(rng.random() < 0.8)
+            day = 1 + e % 28
+            episode_id = f"{LABS[e % len(LABS)]}+{rng.integers(16**8):08x}+2023-10-{day:02d}-{e % 24:02d}h-{e % 60:02d}m-{(7 * e) % 60:02d}s"
+            cart_state, cart_action = _cartesian(ep["state"]), _cartesian(ep["action"])
+            per_frame = {
+                "observation.state": ep["state"],
+                "observation.state.joint_position": ep["state"][:, :7],
+                "observation.state.gripper_position": ep["state"][:, 7:],
+                "observation.state.cartesian_position": cart_state,
+                "action": ep["action"],
+                "action.joint_position": ep["action"][:, :7],
+                "action.gripper_position": ep["action"][:, 7:],
+                "action.joint_velocity": ((ep["action"][:, :7] - ep["state"][:, :7]) * FPS).astype(np.float32),
+                "action.cartesian_position": cart_action,
+            }
+            for key, value in per_frame.items():
+                columns.setdefault(key, []).append(value)
+            scalars = {
+                "timestamp": (np.arange(n) / FPS).astype(np.float32),
+                "frame_index": np.arange(n, dtype=np.int64),
+                "episode_index": np.full(n, e, dtype=np.int64),
+                "index": np.arange(global_index, global_index + n, dtype=np.int64),
+                "task_index": np.full(n, tasks.index(instructions[0]), dtype=np.int64),
+                "is_episode_successful": np.full(n, success),
+            }
+            for key, value in scalars.items():
+                columns.setdefault(key, []).append(value)
+            for k, key in enumerate(("language_instruction", "language_instruction_2", "language_instruction_3")):
+                columns.setdefault(key, []).append(np.array([instructions[k]] * n, dtype=object))
+            row = {
+                "episode_index": e, "tasks": [instructions[0]], "length": n, "episode_id": episode_id,
+                "data/chunk_index": 0, "data/file_index": file_index,
+                "dataset_from_index": global_index, "dataset_to_index": global_index + n,
+                "meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0,
+            }
+            for c, cam in enumerate(DROID_CAMERAS):
+                video_frames[cam].append(_render(ep["state"], ep["goal_id"], c))
+                row[f"videos/{cam}/chunk_index"] = 0
+                row[f"videos/{cam}/file_index"] = file_index
+                row[f"videos/{cam}/from_timestamp"] = video_cursor / FPS
+                row[f"videos/{cam}/to_timestamp"] = (video_cursor + n) / FPS
+            video_cursor += n
+            global_index += n
+            episode_rows.append(row)
+        arrays = {}
+        for key, parts in columns.items():
+            value = np.concatenate(parts)
+            if value.ndim == 2:
+                arrays[key] = _float_list(value)
+            elif value.dtype == object:
+                arrays[key] = pa.array(value.tolist(), pa.string())
+            else:
+                arrays[key] = pa.array(value)
+        path = tmp / DATA_PATH.format(chunk_index=0, file_index=file_index)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table(arrays), path)
+        for cam in DROID_CAMERAS:
+            _encode(tmp / VIDEO_PATH.format(video_key=cam, chunk_index=0, file_index=file_index),
+                    np.concatenate(video_frames[cam]))
+
+    meta = tmp / "meta"
+    (meta / "episodes" / "chunk-000").mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(episode_rows), meta / "episodes" / "chunk-000" / "file-000.parquet")
+    pq.write_table(pa.table({"task_index": list(range(len(tasks))), "task": tasks}), meta / "tasks.parquet")
+    state = np.concatenate([e["state"] for e in episodes])
+    action = np.concatenate([e["action"] for e in episodes])
+    stats = {"observation.state": _stats(state), "action": _stats(action)}
+    (meta / "stats.json").write_text(json.dumps(stats, indent=2))
+    (meta / "info.json").write_text(json.dumps(_info(num_episodes, global_index, len(tasks), episodes_per_file), indent=2))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out)
+    return out
+
+
+def _info(num_episodes: int, num_frames: int, num_tasks: int, episodes_per_file: int) -> dict:
+    def vec(n: int, names: list[str]) -> dict:
+        return {"dtype": "float32", "shape": [n], "names": names}
+
+    joints = [f"joint_{i}" for i in range(7)]
+    features = {
+        cam: {
+            "dtype": "video", "shape": [HEIGHT, WIDTH, 3], "names": ["height", "width", "channels"],
+            "info": {"video.fps": FPS, "video.height": HEIGHT, "video.width": WIDTH, "video.channels": 3,
+                     "video.codec": "h264", "video.pix_fmt": "yuv420p", "video.is_depth_map": False, "has_audio": False},
+        }
+        for cam in DROID_CAMERAS
+    }
+    features.update({
+        "observation.state": vec(8, [*joints, "gripper"]),
+        "observation.state.joint_position": vec(7, joints),
+        "observation.state.gripper_position": vec(1, ["gripper"]),
+        "observation.state.cartesian_position": vec(6, ["x", "y", "z", "roll", "pitch", "yaw"]),
+        "action": vec(8, [*joints, "gripper"]),
+        "action.joint_position": vec(7, joints),
+        "action.gripper_position": vec(1, ["gripper"]),
+        "action.joint_velocity": vec(7, joints),
+        "action.cartesian_position": vec(6, ["x", "y", "z", "roll", "pitch", "yaw"]),
+        "language_instruction": {"dtype": "string", "shape": [1], "names": None},
+        "language_instruction_2": {"dtype": "string", "shape": [1], "names": None},
+        "language_instruction_3": {"dtype": "string", "shape": [1], "names": None},
+        "is_episode_successful": {"dtype": "bool", "shape": [1], "names": None},
+        "timestamp": {"dtype": "float32", "shape": [1], "names": None},
+        "frame_index": {"dtype": "int64", "shape": [1], "names": None},
+        "episode_index": {"dtype": "int64", "shape": [1], "names": None},
+        "index": {"dtype": "int64", "shape": [1], "names": None},
+        "task_index": {"dtype": "int64", "shape": [1], "names": None},
+    })
+    return {
+        "codebase_version": "v3.0", "robot_type": "franka", "fps": FPS,
+        "total_episodes": num_episodes, "total_frames": num_frames, "total_tasks": num_tasks,
+        "chunks_size": 1000, "files_size_in_mb": 100, "data_files_size_in_mb": 100, "video_files_size_in_mb": 500,
+        "splits": {"train": f"0:{num_episodes}"}, "data_path": DATA_PATH, "video_path": VIDEO_PATH,
+        "features": features,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="output folder (must not hold a dataset yet)")
+    parser.add_argument("--episodes", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--episodes-per-file", type=int, default=1000,
+                        help="episodes packed into one parquet / mp4 file (LeRobot v3.0 packs many)")
+    args = parser.parse_args(argv)
+    if args.episodes < 1:
+        parser.error(f"--episodes={args.episodes} must be >= 1")
+    path = write_droid_sample(args.out, args.episodes, seed=args.seed, episodes_per_file=args.episodes_per_file)
+    print(f"wrote {args.episodes} episodes to {path}")
+
+
+if __name__ == "__main__":
+    main()
+
+
+def ensure_sample_dataset(cfg) -> None:  # noqa: ANN001 - a DataConfig
+    """Write the sample dataset on first use when ``data.root`` is null; a no-op otherwise."""
+    if cfg.root is not None:
+        return
+    root = cfg.resolved_root
+    if (root / "meta" / "info.json").is_file():
+        return
+    try:
+        write_droid_sample(root, cfg.sample_episodes, seed=0, episodes_per_file=max(1, cfg.sample_episodes // 2))
+    except OSError:
+        # Another process (a second node sharing the cache) finished first: its copy is complete.
+        if not (root / "meta" / "info.json").is_file():
+            raise

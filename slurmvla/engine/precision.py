@@ -1,0 +1,95 @@
+"""fp32 master weights for engines whose live parameters are low precision (single, DDP).
+
+A model cast to bf16 before ``torch.optim.AdamW`` is built gets bf16 ``exp_avg`` / ``exp_avg_sq``
+and silently stops learning once updates fall below bf16's resolution. ``MasterWeightOptimizer``
+keeps fp32 copies of the live parameters, builds the real optimizer on those copies (so its state
+is fp32), clips on fp32 gradients and writes the result back into the live parameters.
+
+It is a true ``torch.optim.Optimizer``: ``param_groups`` and ``state`` are the inner optimizer's
+own objects, so an LR scheduler built on this wrapper changes the lr the inner optimizer uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class MasterWeightOptimizer(torch.optim.Optimizer):
+    def __init__(self, param_groups: list[dict[str, Any]], make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]):
+        self.live: list[torch.nn.Parameter] = []
+        self.masters: list[torch.Tensor] = []
+        master_groups = []
+        for group in param_groups:
+            masters = []
+            for p in group["params"]:
+                m = p.detach().to(torch.float32, copy=True).requires_grad_(True)
+                self.live.append(p)
+                self.masters.append(m)
+                masters.append(m)
+            master_groups.append({**group, "params": masters})
+        self.inner = make_optimizer(master_groups)
+        super().__init__(self.masters, dict(self.inner.defaults))
+        self._share_inner()
+        self._grads_ready = False
+
+    def _share_inner(self) -> None:
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+
+    @torch.no_grad()
+    def _master_grads(self) -> None:
+        if self._grads_ready:
+            return
+        for live, master in zip(self.live, self.masters):
+            if live.grad is None:
+                master.grad = None
+            elif master.grad is None:
+                master.grad = live.grad.to(torch.float32)
+            else:
+                master.grad.copy_(live.grad)
+        self._grads_ready = True
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip on the fp32 master gradients; ``max_norm <= 0`` only measures the norm."""
+        self._master_grads()
+        return torch.nn.utils.clip_grad_norm_(self.masters, max_norm if max_norm > 0 else float("inf"))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 - torch's signature
+        self._master_grads()
+        loss = self.inner.step(closure)
+        for live, master in zip(self.live, self.masters):
+            live.copy_(master)
+        self._grads_ready = False
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.live:
+            p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
+        self.inner.zero_grad(set_to_none=set_to_none)
+        self._grads_ready = False
+
+    @torch.no_grad()
+    def masters_from_live(self) -> None:
+        """Rebuild the masters from the live weights (after a device move, or a live-weight load)."""
+        for live, master in zip(self.live, self.masters):
+            master.copy_(live)
+
+    @torch.no_grad()
+    def load_masters(self, values: list[torch.Tensor]) -> None:
+        """Set masters (and live weights) from fp32 values: resume without bf16 rounding."""
+        for live, master, value in zip(self.live, self.masters, values, strict=True):
+            master.copy_(value)
+            live.copy_(master)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+        # torch replaces param_groups / state with new objects on load: share them again so a
+        # scheduler holding this wrapper keeps steering the lr the inner optimizer uses.
+        self._share_inner()

@@ -1,0 +1,5 @@
+"""Launch layer: who am I in the job (DistEnv), and how was I started. Imports no other layer."""
+
+from slurmvla.launch.distenv import DistEnv
+
+__all__ = ["DistEnv"]

@@ -1,0 +1,297 @@
+"""The reference policy: a pi0-style flow-matching VLA in plain PyTorch.
+
+    images --ViT--> image tokens --+
+    instruction --bytes--> tokens  +--> prefix (backbone stream) --+
+    proprio state --> one token ---+                              | joint attention, layer by layer
+    noisy action chunk + time --> suffix (action-expert stream) --+--> velocity --> flow-matching loss
+
+Each ``VLALayer`` bundles one backbone sub-layer and one action-expert sub-layer that attend
+jointly (prefix tokens see the prefix; action tokens see the prefix and each other), so a sharding
+engine wraps one unit per layer. In the last layer the prefix only supplies keys and values: its
+query, output projection and MLP would receive no gradient, so they do not exist.
+
+Flow matching (pi0 convention): ``x_t = t * noise + (1 - t) * actions``, the expert predicts
+``u = noise - actions``; the loss is the MSE over valid chunk steps, normalized per element.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from slurmvla.config import ATTENTION_FALLBACKS, PolicyConfig
+from slurmvla.data.tokenizer import VOCAB_SIZE
+from slurmvla.policy.base import Policy
+
+_warned: set[str] = set()
+
+
+def resolve_attention(impl: str) -> str:
+    if impl in ATTENTION_FALLBACKS:
+        if impl not in _warned:
+            _warned.add(impl)
+            warnings.warn(
+                f"policy.attention_implementation={impl!r} has no separate kernel path here; falling back to "
+                "'sdpa', which dispatches to FlashAttention kernels on GPUs that support them",
+                stacklevel=2,
+            )
+        return "sdpa"
+    return impl
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str) -> torch.Tensor:
+    """``q, k, v``: ``[B, heads, L, head_dim]``; ``mask``: bool, True where a query may attend."""
+    if impl == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, ratio: float):
+        super().__init__()
+        hidden = int(dim * ratio)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, impl: str):
+        super().__init__()
+        self.heads, self.impl = heads, impl
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, mlp_ratio)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(attention(q, k, v, None, self.impl).transpose(1, 2).reshape(b, n, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class VisionEncoder(nn.Module):
+    """A small ViT shared by all cameras; outputs tokens in the backbone width."""
+
+    def __init__(self, cfg: PolicyConfig, impl: str):
+        super().__init__()
+        self.patch = nn.Conv2d(3, cfg.vision_width, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+        num_patches = (cfg.image_size // cfg.patch_size) ** 2
+        self.position_embedding = nn.Parameter(torch.zeros(1, num_patches, cfg.vision_width))
+        self.blocks = nn.ModuleList(
+            VisionBlock(cfg.vision_width, cfg.vision_heads, cfg.mlp_ratio, impl) for _ in range(cfg.vision_depth)
+        )
+        self.norm = nn.LayerNorm(cfg.vision_width)
+        self.proj = nn.Linear(cfg.vision_width, cfg.width)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """``images``: uint8 ``[B, cams, 3, H, W]`` -> ``[B, cams * patches, width]``."""
+        b, c = images.shape[:2]
+        x = images.flatten(0, 1).float() / 127.5 - 1.0
+        x = self.patch(x).flatten(2).transpose(1, 2) + self.position_embedding
+        for block in self.blocks:
+            x = block(x)
+        return self.proj(self.norm(x)).reshape(b, -1, self.proj.out_features)
+
+
+class JointAttention(nn.Module):
+    """One stream's half of a joint attention layer: its own projections into shared heads."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, queries: bool):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.q = nn.Linear(dim, heads * head_dim) if queries else None
+        self.kv = nn.Linear(dim, 2 * heads * head_dim)
+        self.out = nn.Linear(heads * head_dim, dim) if queries else None
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        b, n, _ = x.shape
+        k, v = self.kv(x).view(b, n, 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q = None if self.q is None else self.q(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+
+class VLALayer(nn.Module):
+    """One decoder layer owning both streams: the unit a sharding engine wraps."""
+
+    def __init__(self, cfg: PolicyConfig, impl: str, prefix_output: bool):
+        super().__init__()
+        self.impl, self.prefix_output = impl, prefix_output
+        self.backbone_norm1 = nn.RMSNorm(cfg.width)
+        self.backbone_attn = JointAttention(cfg.width, cfg.num_heads, cfg.head_dim, queries=prefix_output)
+        if prefix_output:
+            self.backbone_norm2 = nn.RMSNorm(cfg.width)
+            self.backbone_mlp = MLP(cfg.width, cfg.mlp_ratio)
+        self.expert_norm1 = nn.RMSNorm(cfg.expert_width)
+        self.expert_attn = JointAttention(cfg.expert_width, cfg.num_heads, cfg.head_dim, queries=True)
+        self.expert_norm2 = nn.RMSNorm(cfg.expert_width)
+        self.expert_mlp = MLP(cfg.expert_width, cfg.mlp_ratio)
+
+    def expert_parts(self) -> list[nn.Module]:
+        return [self.expert_norm1, self.expert_attn, self.expert_norm2, self.expert_mlp]
+
+    def forward(self, prefix: torch.Tensor, suffix: torch.Tensor, prefix_keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``prefix_keep``: bool ``[B, P]``, False for padding tokens and missing cameras."""
+        p, s = prefix.shape[1], suffix.shape[1]
+        qp, kp, vp = self.backbone_attn.project(self.backbone_norm1(prefix))
+        qs, ks, vs = self.expert_attn.project(self.expert_norm1(suffix))
+        k, v = torch.cat([kp, ks], dim=2), torch.cat([vp, vs], dim=2)
+        keys_ok = torch.cat([prefix_keep, prefix_keep.new_ones(prefix_keep.shape[0], s)], dim=1)[:, None, None, :]
+        # Action tokens see everything valid; prefix tokens see only the prefix.
+        suffix_mask = keys_ok.expand(-1, 1, s, -1)
+        ys = attention(qs, k, v, suffix_mask, self.impl)
+        suffix = suffix + self.expert_attn.out(ys.transpose(1, 2).flatten(2))
+        suffix = suffix + self.expert_mlp(self.expert_norm2(suffix))
+        if self.prefix_output:
+            prefix_mask = keys_ok[..., :p].expand(-1, 1, p, -1)
+            yp = attention(qp, kp, vp, prefix_mask, self.impl)
+            prefix = prefix + self.backbone_attn.out(yp.transpose(1, 2).flatten(2))
+            prefix = prefix + self.backbone_mlp(self.backbone_norm2(prefix))
+        return prefix, suffix
+
+
+class ActionTimeEmbedding(nn.Module):
+    def __init__(self, action_dim: int, width: int):
+        super().__init__()
+        self.width = width
+        self.action = nn.Linear(action_dim, width)
+        self.mlp_in = nn.Linear(2 * width, width)
+        self.mlp_out = nn.Linear(width, width)
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        half = self.width // 2
+        freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+        angles = t.float()[:, None] * freqs[None] * 1000.0
+        time = torch.cat([angles.sin(), angles.cos()], dim=-1)
+        time = F.pad(time, (0, self.width - 2 * half))[:, None, :].expand(-1, x_t.shape[1], -1)
+        a = self.action(x_t)
+        h = torch.cat([a, time.to(a.dtype)], dim=-1)
+        return self.mlp_out(F.silu(self.mlp_in(h)))
+
+
+class FlowMatchingVLA(Policy):
+    def __init__(self, cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None = None):
+        super().__init__()
+        self.cfg = cfg
+        impl = resolve_attention(cfg.attention_implementation)
+        self.gradient_checkpointing = cfg.gradient_checkpointing
+        self.vision = VisionEncoder(cfg, impl)
+        self.camera_embedding = nn.Parameter(torch.zeros(cfg.num_cameras, cfg.width))
+        self.text_embed = nn.Embedding(VOCAB_SIZE, cfg.width)
+        self.state_proj = nn.Linear(cfg.state_dim, cfg.width)
+        self.layers = nn.ModuleList(VLALayer(cfg, impl, prefix_output=i < cfg.depth - 1) for i in range(cfg.depth))
+        self.expert_in = ActionTimeEmbedding(cfg.action_dim, cfg.expert_width)
+        self.expert_out_norm = nn.RMSNorm(cfg.expert_width)
+        self.expert_out = nn.Linear(cfg.expert_width, cfg.action_dim)
+        # Normalization statistics are buffers: they travel with the weights into checkpoints and
+        # exports, and they stay fp32 whatever the compute dtype.
+        for prefix, dim in (("state", cfg.state_dim), ("action", cfg.action_dim)):
+            mean = torch.zeros(dim) if stats is None else stats[f"{prefix}_mean"].float().reshape(dim)
+            std = torch.ones(dim) if stats is None else stats[f"{prefix}_std"].float().reshape(dim)
+            self.register_buffer(f"{prefix}_mean", mean.clone())
+            self.register_buffer(f"{prefix}_std", std.clamp_min(1e-4).clone())
+        self.apply(self._init)
+        if cfg.freeze_vision_encoder or cfg.train_expert_only:
+            self.vision.requires_grad_(False)
+        if cfg.train_expert_only:
+            expert = {id(p) for m in self.expert_modules() for p in m.parameters()}
+            for p in self.parameters():
+                if id(p) not in expert:
+                    p.requires_grad_(False)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+        elif isinstance(m, VisionEncoder):
+            nn.init.trunc_normal_(m.position_embedding, std=0.02)
+
+    # -- contract ---------------------------------------------------------------------------------
+
+    def wrap_units(self) -> list[nn.Module]:
+        return [*self.vision.blocks, *self.layers]
+
+    def expert_modules(self) -> list[nn.Module]:
+        parts = [self.expert_in, self.expert_out_norm, self.expert_out]
+        for layer in self.layers:
+            parts.extend(layer.expert_parts())
+        return parts
+
+    # -- model ------------------------------------------------------------------------------------
+
+    def _prefix(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        images = batch["images"]
+        b, cams = images.shape[:2]
+        img = self.vision(images)
+        per_cam = img.shape[1] // cams
+        img = img + self.camera_embedding[:cams].repeat_interleave(per_cam, dim=0)
+        text = self.text_embed(batch["text"])
+        state = (batch["state"].float() - self.state_mean) / self.state_std
+        state_tok = self.state_proj(state)[:, None, :]
+        prefix = torch.cat([img, text.to(img.dtype), state_tok.to(img.dtype)], dim=1)
+        keep = torch.cat([
+            batch["image_mask"].repeat_interleave(per_cam, dim=1),
+            batch["text_mask"],
+            torch.ones(b, 1, dtype=torch.bool, device=images.device),
+        ], dim=1)
+        return prefix, keep
+
+    def _velocity(self, prefix: torch.Tensor, keep: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        suffix = self.expert_in(x_t, t)
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                prefix, suffix = checkpoint(layer, prefix, suffix, keep, use_reentrant=False)
+            else:
+                prefix, suffix = layer(prefix, suffix, keep)
+        return self.expert_out(self.expert_out_norm(suffix))
+
+    def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        return (actions.float() - self.action_mean) / self.action_std
+
+    def forward(self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None) -> dict:
+        actions = self.normalize_actions(batch["actions"])
+        b = actions.shape[0]
+        if noise is None:
+            noise = torch.randn_like(actions)
+        if t is None:
+            # pi0's time distribution: Beta(1.5, 1) leans towards the noisy end, kept off t = 0.
+            t = torch.distributions.Beta(1.5, 1.0).sample((b,)).to(actions.device) * 0.999 + 0.001
+        x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
+        target = noise - actions
+        prefix, keep = self._prefix(batch)
+        pred = self._velocity(prefix, keep, x_t, t).float()
+        mask = batch["action_mask"][:, :, None].expand_as(pred).float()
+        err = (pred - target).square() * mask
+        mse_sum = err.sum(dim=(1, 2))
+        mse_count = mask.sum(dim=(1, 2))
+        loss = mse_sum.sum() / mse_count.sum().clamp_min(1.0)
+        return {"loss": loss, "components": {"mse": (mse_sum.detach(), mse_count.detach())}}
+
+    @torch.no_grad()
+    def sample_actions(self, batch: dict, noise: torch.Tensor | None = None, num_steps: int | None = None) -> torch.Tensor:
+        """Integrate the learned velocity from noise (t = 1) to actions (t = 0); returns raw actions."""
+        steps = num_steps or self.cfg.num_inference_steps
+        b = batch["state"].shape[0]
+        shape = (b, self.cfg.action_horizon, self.cfg.action_dim)
+        x = torch.randn(shape, device=batch["state"].device) if noise is None else noise.float()
+        prefix, keep = self._prefix(batch)
+        for i in range(steps):
+            t = torch.full((b,), 1.0 - i / steps, device=x.device)
+            x = x - self._velocity(prefix, keep, x, t).float() / steps
+        return x * self.action_std + self.action_mean

@@ -1,0 +1,240 @@
+"""The Trainer: builds the components, runs ``train_step`` until ``max_steps``, checkpoints, resumes.
+
+``fit`` reads as a list of hand-offs: take micro-batches -> engine step -> schedule -> log ->
+checkpoint. Everything strategy-specific sits behind the engine; there is no branch on its name here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from slurmvla.checkpoint import CheckpointManager
+from slurmvla.config import Config
+from slurmvla.data.droid import DroidDataset, EpochSampler
+from slurmvla.data.synthetic import ensure_sample_dataset
+from slurmvla.engine import build_engine
+from slurmvla.engine.distributed import init_process_group, select_device, shutdown_process_group
+from slurmvla.launch import DistEnv
+from slurmvla.logger import MetricLogger
+from slurmvla.optim import build_scheduler
+from slurmvla.policy import build_policy
+
+log = logging.getLogger("slurmvla")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def check_data_matches_policy(cfg: Config, dataset: DroidDataset) -> None:
+    """Shapes the policy was built for must be the data's, or training silently learns garbage."""
+    p = cfg.policy
+    checks = [
+        ("policy.num_cameras", p.num_cameras, "len(data.cameras)", len(cfg.data.cameras)),
+        ("policy.state_dim", p.state_dim, f"the dim of {cfg.data.state_key!r}", dataset.meta.feature_dim(cfg.data.state_key)),
+        ("policy.action_dim", p.action_dim, f"the dim of {cfg.data.action_key!r}", dataset.meta.feature_dim(cfg.data.action_key)),
+    ]
+    for key, value, what, expected in checks:
+        if value != expected:
+            raise ValueError(f"{key}={value} does not match {what}={expected} in {dataset.meta.root}")
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: str | Path, env: DistEnv | None = None):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.env = env or DistEnv.from_environ()
+        tcfg = cfg.trainer
+        self.micro_batch_size = tcfg.micro_batch_size(self.env.world_size)
+        self.device = select_device(tcfg.device, self.env)
+        init_process_group(self.env, self.device, cfg.engine.backend, cfg.engine.timeout_s)
+
+        if self.env.local_rank == 0:
+            ensure_sample_dataset(cfg.data)
+        if self.env.is_distributed:
+            torch.distributed.barrier()
+        self.dataset = DroidDataset(cfg.data, cfg.policy.image_size, cfg.policy.action_horizon,
+                                    cfg.policy.max_text_len, seed=tcfg.seed)
+        check_data_matches_policy(cfg, self.dataset)
+
+        # The same seed on every rank: every rank builds identical initial weights.
+        seed_everything(tcfg.seed)
+        policy = build_policy(cfg.policy, self.dataset.stats)
+        self.engine = build_engine(cfg.engine, self.env, cfg.precision, self.device)
+        self.policy = self.engine.wrap(policy)
+        groups = policy.param_groups(cfg.optim.weight_decay, cfg.optim.lr, cfg.optim.backbone_lr_scale)
+        self.optimizer = self.engine.build_optimizer(groups, cfg.optim)
+        # Built on the optimizer the engine returned, i.e. the one that actually steps.
+        self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, tcfg.max_steps)
+        # Flow-matching noise and time differ per rank.
+        seed_everything(tcfg.seed + 1_000 * (self.env.rank + 1))
+
+        self.sampler = EpochSampler(len(self.dataset), tcfg.seed, self.env.rank, self.env.world_size)
+        self.batches_per_epoch = (len(self.dataset) // self.env.world_size) // self.micro_batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"the dataset has {len(self.dataset)} samples: fewer than one micro-batch of {self.micro_batch_size} "
+                f"per rank for {self.env.world_size} ranks; lower trainer.global_batch_size"
+            )
+        workers = cfg.data.num_workers
+        self.loader = DataLoader(
+            self.dataset, batch_size=self.micro_batch_size, sampler=self.sampler, num_workers=workers,
+            drop_last=True, persistent_workers=workers > 0, pin_memory=self.device.type == "cuda",
+            prefetch_factor=4 if workers > 0 else None,
+        )
+        self.step = 0
+        self.epoch = 0
+        self.batches_in_epoch = 0
+        self._batches = None
+
+        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep, self.env.is_main)
+        config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
+        self.logger = MetricLogger(self.run_dir, cfg.logging.wandb, cfg.name, config_dict, self.env.is_main)
+        if self.env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(config_dict))
+        self.resumed_from: Path | None = None
+        if cfg.checkpoint.resume:
+            self._resume()
+        self.logger.start(self.step)
+
+    # -- data -------------------------------------------------------------------------------------
+
+    def _next_batch(self) -> dict[str, Any]:
+        while True:
+            if self._batches is None:
+                self.sampler.set_position(self.epoch, self.batches_in_epoch * self.micro_batch_size)
+                self._batches = iter(self.loader)
+            try:
+                batch = next(self._batches)
+            except StopIteration:
+                self.epoch, self.batches_in_epoch, self._batches = self.epoch + 1, 0, None
+                continue
+            self.batches_in_epoch += 1
+            return _to_device(batch, self.device)
+
+    # -- one optimizer step -----------------------------------------------------------------------
+
+    def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Forward/backward every micro-batch, clip, step. Returns device tensors (no host sync)."""
+        self.policy.train()
+        n = len(micro_batches)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, batch in enumerate(micro_batches):
+            # Gradients are synchronised once, on the last micro-batch.
+            sync = contextlib.nullcontext() if i == n - 1 else self.engine.no_sync()
+            with sync:
+                with self.engine.autocast():
+                    out = self.policy(batch)
+                self.engine.backward(out["loss"] / n)
+            loss_sum += out["loss"].detach()
+        grad_norm = self.engine.clip_grad_norm(self.cfg.trainer.max_grad_norm)
+        self.engine.step()
+        self.scheduler.step()
+        return {"loss": loss_sum / n, "grad_norm": grad_norm.detach()}
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, float]:
+        tcfg = self.cfg.trainer
+        bar = tqdm(total=tcfg.max_steps, initial=self.step, desc="train", dynamic_ncols=True,
+                   disable=not (self.env.is_main and tcfg.progress_bar))
+        window = {"loss": 0.0, "grad_norm": 0.0, "steps": 0}
+        last: dict[str, float] = {}
+        t0 = time.perf_counter()
+        while self.step < tcfg.max_steps:
+            lrs = {g.get("name", str(i)): g["lr"] for i, g in enumerate(self.optimizer.param_groups)}
+            micro = [self._next_batch() for _ in range(tcfg.grad_accum_steps)]
+            metrics = self.train_step(micro)
+            self.step += 1
+            window["steps"] += 1
+            window["loss"] += metrics["loss"]
+            window["grad_norm"] += metrics["grad_norm"]
+            bar.update(1)
+            if self.step % tcfg.log_every_steps == 0 or self.step == tcfg.max_steps:
+                elapsed = time.perf_counter() - t0
+                last = self._record(window, lrs, elapsed)
+                bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}")
+                window = {"loss": 0.0, "grad_norm": 0.0, "steps": 0}
+                t0 = time.perf_counter()
+            if self.cfg.checkpoint.every_steps and self.step % self.cfg.checkpoint.every_steps == 0:
+                self.save()
+        bar.close()
+        latest = self.checkpoints.latest()
+        if latest is None or latest.name != f"step_{self.step:08d}":
+            self.save()
+        return last
+
+    def _record(self, window: dict, lrs: dict[str, float], elapsed: float) -> dict[str, float]:
+        steps = window["steps"]
+        metrics = {
+            "loss": float(window["loss"]) / steps,
+            "grad_norm": float(window["grad_norm"]) / steps,
+            "samples_per_s": steps * self.cfg.trainer.global_batch_size / max(elapsed, 1e-9),
+            "epoch": self.epoch,
+        }
+        distinct = set(lrs.values())
+        metrics["lr"] = max(distinct)
+        if len(distinct) > 1:
+            metrics.update({f"lr/{name}": lr for name, lr in lrs.items()})
+        self.logger.log(self.step, metrics)
+        return metrics
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batches_in_epoch": self.batches_in_epoch,
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        state = {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def save(self) -> Path:
+        path = self.checkpoints.save(self.step, self.engine, self.state_dict(), self.env.rank, self.rank_state_dict())
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def _resume(self) -> None:
+        latest = self.checkpoints.latest()
+        if latest is None:
+            return
+        state, rank_state = self.checkpoints.load(latest, self.engine, self.env.rank)
+        self.step, self.epoch, self.batches_in_epoch = state["step"], state["epoch"], state["batches_in_epoch"]
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(rank_state["torch_rng"])
+        random.setstate(rank_state["python_rng"])
+        if "cuda_rng" in rank_state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rank_state["cuda_rng"], self.device)
+        self._batches = None
+        self.resumed_from = latest
+        if self.env.is_main:
+            log.info("resumed from %s at step %d", latest, self.step)
+
+    def close(self) -> None:
+        self.logger.close()
+        self._batches = None
+        shutdown_process_group()
