@@ -152,14 +152,16 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------------
 
-    def fit(self) -> dict[str, float]:
+    def fit(self, stop_at: int | None = None) -> dict[str, float]:
+        """Train to ``trainer.max_steps`` (or stop early at ``stop_at``, with a checkpoint there)."""
         tcfg = self.cfg.trainer
+        end = tcfg.max_steps if stop_at is None else min(stop_at, tcfg.max_steps)
         bar = tqdm(total=tcfg.max_steps, initial=self.step, desc="train", dynamic_ncols=True,
                    disable=not (self.env.is_main and tcfg.progress_bar))
         window = {"loss": 0.0, "grad_norm": 0.0, "steps": 0}
         last: dict[str, float] = {}
         t0 = time.perf_counter()
-        while self.step < tcfg.max_steps:
+        while self.step < end:
             lrs = {g.get("name", str(i)): g["lr"] for i, g in enumerate(self.optimizer.param_groups)}
             micro = [self._next_batch() for _ in range(tcfg.grad_accum_steps)]
             metrics = self.train_step(micro)

@@ -111,9 +111,9 @@ def write_droid_sample(out: str | Path, num_episodes: int, seed: int = 0, episod
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     rng = np.random.default_rng(seed)
-    # A quarter of the episodes are short (shorter than a typical action chunk).
-    lengths = [int(rng.integers(min_length, 12)) if rng.random() < 0.25 else int(rng.integers(24, max_length + 1))
-               for _ in range(num_episodes)]
+    # A quarter of the episodes (and always the second) are shorter than a typical action chunk.
+    lengths = [int(rng.integers(min_length, 8)) if (rng.random() < 0.25 or e == 1) else int(rng.integers(24, max_length + 1))
+               for e in range(num_episodes)]
     episodes = [_episode(rng, n) for n in lengths]
     tasks: list[str] = []
     episode_rows: list[dict] = []

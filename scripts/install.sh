@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Install slurmvla (editable) and its dependencies into the active Python environment.
+#
+#   bash scripts/install.sh          # runtime dependencies
+#   bash scripts/install.sh dev      # + test tools        (extras are comma separated: dev,deepspeed)
+#
+# torch is installed first and exactly once: an environment that already has torch keeps it (a
+# cluster's CUDA build stays); otherwise torch==$TORCH_VERSION (default 2.13.0) is installed, which
+# resolves to the CUDA wheel on a GPU cluster and to the local CPU build on a CPU-only machine.
+# Set TORCH_VERSION to replace an installed torch with that version.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+EXTRAS=${1:-}
+PIP=("$PYTHON" -m pip install --quiet --disable-pip-version-check)
+
+have=$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)
+if [ -n "${TORCH_VERSION:-}" ] && [ "${have%%+*}" != "$TORCH_VERSION" ]; then
+  "${PIP[@]}" "torch==$TORCH_VERSION"
+elif [ -z "$have" ]; then
+  "${PIP[@]}" "torch==2.13.0"
+fi
+"${PIP[@]}" -e ".${EXTRAS:+[$EXTRAS]}"
+echo "slurmvla installed with torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"

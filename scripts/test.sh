@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up and run the whole test suite. Extra arguments go to pytest, e.g.  bash scripts/test.sh -k resume
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh dev
+exec "${PYTHON:-python3}" -m pytest "$@"

@@ -1,0 +1,119 @@
+"""Every shipped config composes; bad input fails at start-up naming the value and the choices."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf.errors import ValidationError
+
+from slurmvla.config import to_config
+from slurmvla.data.droid import DroidDataset
+from slurmvla.train import config_dir
+from slurmvla.trainer import Trainer
+
+from .conftest import compose_cfg
+
+GROUPS = sorted(p.name for p in config_dir().iterdir() if p.is_dir() and not p.name.startswith("_"))
+
+
+def test_groups_named_by_the_contract_exist():
+    for group in ("engine", "policy", "data", "optim", "scheduler", "trainer", "checkpoint", "logging", "experiment"):
+        assert group in GROUPS
+
+
+@pytest.mark.parametrize("option", [f"{g}={p.stem}" for g in GROUPS for p in sorted((config_dir() / g).glob("*.yaml"))])
+def test_every_shipped_option_composes_and_validates(option):
+    cfg = to_config(compose_cfg([option, "data.root=/any/where"]))
+    group, name = option.split("=")
+    if group not in ("experiment", "trainer", "checkpoint", "logging", "optim"):
+        section = getattr(cfg, group)
+        assert getattr(section, "size", None) == name or getattr(section, "name", None) == name
+
+
+def test_the_contract_keys_exist():
+    cfg = to_config(compose_cfg([]))
+    assert cfg.trainer.max_steps > 0 and cfg.trainer.global_batch_size > 0
+    assert cfg.precision == "fp32" and cfg.engine.name == "single" and cfg.policy.size == "tiny"
+    assert cfg.logging.wandb.mode == "offline"
+    assert cfg.data.root is None and cfg.checkpoint.keep >= 1
+
+
+def test_unknown_group_option_names_the_choices():
+    with pytest.raises(MissingConfigException) as e:
+        compose_cfg(["engine=fsdp_typo"])
+    assert "fsdp_typo" in str(e.value) and "single" in str(e.value)
+
+
+def test_misspelled_key_is_named():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg(["trainer.max_stpes=3"])
+    assert "max_stpes" in str(e.value.__cause__ or e.value)
+
+
+def test_wrong_type_is_named():
+    with pytest.raises((ConfigCompositionException, ValidationError)) as e:
+        compose_cfg(["trainer.max_steps=many"])
+    assert "max_steps" in str(e.value.__cause__ or e.value)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("precision=fp16", ["precision='fp16'", "fp32", "bf16"]),
+    ("policy.attention_implementation=xformers", ["xformers", "sdpa", "eager"]),
+    ("scheduler.name=linear", ["linear", "cosine", "frozen_backbone"]),
+    ("logging.wandb.mode=cloud", ["cloud", "offline", "disabled"]),
+    ("trainer.device=tpu", ["tpu", "auto", "cpu"]),
+    ("policy.image_size=60", ["image_size=60", "patch_size=16"]),
+])
+def test_invalid_values_raise_value_error_with_choices(override, words):
+    with pytest.raises(ValueError) as e:
+        to_config(compose_cfg([override]))
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_global_batch_not_divisible(make_cfg, tmp_path):
+    cfg = make_cfg("trainer.global_batch_size=9", "trainer.grad_accum_steps=2")
+    with pytest.raises(ValueError, match=r"global_batch_size=9 .*grad_accum_steps=2 = 2; choose a multiple of 2"):
+        Trainer(cfg, tmp_path)
+
+
+def test_data_root_not_lerobot(make_cfg, tmp_path):
+    cfg = make_cfg(f"data.root={tmp_path}")
+    with pytest.raises(ValueError, match="is not a LeRobot dataset"):
+        DroidDataset(cfg.data, 64, 8, 24)
+    cfg = make_cfg(f"data.root={tmp_path / 'nope'}")
+    with pytest.raises(ValueError, match="does not exist"):
+        DroidDataset(cfg.data, 64, 8, 24)
+
+
+def _copy_with_info(sample_root, tmp_path, edit):
+    root = tmp_path / "copy"
+    shutil.copytree(sample_root, root)
+    info = json.loads((root / "meta" / "info.json").read_text())
+    edit(info)
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+    return root
+
+
+def test_missing_feature_is_named_with_what_the_dataset_has(make_cfg, sample_root, tmp_path):
+    root = _copy_with_info(sample_root, tmp_path, lambda info: info["features"].pop("observation.images.wrist_left"))
+    cfg = make_cfg(f"data.root={root}")
+    with pytest.raises(ValueError) as e:
+        DroidDataset(cfg.data, 64, 8, 24)
+    msg = str(e.value)
+    assert "'observation.images.wrist_left'" in msg and "observation.images.exterior_1_left" in msg
+
+
+def test_unsupported_version(make_cfg, sample_root, tmp_path):
+    root = _copy_with_info(sample_root, tmp_path, lambda info: info.update(codebase_version="v1.6"))
+    with pytest.raises(ValueError, match=r"'v1.6' is not supported; supported: \['v3.0'\]"):
+        DroidDataset(make_cfg(f"data.root={root}").data, 64, 8, 24)
+
+
+def test_policy_shape_must_match_data(make_cfg, tmp_path):
+    cfg = make_cfg("policy.state_dim=7")
+    with pytest.raises(ValueError, match=r"policy.state_dim=7 does not match .*observation.state.*=8"):
+        Trainer(cfg, tmp_path)

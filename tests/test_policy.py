@@ -1,0 +1,173 @@
+"""The reference policy against its contract, with independent references for each claim."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from slurmvla.config import PolicyConfig
+from slurmvla.data.tokenizer import tokenize
+from slurmvla.policy import build_policy
+from slurmvla.policy import flow_vla
+
+
+def make_batch(b: int = 4, cfg: PolicyConfig | None = None, seed: int = 0) -> dict:
+    cfg = cfg or PolicyConfig()
+    g = torch.Generator().manual_seed(seed)
+    texts = [tokenize(["pick the cup", "open the drawer", "", "wipe"][i % 4], cfg.max_text_len) for i in range(b)]
+    mask = torch.ones(b, cfg.action_horizon, dtype=torch.bool)
+    mask[1:2, 5:] = False
+    mask[2:3, 1:] = False
+    return {
+        "images": torch.randint(0, 256, (b, cfg.num_cameras, 3, cfg.image_size, cfg.image_size), generator=g, dtype=torch.uint8),
+        "image_mask": torch.ones(b, cfg.num_cameras, dtype=torch.bool),
+        "state": torch.randn(b, cfg.state_dim, generator=g),
+        "actions": torch.randn(b, cfg.action_horizon, cfg.action_dim, generator=g),
+        "action_mask": mask,
+        "text": torch.stack([t for t, _ in texts]),
+        "text_mask": torch.stack([m for _, m in texts]),
+    }
+
+
+def fixed_noise(batch, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch["actions"].shape, generator=g), torch.rand(batch["actions"].shape[0], generator=g)
+
+
+def policy(**kw):
+    torch.manual_seed(0)
+    return build_policy(PolicyConfig(**kw))
+
+
+def test_per_sample_sums_disaggregate_without_cross_contamination():
+    p = policy()
+    batch = make_batch()
+    noise, t = fixed_noise(batch)
+    out = p(batch, noise=noise, t=t)
+    sums, counts = out["components"]["mse"]
+    assert torch.allclose(out["loss"], sums.sum() / counts.sum(), rtol=1e-6)
+    assert counts.tolist() == [64.0, 40.0, 8.0, 64.0]  # valid steps x 8 action dims
+    for i in range(4):
+        one = {k: v[i : i + 1] for k, v in batch.items()}
+        alone = p(one, noise=noise[i : i + 1], t=t[i : i + 1])
+        assert torch.allclose(alone["loss"], sums[i] / counts[i], rtol=1e-5, atol=1e-6)
+
+
+def test_loss_is_the_masked_mse_of_the_velocity_by_hand():
+    """Recompute the flow-matching target and the masked MSE from the captured prediction."""
+    p = policy()
+    p.action_mean.uniform_(-1, 1)
+    p.action_std.uniform_(0.5, 2)
+    batch = make_batch()
+    noise, t = fixed_noise(batch)
+    captured = {}
+    p.expert_out.register_forward_hook(lambda m, i, o: captured.update(pred=o.detach()))
+    out = p(batch, noise=noise, t=t)
+    actions = (batch["actions"] - p.action_mean) / p.action_std
+    target = noise - actions
+    m = batch["action_mask"]
+    for i in range(4):
+        err = (captured["pred"][i][m[i]] - target[i][m[i]]) ** 2
+        assert torch.allclose(out["components"]["mse"][0][i], err.sum(), rtol=1e-5)
+        assert out["components"]["mse"][1][i] == err.numel()
+
+
+def test_sdpa_and_eager_agree():
+    batch = make_batch()
+    noise, t = fixed_noise(batch)
+    a = policy(attention_implementation="sdpa")(batch, noise=noise, t=t)["loss"]
+    b = policy(attention_implementation="eager")(batch, noise=noise, t=t)["loss"]
+    assert torch.allclose(a, b, rtol=1e-5)
+
+
+def test_unavailable_attention_warns_once_and_falls_back():
+    flow_vla._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p1 = policy(attention_implementation="fa2")
+        policy(attention_implementation="fa2")
+    assert sum("falling back to 'sdpa'" in str(w.message) for w in caught) == 1
+    assert p1.layers[0].impl == "sdpa"
+
+
+def _grads(p, batch, noise, t):
+    p.zero_grad()
+    p(batch, noise=noise, t=t)["loss"].backward()
+    return {n: q.grad.clone() for n, q in p.named_parameters() if q.grad is not None}
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    batch = make_batch()
+    noise, t = fixed_noise(batch)
+    plain = _grads(policy(), batch, noise, t)
+    ckpt = _grads(policy(gradient_checkpointing=True), batch, noise, t)
+    assert plain.keys() == ckpt.keys()
+    for n in plain:
+        assert torch.allclose(plain[n], ckpt[n], rtol=1e-5, atol=1e-7), n
+
+
+def test_every_parameter_gets_a_gradient():
+    """No dead parameters: DDP would need find_unused_parameters, and Adam would drift on them."""
+    p = policy()
+    batch = make_batch()
+    grads = _grads(p, batch, *fixed_noise(batch))
+    assert set(grads) == {n for n, _ in p.named_parameters()}
+
+
+def test_param_groups_partition_the_trainable_parameters():
+    p = policy()
+    groups = p.param_groups(weight_decay=0.1, lr=1e-3, backbone_lr_scale=0.5)
+    assert [g["name"] for g in groups] == ["backbone_decay", "backbone_no_decay", "expert_decay", "expert_no_decay"]
+    seen = [id(q) for g in groups for q in g["params"]]
+    assert sorted(seen) == sorted(id(q) for q in p.parameters()) and len(seen) == len(set(seen))
+    for g in groups:
+        decay = g["name"].endswith("_decay") and not g["name"].endswith("no_decay")
+        assert g["weight_decay"] == (0.1 if decay else 0.0)
+        assert g["lr"] == (5e-4 if g["name"].startswith("backbone") else 1e-3)
+        for name, q in zip(g["param_names"], g["params"]):
+            assert (q.ndim <= 1 or name.endswith("_embedding")) == (not decay), name
+            assert ("expert" in name) == g["name"].startswith("expert"), name
+
+
+def test_freezing_options():
+    p = policy(freeze_vision_encoder=True)
+    names = {n for g in p.param_groups(0.1, 1e-3) for n in g["param_names"]}
+    assert names and not any(n.startswith("vision.") for n in names) and any(n.startswith("layers.") for n in names)
+    p = policy(train_expert_only=True)
+    groups = p.param_groups(0.1, 1e-3)
+    assert [g["name"] for g in groups] == ["expert_decay", "expert_no_decay"]
+    batch = make_batch()
+    grads = _grads(p, batch, *fixed_noise(batch))
+    assert grads and all("expert" in n for n in grads)
+
+
+def test_wrap_units_are_the_bundled_layers():
+    p = policy()
+    units = p.wrap_units()
+    assert all(isinstance(u, (flow_vla.VLALayer, flow_vla.VisionBlock)) for u in units)
+    assert sum(isinstance(u, flow_vla.VLALayer) for u in units) == p.cfg.depth
+    layer = p.layers[0]
+    assert hasattr(layer, "backbone_attn") and hasattr(layer, "expert_attn")
+
+
+def test_sample_actions_returns_unnormalized_chunks():
+    p = policy()
+    p.action_mean.fill_(5.0)
+    batch = make_batch(b=2)
+    acts = p.sample_actions(batch, noise=torch.zeros(2, 8, 8), num_steps=3)
+    assert acts.shape == (2, 8, 8) and torch.isfinite(acts).all()
+    assert (acts.mean() - 5.0).abs() < 1.0
+
+
+@pytest.mark.parametrize("size", ["small", "base"])
+def test_larger_sizes_build(size):
+    from .conftest import compose_cfg
+    from slurmvla.config import to_config
+
+    cfg = to_config(compose_cfg([f"policy={size}"])).policy
+    with torch.device("meta"):
+        p = build_policy(cfg)
+    n = sum(q.numel() for q in p.parameters())
+    assert n > (20e6 if size == "small" else 300e6)
