@@ -98,6 +98,9 @@ class Trainer:
             self.dataset, batch_size=self.micro_batch_size, sampler=self.sampler, num_workers=workers,
             drop_last=True, persistent_workers=workers > 0, pin_memory=self.device.type == "cuda",
             prefetch_factor=4 if workers > 0 else None,
+            # Its own generator: starting workers must not draw from the global RNG that the policy's
+            # noise uses, or a resumed run (which starts its workers at a different step) diverges.
+            generator=torch.Generator().manual_seed(tcfg.seed),
         )
         self.step = 0
         self.epoch = 0

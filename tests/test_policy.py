@@ -9,8 +9,7 @@ import torch
 
 from slurmvla.config import PolicyConfig
 from slurmvla.data.tokenizer import tokenize
-from slurmvla.policy import build_policy
-from slurmvla.policy import flow_vla
+from slurmvla.policy import build_policy, flow_vla
 
 
 def make_batch(b: int = 4, cfg: PolicyConfig | None = None, seed: int = 0) -> dict:
@@ -163,8 +162,9 @@ def test_sample_actions_returns_unnormalized_chunks():
 
 @pytest.mark.parametrize("size", ["small", "base"])
 def test_larger_sizes_build(size):
-    from .conftest import compose_cfg
     from slurmvla.config import to_config
+
+    from .conftest import compose_cfg
 
     cfg = to_config(compose_cfg([f"policy={size}"])).policy
     with torch.device("meta"):

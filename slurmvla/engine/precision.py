@@ -18,14 +18,19 @@ import torch
 
 
 class MasterWeightOptimizer(torch.optim.Optimizer):
-    def __init__(self, param_groups: list[dict[str, Any]], make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]):
+    def __init__(self, param_groups: list[dict[str, Any]], make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+                 initial: dict[int, torch.Tensor] | None = None):
+        """``initial`` maps ``id(live param)`` to its fp32 value from before the cast, so training
+        starts from the exact fp32 initialisation rather than from its bf16 rounding."""
         self.live: list[torch.nn.Parameter] = []
         self.masters: list[torch.Tensor] = []
         master_groups = []
+        initial = initial or {}
         for group in param_groups:
             masters = []
             for p in group["params"]:
-                m = p.detach().to(torch.float32, copy=True).requires_grad_(True)
+                source = initial.get(id(p), p.detach())
+                m = source.to(p.device, torch.float32, copy=True).requires_grad_(True)
                 self.live.append(p)
                 self.masters.append(m)
                 masters.append(m)

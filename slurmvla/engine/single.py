@@ -43,8 +43,11 @@ class SingleEngine:
         if self.compute_dtype != torch.float32:
             # Only trainable parameters go low precision: their fp32 masters live in the optimizer.
             # Frozen parameters and buffers (normalization statistics) stay fp32.
+            # The fp32 values are kept until build_optimizer seeds the masters with them.
+            self._fp32_init = {}
             for p in policy.parameters():
                 if p.requires_grad:
+                    self._fp32_init[id(p)] = p.data
                     p.data = p.data.to(self.compute_dtype)
         self.module = policy
         return policy
@@ -55,7 +58,9 @@ class SingleEngine:
         if self.compute_dtype == torch.float32:
             self.optimizer = build_adamw(param_groups, cfg, self.device)
         else:
-            self.optimizer = MasterWeightOptimizer(param_groups, lambda groups: build_adamw(groups, cfg, self.device))
+            self.optimizer = MasterWeightOptimizer(param_groups, lambda groups: build_adamw(groups, cfg, self.device),
+                                                   initial=self._fp32_init)
+            self._fp32_init = {}
         return self.optimizer
 
     def autocast(self) -> contextlib.AbstractContextManager:
