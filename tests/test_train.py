@@ -177,3 +177,14 @@ def test_cli_rejects_a_bad_override_before_training(tmp_path):
     assert res.returncode != 0
     assert "zero9" in res.stderr and "single" in res.stderr
     assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.slow
+def test_step_time_benchmark_prints_its_ratio(sample_root):
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_time.py"
+    res = subprocess.run([sys.executable, str(script), "--steps", "2", "--warmup", "1", "--repeats", "1",
+                          f"data.root={sample_root}", "trainer.global_batch_size=4"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    ratio = float(res.stdout.strip().splitlines()[-1].split(":")[-1])
+    assert ratio > 0

@@ -250,6 +250,21 @@ def _info(num_episodes: int, num_frames: int, num_tasks: int, episodes_per_file:
     }
 
 
+def ensure_sample_dataset(cfg) -> None:  # noqa: ANN001 - a DataConfig
+    """Write the sample dataset on first use when ``data.root`` is null; a no-op otherwise."""
+    if cfg.root is not None:
+        return
+    root = cfg.resolved_root
+    if (root / "meta" / "info.json").is_file():
+        return
+    try:
+        write_droid_sample(root, cfg.sample_episodes, seed=0, episodes_per_file=max(1, cfg.sample_episodes // 2))
+    except OSError:
+        # Another process (a second node sharing the cache) finished first: its copy is complete.
+        if not (root / "meta" / "info.json").is_file():
+            raise
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output folder (must not hold a dataset yet)")
@@ -267,17 +282,3 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     main()
 
-
-def ensure_sample_dataset(cfg) -> None:  # noqa: ANN001 - a DataConfig
-    """Write the sample dataset on first use when ``data.root`` is null; a no-op otherwise."""
-    if cfg.root is not None:
-        return
-    root = cfg.resolved_root
-    if (root / "meta" / "info.json").is_file():
-        return
-    try:
-        write_droid_sample(root, cfg.sample_episodes, seed=0, episodes_per_file=max(1, cfg.sample_episodes // 2))
-    except OSError:
-        # Another process (a second node sharing the cache) finished first: its copy is complete.
-        if not (root / "meta" / "info.json").is_file():
-            raise
