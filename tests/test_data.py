@@ -105,13 +105,22 @@ def test_image_content_follows_the_arm(sample_root, make_cfg):
 def test_sampler_is_a_pure_function_and_shards_evenly():
     s0, s1 = EpochSampler(103, seed=5, rank=0, world_size=2), EpochSampler(103, seed=5, rank=1, world_size=2)
     a, b = list(s0), list(s1)
-    assert len(a) == len(b) == 51 and not set(a) & set(b)
+    assert len(a) == len(b) == 51 and not {i for i, _ in a} & {i for i, _ in b}
     assert a == list(EpochSampler(103, seed=5, rank=0, world_size=2))
+    assert {e for _, e in a} == {0}
     s0.set_position(epoch=1, start=0)
     epoch1 = list(s0)
-    assert epoch1 != a and sorted(epoch1) != epoch1
+    assert epoch1 != a and sorted(epoch1) != epoch1 and {e for _, e in epoch1} == {1}
     s0.set_position(epoch=1, start=10)
     assert list(s0) == epoch1[10:]
+
+
+def test_sample_randomness_depends_on_sample_and_epoch_only(make_cfg):
+    ds = DroidDataset(make_cfg().data, 32, 8, 32, seed=3)
+    a, b = ds[(5, 0)], ds[(5, 0)]
+    assert torch.equal(a["noise"], b["noise"]) and torch.equal(a["time_u"], b["time_u"])
+    assert not torch.equal(a["noise"], ds[(5, 1)]["noise"]) and not torch.equal(a["noise"], ds[(6, 0)]["noise"])
+    assert a["noise"].shape == (8, 8) and 0 <= a["time_u"] < 1
 
 
 def test_tokenizer_round_trip():

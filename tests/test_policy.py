@@ -46,12 +46,32 @@ def test_per_sample_sums_disaggregate_without_cross_contamination():
     noise, t = fixed_noise(batch)
     out = p(batch, noise=noise, t=t)
     sums, counts = out["components"]["mse"]
-    assert torch.allclose(out["loss"], sums.sum() / counts.sum(), rtol=1e-6)
+    assert torch.allclose(out["loss"], sums.sum() / (4 * 64), rtol=1e-6)
     assert counts.tolist() == [64.0, 40.0, 8.0, 64.0]  # valid steps x 8 action dims
     for i in range(4):
         one = {k: v[i : i + 1] for k, v in batch.items()}
         alone = p(one, noise=noise[i : i + 1], t=t[i : i + 1])
-        assert torch.allclose(alone["loss"], sums[i] / counts[i], rtol=1e-5, atol=1e-6)
+        assert torch.allclose(alone["loss"], sums[i] / 64, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(alone["components"]["mse"][0], sums[i : i + 1], rtol=1e-5, atol=1e-6)
+
+
+def test_loss_of_a_batch_is_the_mean_of_its_shards():
+    """What makes DDP / accumulation equal to one big batch: shard losses average to the whole."""
+    p = policy()
+    batch = make_batch()
+    noise, t = fixed_noise(batch)
+    whole = p(batch, noise=noise, t=t)["loss"]
+    halves = [p({k: v[s] for k, v in batch.items()}, noise=noise[s], t=t[s])["loss"] for s in (slice(0, 2), slice(2, 4))]
+    assert torch.allclose(whole, (halves[0] + halves[1]) / 2, rtol=1e-6)
+
+
+def test_noise_and_time_come_from_the_batch():
+    p = policy()
+    batch = make_batch()
+    noise, u = fixed_noise(batch)
+    explicit = p(batch, noise=noise, t=u.pow(1 / 1.5) * 0.999 + 0.001)["loss"]
+    from_batch = p({**batch, "noise": noise, "time_u": u})["loss"]
+    assert torch.equal(explicit, from_batch)
 
 
 def test_loss_is_the_masked_mse_of_the_velocity_by_hand():

@@ -118,7 +118,17 @@ class DroidDataset(Dataset):
         digest = hashlib.blake2b(f"{self.seed}:{row}".encode(), digest_size=8).digest()
         return options[int.from_bytes(digest, "little") % len(options)]
 
-    def __getitem__(self, i: int) -> dict:
+    def sample_randomness(self, i: int, epoch: int) -> dict[str, torch.Tensor]:
+        """Per-sample training randomness (flow-matching noise and time), a pure function of
+        ``(seed, epoch, sample)``: the same sample gets the same draw whichever rank, worker or
+        resumed run reads it, so results do not depend on the world size."""
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 1_000_000_007 + i)
+        return {"noise": torch.randn(self.action_horizon, self.action.shape[1], generator=g),
+                "time_u": torch.rand((), generator=g)}
+
+    def __getitem__(self, key: int | tuple[int, int]) -> dict:
+        """``key`` is a sample index, or ``(index, epoch)`` as the EpochSampler yields them."""
+        i, epoch = key if isinstance(key, tuple) else (key, 0)
         if not 0 <= i < len(self):
             raise IndexError(i)
         k = int(np.searchsorted(self.cum_lengths, i, side="right") - 1)
@@ -140,6 +150,7 @@ class DroidDataset(Dataset):
             "action_mask": torch.from_numpy(valid),
             "text": text,
             "text_mask": text_mask,
+            **self.sample_randomness(i, epoch),
             "dataset_index": torch.tensor(self.dataset_index),
             "episode_index": torch.tensor(int(self.ep_index[episode_pos])),
             "frame_index": torch.tensor(t),
@@ -148,8 +159,8 @@ class DroidDataset(Dataset):
         }
 
 
-class EpochSampler(Sampler[int]):
-    """Shuffled indices for one rank; the order is a pure function of ``(seed, epoch, rank)``.
+class EpochSampler(Sampler[tuple[int, int]]):
+    """Shuffled ``(index, epoch)`` keys for one rank; the order is a pure function of ``(seed, epoch, rank)``.
 
     Every rank gets the same number of samples (the tail that does not divide evenly is dropped
     for the epoch), and ``set_position`` starts an epoch part-way, which is how a resumed run picks
@@ -172,9 +183,9 @@ class EpochSampler(Sampler[int]):
     def __len__(self) -> int:
         return self.num_samples // self.world_size - self.start
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[tuple[int, int]]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         order = torch.randperm(self.num_samples, generator=g)
         per_rank = self.num_samples // self.world_size
         mine = order[self.rank :: self.world_size][:per_rank]
-        return iter(mine[self.start :].tolist())
+        return iter([(i, self.epoch) for i in mine[self.start :].tolist()])

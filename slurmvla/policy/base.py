@@ -1,9 +1,10 @@
 """The Policy contract every engine, trainer and evaluator relies on.
 
 - ``policy(batch)`` (through ``__call__``, so FSDP's hooks run) returns a dict with the scalar
-  ``loss`` and, under ``components``, a per-sample ``(sum, count)`` pair per loss component; the
-  loss equals ``sum(sum) / sum(count)`` of its main component, so validation can split a mixed
-  batch by provenance and still agree with training.
+  ``loss`` and, under ``components``, a per-sample ``(sum, count)`` pair per loss component, so
+  validation can split a mixed batch by provenance (Σsum / Σcount per group). The training loss
+  must be a mean whose denominator depends only on the batch shape, so that a global batch's loss
+  is exactly the mean of its shards' losses, on any world size and accumulation split.
 - ``wrap_units()`` names the modules a sharding engine wraps one by one (one per decoder layer).
 - ``param_groups(weight_decay)`` splits trainable parameters into backbone / action expert, each
   into decay / no-decay (biases, norms and every 1-D parameter get no weight decay).

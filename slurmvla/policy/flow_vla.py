@@ -265,13 +265,17 @@ class FlowMatchingVLA(Policy):
         return (actions.float() - self.action_mean) / self.action_std
 
     def forward(self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None) -> dict:
+        """Flow-matching loss. Noise and time come from the batch (``noise``, ``time_u``: drawn per
+        sample by the data pipeline), from the arguments, or from the global RNG, in that order."""
         actions = self.normalize_actions(batch["actions"])
         b = actions.shape[0]
         if noise is None:
-            noise = torch.randn_like(actions)
+            noise = batch["noise"].float() if "noise" in batch else torch.randn_like(actions)
         if t is None:
-            # pi0's time distribution: Beta(1.5, 1) leans towards the noisy end, kept off t = 0.
-            t = torch.distributions.Beta(1.5, 1.0).sample((b,)).to(actions.device) * 0.999 + 0.001
+            u = batch["time_u"].float() if "time_u" in batch else torch.rand(b, device=actions.device)
+            # pi0's time distribution: Beta(1.5, 1) (inverse CDF u ** (1 / 1.5)) leans towards the
+            # noisy end; kept off t = 0.
+            t = u.pow(1.0 / 1.5) * 0.999 + 0.001
         x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
         target = noise - actions
         prefix, keep = self._prefix(batch)
@@ -280,7 +284,11 @@ class FlowMatchingVLA(Policy):
         err = (pred - target).square() * mask
         mse_sum = err.sum(dim=(1, 2))
         mse_count = mask.sum(dim=(1, 2))
-        loss = mse_sum.sum() / mse_count.sum().clamp_min(1.0)
+        # Mean over every chunk element, masked ones counting as zero error. The denominator is a
+        # constant of the batch shape, so the loss of a global batch is exactly the mean of its
+        # shards' losses: the same training on any world size and accumulation split, with no
+        # collective to count valid elements first.
+        loss = mse_sum.sum() / pred.numel()
         return {"loss": loss, "components": {"mse": (mse_sum.detach(), mse_count.detach())}}
 
     @torch.no_grad()
