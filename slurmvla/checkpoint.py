@@ -5,7 +5,7 @@ Layout under the run directory::
     checkpoints/step_00000100/   model.safetensors  optimizer.pt  trainer_state.pt  meta.json
     checkpoints/step_00000200/   ...
 
-A checkpoint is written into a hidden ``.step_XXXXXXXX.tmp-*`` folder and renamed into place only
+A checkpoint is written into a hidden ``.step_XXXXXXXX.tmp`` folder and renamed into place only
 after every file is flushed, so a folder named ``step_*`` is complete by construction; a crash mid-
 write leaves a temp folder that is ignored and cleaned up. Loading uses safetensors and
 ``torch.load(weights_only=True)``: a checkpoint is data and never runs pickled code.
@@ -22,8 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from slurmvla.engine.single import MODEL_FILE
 
 TRAINER_FILE = "trainer_state.pt"
 RANK_FILE = "rank_{rank:05d}.pt"
@@ -76,7 +74,8 @@ class CheckpointManager:
     def save(self, step: int, engine: Any, trainer_state: dict[str, Any], rank: int, rank_state: dict[str, Any]) -> Path:
         """Every rank calls this; ``rank_state`` (RNG streams) is per rank, the rest is written once."""
         final = self.root / f"step_{step:08d}"
-        tmp = self.root / f".step_{step:08d}.tmp-{os.getpid()}"
+        # The same name on every rank (each writes its shards into it); never a complete checkpoint.
+        tmp = self.root / f".step_{step:08d}.tmp"
         if self.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -101,7 +100,7 @@ class CheckpointManager:
     def _prune(self) -> None:
         for old in list_checkpoints(self.root)[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
-        for stale in self.root.glob(".step_*.tmp-*"):
+        for stale in self.root.glob(".step_*.tmp*"):
             shutil.rmtree(stale, ignore_errors=True)
 
     def load(self, path: Path, engine: Any, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -111,25 +110,26 @@ class CheckpointManager:
                 f"checkpoint {path} was written by engine={meta['engine']!r}, this run uses engine={engine.name!r}; "
                 "resume with the same engine, or export it (python -m slurmvla.export) and start from the weights"
             )
-        if meta["world_size"] != engine.env.world_size:
+        if meta["world_size"] != engine.env.world_size and not engine.resumes_at_any_world_size:
             raise ValueError(
                 f"checkpoint {path} was written at world size {meta['world_size']}, this run has "
                 f"{engine.env.world_size}; engine={engine.name!r} resumes at the same world size only"
             )
         engine.load(path)
         state = torch.load(path / TRAINER_FILE, map_location="cpu", weights_only=True)
-        rank_state = torch.load(path / RANK_FILE.format(rank=rank), map_location="cpu", weights_only=True)
+        rank_file = path / RANK_FILE.format(rank=rank)
+        # A rank that did not exist when the checkpoint was written (resumed on more ranks) starts
+        # fresh RNG streams; the training noise itself comes from the data and does not depend on them.
+        rank_state = torch.load(rank_file, map_location="cpu", weights_only=True) if rank_file.is_file() else {}
         return state, rank_state
 
 
 def load_model_file(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The full fp32 policy state of a checkpoint, whatever engine wrote it."""
-    from safetensors.torch import load_file
+    from slurmvla.engine import load_full_model_state
 
     meta = json.loads((checkpoint / META_FILE).read_text())
-    if (checkpoint / MODEL_FILE).is_file():
-        return load_file(str(checkpoint / MODEL_FILE))
-    raise ValueError(f"checkpoint {checkpoint} (engine={meta.get('engine')!r}) has no {MODEL_FILE}")
+    return load_full_model_state(checkpoint, meta["engine"])
 
 
 def _barrier() -> None:

@@ -16,7 +16,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-ENGINES = ("single",)
+ENGINES = ("single", "ddp", "fsdp_full", "fsdp_grad_op", "hsdp", "zero1", "zero2", "zero3")
+# Activation checkpointing is refused where it is known to corrupt gradients.
+GRADIENT_CHECKPOINTING_ENGINES = tuple(e for e in ENGINES if e != "zero3")
 PRECISIONS = ("fp32", "bf16")
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 # Known names that may be unavailable on a machine; they warn once and fall back to sdpa.
@@ -49,11 +51,20 @@ class EngineConfig:
     # Process-group backend: "auto" picks nccl on CUDA and gloo on CPU.
     backend: str = "auto"
     timeout_s: int = 1800
+    # Under precision=bf16: the dtype gradients are reduced in across ranks.
+    reduce_dtype: str = "fp32"
+    # hsdp: shard within groups of shard_degree ranks, replicate across replicate_degree groups.
+    # 0 means derived: shard_degree = ranks per node, replicate_degree = world size / shard_degree.
+    replicate_degree: int = 0
+    shard_degree: int = 0
 
     def __post_init__(self) -> None:
         _choice("engine.name", self.name, ENGINES)
         _choice("engine.backend", self.backend, ("auto", "nccl", "gloo"))
+        _choice("engine.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
         _positive("engine.timeout_s", self.timeout_s)
+        _positive("engine.replicate_degree", self.replicate_degree, allow_zero=True)
+        _positive("engine.shard_degree", self.shard_degree, allow_zero=True)
 
 
 @dataclass
@@ -250,6 +261,12 @@ class Config:
 
     def __post_init__(self) -> None:
         _choice("precision", self.precision, PRECISIONS)
+        if self.policy.gradient_checkpointing and self.engine.name not in GRADIENT_CHECKPOINTING_ENGINES:
+            raise ValueError(
+                f"policy.gradient_checkpointing=true is refused with engine={self.engine.name!r}: torch activation "
+                "checkpointing under ZeRO-3 re-gathers partitioned parameters in the recomputation and is known to "
+                f"corrupt gradients; use it with one of {list(GRADIENT_CHECKPOINTING_ENGINES)}, or turn it off"
+            )
         if self.trainer.log_every_steps > self.trainer.max_steps:
             self.trainer.log_every_steps = self.trainer.max_steps
 

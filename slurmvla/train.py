@@ -29,8 +29,10 @@ def main(cfg: DictConfig) -> float | None:
     trainer = Trainer(to_config(cfg), HydraConfig.get().runtime.output_dir)
     try:
         metrics = trainer.fit()
-    finally:
-        trainer.close()
+    except BaseException:
+        trainer.close(failed=True)
+        raise
+    trainer.close()
     return metrics.get("loss")
 
 

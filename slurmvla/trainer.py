@@ -65,6 +65,12 @@ class Trainer:
         self.micro_batch_size = tcfg.micro_batch_size(self.env.world_size)
         self.device = select_device(tcfg.device, self.env)
         init_process_group(self.env, self.device, cfg.engine.backend, cfg.engine.timeout_s)
+        if self.env.is_distributed:
+            # Every rank writes into rank 0's run directory (a timestamped default can differ by a
+            # second between ranks).
+            shared = [str(self.run_dir)]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            self.run_dir = Path(shared[0])
 
         if self.env.local_rank == 0:
             ensure_sample_dataset(cfg.data)
@@ -77,10 +83,12 @@ class Trainer:
         # The same seed on every rank: every rank builds identical initial weights.
         seed_everything(tcfg.seed)
         policy = build_policy(cfg.policy, self.dataset.stats)
-        self.engine = build_engine(cfg.engine, self.env, cfg.precision, self.device)
-        self.policy = self.engine.wrap(policy)
+        self.engine = build_engine(cfg, self.env, self.device, self.micro_batch_size)
+        self.engine.wrap(policy)
+        # Groups are read after wrapping: sharding engines replace the parameter objects.
         groups = policy.param_groups(cfg.optim.weight_decay, cfg.optim.lr, cfg.optim.backbone_lr_scale)
         self.optimizer = self.engine.build_optimizer(groups, cfg.optim)
+        self.policy = self.engine.model
         # Built on the optimizer the engine returned, i.e. the one that actually steps.
         self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, tcfg.max_steps)
         # Flow-matching noise and time differ per rank.
@@ -104,7 +112,7 @@ class Trainer:
         )
         self.step = 0
         self.epoch = 0
-        self.batches_in_epoch = 0
+        self.batches_in_epoch = 0  # on this rank; the checkpoint stores the global sample count
         self._batches = None
 
         self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep, self.env.is_main)
@@ -208,7 +216,9 @@ class Trainer:
         return {
             "step": self.step,
             "epoch": self.epoch,
-            "batches_in_epoch": self.batches_in_epoch,
+            # Global, so a run can resume on another world size: the first k samples of every
+            # rank's strided share of the epoch's order are the first k * world of the order.
+            "samples_in_epoch": self.batches_in_epoch * self.micro_batch_size * self.env.world_size,
             "scheduler": self.scheduler.state_dict(),
         }
 
@@ -220,7 +230,8 @@ class Trainer:
 
     def save(self) -> Path:
         path = self.checkpoints.save(self.step, self.engine, self.state_dict(), self.env.rank, self.rank_state_dict())
-        log.info("saved checkpoint %s", path)
+        if self.env.is_main:
+            log.info("saved checkpoint %s", path)
         return path
 
     def _resume(self) -> None:
@@ -228,10 +239,12 @@ class Trainer:
         if latest is None:
             return
         state, rank_state = self.checkpoints.load(latest, self.engine, self.env.rank)
-        self.step, self.epoch, self.batches_in_epoch = state["step"], state["epoch"], state["batches_in_epoch"]
+        self.step, self.epoch = state["step"], state["epoch"]
+        self.batches_in_epoch = state["samples_in_epoch"] // (self.micro_batch_size * self.env.world_size)
         self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(rank_state["torch_rng"])
-        random.setstate(rank_state["python_rng"])
+        if rank_state:
+            torch.set_rng_state(rank_state["torch_rng"])
+            random.setstate(rank_state["python_rng"])
         if "cuda_rng" in rank_state and self.device.type == "cuda":
             torch.cuda.set_rng_state(rank_state["cuda_rng"], self.device)
         self._batches = None
@@ -239,7 +252,7 @@ class Trainer:
         if self.env.is_main:
             log.info("resumed from %s at step %d", latest, self.step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.logger.close()
         self._batches = None
-        shutdown_process_group()
+        shutdown_process_group(failed)

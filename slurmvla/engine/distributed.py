@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -25,9 +26,12 @@ def init_process_group(env: DistEnv, device: torch.device, backend: str, timeout
         return
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
+    # env:// so that under torchrun the workers join the agent's existing store on MASTER_PORT.
+    for name, value in (("MASTER_ADDR", env.master_addr), ("MASTER_PORT", str(env.master_port))):
+        os.environ.setdefault(name, value)
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        init_method="env://",
         rank=env.rank,
         world_size=env.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -35,9 +39,12 @@ def init_process_group(env: DistEnv, device: torch.device, backend: str, timeout
     )
 
 
-def shutdown_process_group() -> None:
-    # The barrier keeps a fast rank from tearing down gloo while a peer is still exiting; without it
-    # a few percent of runs abort at exit although training finished.
+def shutdown_process_group(failed: bool = False) -> None:
+    """Leave the process group. After a failure no barrier: the peers may be gone, and waiting for
+    them would hold the allocation until the timeout instead of letting the launcher end the job."""
     if dist.is_initialized():
-        dist.barrier()
+        if not failed:
+            # Keeps a fast rank from tearing down gloo while a peer is still exiting; without it a
+            # few percent of runs abort at exit although training finished.
+            dist.barrier()
         dist.destroy_process_group()

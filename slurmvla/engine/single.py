@@ -29,12 +29,20 @@ class SingleEngine:
     """
 
     name = "single"
+    # Whether a checkpoint written at one world size can be resumed at another.
+    resumes_at_any_world_size = True
 
     def __init__(self, cfg: EngineConfig, env: DistEnv, precision: str, device: torch.device):
         self.cfg, self.env, self.precision, self.device = cfg, env, precision, device
         self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        self.module: nn.Module | None = None
+        self.module: nn.Module | None = None  # the policy itself (for state dicts)
         self.optimizer: torch.optim.Optimizer | None = None
+        self._fp32_init: dict[int, torch.Tensor] = {}
+
+    @property
+    def model(self) -> nn.Module:
+        """What the trainer calls for forward (a DDP or DeepSpeed wrapper where there is one)."""
+        return self.module
 
     # -- model and optimizer ----------------------------------------------------------------------
 
@@ -44,7 +52,6 @@ class SingleEngine:
             # Only trainable parameters go low precision: their fp32 masters live in the optimizer.
             # Frozen parameters and buffers (normalization statistics) stay fp32.
             # The fp32 values are kept until build_optimizer seeds the masters with them.
-            self._fp32_init = {}
             for p in policy.parameters():
                 if p.requires_grad:
                     self._fp32_init[id(p)] = p.data

@@ -1,0 +1,58 @@
+"""DistributedDataParallel: replicated weights, gradients all-reduced in backward."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from slurmvla.engine.single import SingleEngine
+
+
+def _allreduce_in_fp32(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future:
+    """Average a bf16 gradient bucket in fp32: summing many ranks' bf16 values in bf16 loses bits."""
+    buffer = bucket.buffer()
+    wide = buffer.to(torch.float32).div_(process_group.size())
+    future = dist.all_reduce(wide, group=process_group, async_op=True).get_future()
+
+    def narrow(fut: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(narrow)
+
+
+class DDPEngine(SingleEngine):
+    """The single engine's numerics (fp32 masters under bf16) with DDP's gradient all-reduce.
+
+    Checkpoints are the single engine's (rank 0 writes the replicated state), so a DDP run resumes
+    at any world size.
+    """
+
+    name = "ddp"
+
+    def wrap(self, policy: nn.Module) -> nn.Module:
+        policy = super().wrap(policy)
+        self._ddp = DistributedDataParallel(
+            policy,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            # Normalization statistics are identical on every rank; no per-forward broadcast.
+            broadcast_buffers=False,
+            gradient_as_bucket_view=True,
+        )
+        if self.compute_dtype != torch.float32 and self.cfg.reduce_dtype == "fp32":
+            self._ddp.register_comm_hook(dist.group.WORLD, _allreduce_in_fp32)
+        return self._ddp
+
+    @property
+    def model(self) -> nn.Module:
+        return self._ddp
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self._ddp.no_sync():
+            yield

@@ -1,0 +1,134 @@
+"""FSDP2 (``fully_shard`` over a DeviceMesh): full shard, shard-grad-op and hybrid sharding.
+
+Parameters stay fp32 (sharded DTensors); under bf16 a MixedPrecisionPolicy casts them for compute
+and gradients are reduced in ``engine.reduce_dtype``, so the optimizer's parameters and state are
+fp32 by construction. Each of the policy's wrap units (one per layer) is its own FSDP unit, then
+the root. Checkpoints are torch.distributed.checkpoint (DCP) folders: every rank writes its shards,
+and a run resumes at another world size (DCP reshards on load).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from slurmvla.config import EngineConfig, OptimConfig
+from slurmvla.engine.single import SingleEngine
+from slurmvla.launch import DistEnv
+from slurmvla.optim import build_adamw
+
+DCP_DIR = "dcp"
+
+
+def hsdp_degrees(cfg: EngineConfig, env: DistEnv) -> tuple[int, int]:
+    """(replicate, shard) for hybrid sharding; the one place these degrees are checked."""
+    shard = cfg.shard_degree or env.local_world_size
+    replicate = cfg.replicate_degree or max(1, env.world_size // shard)
+    if replicate * shard != env.world_size:
+        raise ValueError(
+            f"engine=hsdp needs engine.replicate_degree x engine.shard_degree = world size, but "
+            f"replicate_degree={replicate} x shard_degree={shard} = {replicate * shard} != world size {env.world_size}"
+            f" (ranks per node: {env.local_world_size}); set both degrees, or leave them 0 to shard within a node"
+        )
+    return replicate, shard
+
+
+class FSDPEngine(SingleEngine):
+    def __init__(self, cfg: EngineConfig, env: DistEnv, precision: str, device: torch.device):
+        super().__init__(cfg, env, precision, device)
+        self.name = cfg.name
+        self.reshard_after_forward = cfg.name != "fsdp_grad_op"
+        self.mesh = self._mesh()
+
+    def _mesh(self) -> DeviceMesh:
+        if self.cfg.name == "hsdp":
+            # An explicit 2-D mesh: HSDP without one can silently skip the replicate all-reduce.
+            replicate, shard = hsdp_degrees(self.cfg, self.env)
+            return init_device_mesh(self.device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(self.device.type, (self.env.world_size,), mesh_dim_names=("shard",))
+
+    def wrap(self, policy: nn.Module) -> nn.Module:
+        units = policy.wrap_units()
+        if not units:
+            raise ValueError(f"engine={self.name!r} shards per wrap unit, but {type(policy).__name__}.wrap_units() is empty")
+        policy.to(self.device)
+        reduce = torch.float32 if self.cfg.reduce_dtype == "fp32" else torch.bfloat16
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce) if self.compute_dtype != torch.float32 \
+            else MixedPrecisionPolicy()
+        for unit in units:
+            fully_shard(unit, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
+        fully_shard(policy, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
+        self.module = policy
+        return policy
+
+    def build_optimizer(self, param_groups, cfg: OptimConfig) -> torch.optim.Optimizer:  # noqa: ANN001
+        self.optimizer = build_adamw(param_groups, cfg, self.device)
+        return self.optimizer
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 state on rank 0 (a collective: every rank must call it); empty elsewhere."""
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        set_model_state_dict(self.module, state, options=StateDictOptions(full_state_dict=True))
+
+    def _sharded_state(self) -> dict:
+        return {"model": get_model_state_dict(self.module),
+                "optim": get_optimizer_state_dict(self.module, self.optimizer)}
+
+    def save(self, directory: Path) -> None:
+        dcp.save(self._sharded_state(), checkpoint_id=str(directory / DCP_DIR))
+
+    def load(self, directory: Path) -> None:
+        state = self._sharded_state()
+        dcp.load(state, checkpoint_id=str(directory / DCP_DIR))
+        # Model and optimizer separately: the combined set_state_dict path can hang on load.
+        set_model_state_dict(self.module, state["model"])
+        set_optimizer_state_dict(self.module, self.optimizer, state["optim"])
+
+
+def load_dcp_model(directory: Path) -> dict[str, torch.Tensor]:
+    """The full model state of a DCP checkpoint, in one process and without the model's code."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(str(directory / DCP_DIR))
+    metadata = reader.read_metadata()
+    model = {
+        key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+        for key, m in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
+    dcp.load({"model": model}, storage_reader=reader, no_dist=True)
+    return model
