@@ -25,6 +25,7 @@ from slurmvla.data.droid import DroidDataset, EpochSampler
 from slurmvla.data.synthetic import ensure_sample_dataset
 from slurmvla.engine import build_engine
 from slurmvla.engine.distributed import init_process_group, select_device, shutdown_process_group
+from slurmvla.engine.precision import check_fp32_master_state
 from slurmvla.launch import DistEnv
 from slurmvla.logger import MetricLogger
 from slurmvla.optim import build_scheduler
@@ -114,6 +115,7 @@ class Trainer:
         self.epoch = 0
         self.batches_in_epoch = 0  # on this rank; the checkpoint stores the global sample count
         self._batches = None
+        self._numerics_checked = False
 
         self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep, self.env.is_main)
         config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
@@ -177,6 +179,9 @@ class Trainer:
             micro = [self._next_batch() for _ in range(tcfg.grad_accum_steps)]
             metrics = self.train_step(micro)
             self.step += 1
+            if not self._numerics_checked:
+                check_fp32_master_state(self.optimizer)
+                self._numerics_checked = True
             window["steps"] += 1
             window["loss"] += metrics["loss"]
             window["grad_norm"] += metrics["grad_norm"]
@@ -252,7 +257,8 @@ class Trainer:
         if self.env.is_main:
             log.info("resumed from %s at step %d", latest, self.step)
 
-    def close(self, failed: bool = False) -> None:
+    def close(self, failed: bool = False, keep_process_group: bool = False) -> None:
         self.logger.close()
         self._batches = None
-        shutdown_process_group(failed)
+        if not keep_process_group:
+            shutdown_process_group(failed)

@@ -1,7 +1,5 @@
 """DistributedDataParallel: replicated weights, gradients all-reduced in backward."""
 
-from __future__ import annotations
-
 import contextlib
 from collections.abc import Iterator
 
@@ -13,7 +11,8 @@ from torch.nn.parallel import DistributedDataParallel
 from slurmvla.engine.single import SingleEngine
 
 
-def _allreduce_in_fp32(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future:
+# (No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime.)
+def _allreduce_in_fp32(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a bf16 gradient bucket in fp32: summing many ranks' bf16 values in bf16 loses bits."""
     buffer = bucket.buffer()
     wide = buffer.to(torch.float32).div_(process_group.size())
@@ -41,7 +40,7 @@ class DDPEngine(SingleEngine):
             policy,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             # Normalization statistics are identical on every rank; no per-forward broadcast.
-            broadcast_buffers=False,
+            forward_sync_buffers=False,
             gradient_as_bucket_view=True,
         )
         if self.compute_dtype != torch.float32 and self.cfg.reduce_dtype == "fp32":

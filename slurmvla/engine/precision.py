@@ -98,3 +98,26 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         # torch replaces param_groups / state with new objects on load: share them again so a
         # scheduler holding this wrapper keeps steering the lr the inner optimizer uses.
         self._share_inner()
+
+
+def check_fp32_master_state(optimizer: torch.optim.Optimizer) -> None:
+    """Raise if the optimizer that steps holds anything but fp32 parameters and fp32 state.
+
+    The trainer calls this once, after the first step (when Adam's state exists): a model cast to
+    bf16 before its optimizer was built is caught at step 1 instead of after days of flat loss.
+    """
+    for i, group in enumerate(optimizer.param_groups):
+        name = group.get("name", f"group {i}")
+        for p in group["params"]:
+            if p.dtype != torch.float32:
+                raise RuntimeError(
+                    f"the optimizer steps a {p.dtype} parameter in param group {name!r}: master weights must be fp32 "
+                    "(precision=bf16 keeps fp32 masters; do not cast the model before building the optimizer)"
+                )
+    # All state, not only that of the params listed now: ZeRO-3 swaps its partitions in and out.
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.is_floating_point() and key != "step" and value.dtype != torch.float32:
+                raise RuntimeError(
+                    f"optimizer state {key!r} is {value.dtype}, not fp32: Adam moments in bf16 silently stop learning"
+                )

@@ -1,0 +1,53 @@
+"""Runs several trainings in one torchrun job (one process group), for the distributed tests.
+
+    torchrun --standalone --nproc_per_node=N tests/dist_driver.py SPEC.json
+
+SPEC: {"out": DIR, "base": [overrides...], "runs": [{"name", "overrides", "stop_at", "fresh"}...]}
+For each run, rank 0 writes OUT/<name>.safetensors (the full fp32 weights, gathered through the
+engine) and OUT/<name>.json (optimizer parameter and state dtypes, the last metrics).
+Starting processes and importing torch / DeepSpeed costs more than a tiny training, hence one job.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import save_file
+
+from slurmvla.config import to_config
+from slurmvla.train import config_dir
+from slurmvla.trainer import Trainer
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(spec["out"])
+    for run in spec["runs"]:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+            cfg = to_config(compose("config", overrides=[*spec["base"], *run.get("overrides", [])]))
+        trainer = Trainer(cfg, out / run.get("dir", run["name"]))
+        try:
+            metrics = trainer.fit(stop_at=run.get("stop_at"))
+            weights = trainer.engine.model_state_dict()
+            dtypes = sorted({str(p.dtype) for g in trainer.optimizer.param_groups for p in g["params"]})
+            state = sorted({f"{k}:{v.dtype}" for s in trainer.optimizer.state.values() for k, v in s.items()
+                            if torch.is_tensor(v)})
+        except BaseException:
+            trainer.close(failed=True)
+            raise
+        if trainer.env.is_main:
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"{run['name']}.safetensors"))
+            report = {"param_dtypes": dtypes, "state_dtypes": state, "metrics": metrics, "step": trainer.step,
+                      "resumed_from": str(trainer.resumed_from) if trainer.resumed_from else None}
+            (out / f"{run['name']}.json").write_text(json.dumps(report))
+        trainer.close(keep_process_group=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

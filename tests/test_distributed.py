@@ -1,0 +1,196 @@
+"""The parity matrix: every strategy trains the same model as one process (CPU, gloo, torchrun).
+
+Tolerances (fp32): the strategies do the same arithmetic as the single process except for the
+order of floating-point sums in the gradient reduction, so after 20 AdamW steps the weights agree to
+~1e-8 relative (global L2, measured); the bound is 1e-6. Per tensor, the worst element is bounded
+at 1e-3 of the tensor's largest value (measured ~4e-5): where a gradient is zero in exact arithmetic
+(the key bias of attention: softmax ignores a constant shift) Adam divides rounding noise by its
+own tiny second moment and amplifies it. bf16 runs must track the fp32 single run to 2e-2 relative
+(measured ~1e-3: DeepSpeed starts from the bf16-rounded weights, the others from fp32).
+
+Each strategy runs in one torchrun job (tests/dist_driver.py) under a deadline: a hang fails the
+test instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from slurmvla.config import ENGINES, GRADIENT_CHECKPOINTING_ENGINES, EngineConfig, to_config
+from slurmvla.engine.fsdp import hsdp_degrees
+from slurmvla.export import export
+from slurmvla.launch import DistEnv
+from slurmvla.trainer import Trainer
+
+from .conftest import compose_cfg
+
+pytestmark = pytest.mark.multiproc
+DRIVER = Path(__file__).with_name("dist_driver.py")
+STEPS = 20
+
+
+def base_overrides(root) -> list[str]:
+    return [f"data.root={root}", "logging.wandb.mode=disabled", "trainer.progress_bar=false", "data.num_workers=0",
+            f"trainer.max_steps={STEPS}", "trainer.global_batch_size=8", "checkpoint.every_steps=10",
+            "trainer.log_every_steps=5", "optim.lr=1e-3"]
+
+
+def run_driver(tmp: Path, nproc: int, base: list[str], runs: list[dict], deadline_s: int = 420) -> Path:
+    out = tmp / f"job{nproc}"
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"out": str(out), "base": base, "runs": runs}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                             str(DRIVER), str(spec)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"torchrun job did not finish within {deadline_s}s (a hang):\n{log[-4000:]}")
+    assert proc.returncode == 0, log[-6000:]
+    return out
+
+
+def rel_l2(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    num = sum(((a[k] - b[k]) ** 2).sum() for k in b) ** 0.5
+    return (num / sum((b[k] ** 2).sum() for k in b) ** 0.5).item()
+
+
+def worst_tensor(a: dict, b: dict) -> float:
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in b)
+
+
+@pytest.fixture(scope="module")
+def single_reference(sample_root, tmp_path_factory):
+    """One process, same data, same global batch, same seed: the reference every strategy must match."""
+    out = {}
+    for precision in ("fp32",):
+        cfg = to_config(compose_cfg([*base_overrides(sample_root), f"precision={precision}"]))
+        trainer = Trainer(cfg, tmp_path_factory.mktemp(f"single_{precision}"))
+        trainer.fit()
+        out[precision] = trainer.engine.model_state_dict()
+        trainer.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", [e for e in ENGINES if e != "single"])
+def test_strategy_matches_single_process(engine, sample_root, single_reference, tmp_path):
+    runs = [
+        {"name": "straight"},
+        {"name": "half", "dir": "resumed", "stop_at": 10},
+        {"name": "resumed"},
+        {"name": "accum", "overrides": ["trainer.grad_accum_steps=2"]},
+        {"name": "bf16", "overrides": ["precision=bf16"]},
+    ]
+    if engine in GRADIENT_CHECKPOINTING_ENGINES:
+        runs.append({"name": "ckpt", "overrides": ["policy.gradient_checkpointing=true"]})
+    out = run_driver(tmp_path, 2, [*base_overrides(sample_root), f"engine={engine}"], runs)
+    ref = single_reference["fp32"]
+    w = {r["name"]: load_file(str(out / f"{r['name']}.safetensors")) for r in runs}
+    report = {r["name"]: json.loads((out / f"{r['name']}.json").read_text()) for r in runs}
+
+    assert rel_l2(w["straight"], ref) < 1e-6
+    assert worst_tensor(w["straight"], ref) < 1e-3
+    # N steps straight == N/2, stop, resume from the strategy's own checkpoint, continue to N.
+    assert report["half"]["step"] == 10 and report["resumed"]["resumed_from"].endswith("step_00000010")
+    assert all(torch.equal(w["straight"][k], w["resumed"][k]) for k in ref), "resume is bitwise on CPU"
+    # The strategy's checkpoint exports (one process, no process group) to the same weights.
+    exported = load_file(str(export(out / "straight", tmp_path / "export.safetensors")))
+    assert all(torch.equal(exported[k], w["straight"][k]) for k in ref)
+    # Global batch 8 as 2 ranks x 2 accumulation steps x 2 == 2 ranks x 4.
+    assert rel_l2(w["accum"], w["straight"]) < 1e-6
+    # bf16: fp32 parameters and state in the optimizer that steps, weights near the fp32 run.
+    assert report["bf16"]["state_dtypes"] and all(d.endswith("float32") for d in report["bf16"]["state_dtypes"])
+    assert all(d == "torch.float32" for d in report["bf16"]["param_dtypes"])
+    assert rel_l2(w["bf16"], ref) < 2e-2
+    if "ckpt" in w:
+        assert rel_l2(w["ckpt"], w["straight"]) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["hsdp", "zero2"])
+def test_world_size_four(engine, sample_root, single_reference, tmp_path):
+    """hsdp as 2 x 2 (replicate x shard), and a ZeRO stage, at world size 4."""
+    extra = ["engine.replicate_degree=2", "engine.shard_degree=2"] if engine == "hsdp" else []
+    out = run_driver(tmp_path, 4, [*base_overrides(sample_root), f"engine={engine}", *extra], [{"name": "straight"}])
+    w = load_file(str(out / "straight.safetensors"))
+    assert rel_l2(w, single_reference["fp32"]) < 1e-6
+    assert worst_tensor(w, single_reference["fp32"]) < 1e-3
+
+
+@pytest.mark.slow
+def test_fsdp_saved_at_world_four_resumes_at_world_two(sample_root, single_reference, tmp_path):
+    base = [*base_overrides(sample_root), "engine=fsdp_full"]
+    first = run_driver(tmp_path, 4, base, [{"name": "half", "dir": "run", "stop_at": 10}])
+    second = run_driver(tmp_path, 2, [*base, f"hydra.run.dir={first / 'run'}"], [{"name": "resumed", "dir": str(first / "run")}])
+    report = json.loads((second / "resumed.json").read_text())
+    assert report["resumed_from"].endswith("step_00000010") and report["step"] == STEPS
+    w = load_file(str(second / "resumed.safetensors"))
+    assert rel_l2(w, single_reference["fp32"]) < 1e-6
+
+
+@pytest.mark.slow
+def test_torchrun_cli_ddp(sample_root, tmp_path):
+    """The real entry path: torchrun -m slurmvla.train, two ranks, one run directory."""
+    run = tmp_path / "run"
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "slurmvla.train",
+         "engine=ddp", *base_overrides(sample_root), "trainer.max_steps=4", "checkpoint.every_steps=2",
+         f"hydra.run.dir={run}"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    ckpt = run / "checkpoints" / "step_00000004"
+    assert (ckpt / "rank_00000.pt").is_file() and (ckpt / "rank_00001.pt").is_file()
+    assert json.loads((ckpt / "meta.json").read_text())["world_size"] == 2
+
+
+# -- start-up checks (no processes) -----------------------------------------------------------------
+
+def test_hsdp_degrees_must_multiply_to_the_world_size():
+    env = DistEnv(rank=0, world_size=4, local_world_size=2)
+    assert hsdp_degrees(EngineConfig(name="hsdp"), env) == (2, 2)
+    assert hsdp_degrees(EngineConfig(name="hsdp", replicate_degree=1, shard_degree=4), env) == (1, 4)
+    with pytest.raises(ValueError, match=r"replicate_degree=3 x shard_degree=2 = 6 != world size 4"):
+        hsdp_degrees(EngineConfig(name="hsdp", replicate_degree=3, shard_degree=2), env)
+
+
+def test_zero3_refuses_gradient_checkpointing():
+    with pytest.raises(ValueError) as e:
+        to_config(compose_cfg(["engine=zero3", "policy.gradient_checkpointing=true"]))
+    assert "'zero3'" in str(e.value) and "fsdp_full" in str(e.value) and "zero2" in str(e.value)
+
+
+def test_single_engine_refuses_a_multi_process_world(make_cfg):
+    from slurmvla.engine import build_engine
+
+    with pytest.raises(ValueError, match="engine=single runs one process.*world size 2.*'ddp'"):
+        build_engine(make_cfg(), DistEnv(rank=0, world_size=2, local_world_size=2), torch.device("cpu"), 4)
+
+
+def test_sharding_without_wrap_units_is_an_error():
+    from torch import nn
+
+    from slurmvla.engine.fsdp import FSDPEngine
+
+    class NoUnits(nn.Module):
+        def wrap_units(self):
+            return []
+
+    engine = FSDPEngine.__new__(FSDPEngine)
+    engine.name = "fsdp_full"
+    with pytest.raises(ValueError, match=r"wrap_units\(\) is empty"):
+        engine.wrap(NoUnits())
