@@ -77,11 +77,11 @@ def worst_tensor(a: dict, b: dict) -> float:
 def single_reference(sample_root, tmp_path_factory):
     """One process, same data, same global batch, same seed: the reference every strategy must match."""
     out = {}
-    for precision in ("fp32",):
-        cfg = to_config(compose_cfg([*base_overrides(sample_root), f"precision={precision}"]))
-        trainer = Trainer(cfg, tmp_path_factory.mktemp(f"single_{precision}"))
+    for name, extra in (("fp32", []), ("frozen", ["policy.train_expert_only=true"])):
+        cfg = to_config(compose_cfg([*base_overrides(sample_root), *extra]))
+        trainer = Trainer(cfg, tmp_path_factory.mktemp(f"single_{name}"))
         trainer.fit()
-        out[precision] = trainer.engine.model_state_dict()
+        out[name] = trainer.engine.model_state_dict()
         trainer.close()
     return out
 
@@ -95,6 +95,7 @@ def test_strategy_matches_single_process(engine, sample_root, single_reference, 
         {"name": "resumed"},
         {"name": "accum", "overrides": ["trainer.grad_accum_steps=2"]},
         {"name": "bf16", "overrides": ["precision=bf16"]},
+        {"name": "frozen", "overrides": ["policy.train_expert_only=true"]},
     ]
     if engine in GRADIENT_CHECKPOINTING_ENGINES:
         runs.append({"name": "ckpt", "overrides": ["policy.gradient_checkpointing=true"]})
@@ -117,6 +118,8 @@ def test_strategy_matches_single_process(engine, sample_root, single_reference, 
     assert report["bf16"]["state_dtypes"] and all(d.endswith("float32") for d in report["bf16"]["state_dtypes"])
     assert all(d == "torch.float32" for d in report["bf16"]["param_dtypes"])
     assert rel_l2(w["bf16"], ref) < 2e-2
+    # Frozen backbone: the same result as one process with the same parts frozen.
+    assert rel_l2(w["frozen"], single_reference["frozen"]) < 1e-6
     if "ckpt" in w:
         assert rel_l2(w["ckpt"], w["straight"]) < 1e-6
 

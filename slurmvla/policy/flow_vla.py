@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from slurmvla.collectives import agree
 from slurmvla.config import ATTENTION_FALLBACKS, PolicyConfig
 from slurmvla.data.tokenizer import VOCAB_SIZE
 from slurmvla.policy.base import Policy
@@ -241,16 +242,20 @@ class FlowMatchingVLA(Policy):
         img = self.vision(images)
         per_cam = img.shape[1] // cams
         img = img + self.camera_embedding[:cams].repeat_interleave(per_cam, dim=0)
-        text = self.text_embed(batch["text"])
         state = (batch["state"].float() - self.state_mean) / self.state_std
-        state_tok = self.state_proj(state)[:, None, :]
-        prefix = torch.cat([img, text.to(img.dtype), state_tok.to(img.dtype)], dim=1)
-        keep = torch.cat([
-            batch["image_mask"].repeat_interleave(per_cam, dim=1),
-            batch["text_mask"],
-            torch.ones(b, 1, dtype=torch.bool, device=images.device),
-        ], dim=1)
-        return prefix, keep
+        parts = [img, self.state_proj(state)[:, None, :].to(img.dtype)]
+        keep = [batch["image_mask"].repeat_interleave(per_cam, dim=1), torch.ones(b, 1, dtype=torch.bool, device=images.device)]
+        # Instruction tokens are optional: a batch in which no sample on any rank carries an
+        # instruction (only BOS/EOS) skips them. Agreed across ranks, with a check that every
+        # rank's batch has the same fields.
+        has_text = batch["text_mask"].sum(dim=1) > 2 if "text" in batch else None
+        local = has_text is not None and bool(has_text.any())
+        if agree({"text": local}, fields=batch.keys(), device=images.device)["text"]:
+            parts.insert(1, self.text_embed(batch["text"]).to(img.dtype))
+            # A sample without an instruction sees no text tokens, as if they were skipped: its
+            # result does not depend on whether its batch-mates have instructions.
+            keep.insert(1, batch["text_mask"] & has_text[:, None])
+        return torch.cat(parts, dim=1), torch.cat(keep, dim=1)
 
     def _velocity(self, prefix: torch.Tensor, keep: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         suffix = self.expert_in(x_t, t)

@@ -1,0 +1,46 @@
+"""Rank-uniform decisions: the small helpers any layer may use (imports no other slurmvla layer).
+
+A branch that decides whether a collective runs (an FSDP all-gather of a module used only for
+some inputs, say) must go the same way on every rank, or the job hangs. ``agree`` settles several
+such flags in one small all-reduce and, in the same call, checks that every rank's batch has the
+same fields: a field present on some ranks and absent on others is a ``RuntimeError`` naming it,
+never a hang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+
+def _fields_hash(fields: Iterable[str]) -> int:
+    digest = hashlib.blake2b("\0".join(sorted(fields)).encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "little")  # < 2**48: exact in float64
+
+
+def agree(flags: Mapping[str, bool], fields: Iterable[str] | None = None, device: torch.device | None = None) -> dict[str, bool]:
+    """Return each flag OR-ed over all ranks (true if any rank says true), in one all-reduce.
+
+    Every rank must call this with the same flag names. With ``fields`` (e.g. a batch's keys),
+    raise ``RuntimeError`` on every rank when the field sets differ between ranks.
+    """
+    names = sorted(flags)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {n: bool(flags[n]) for n in names}
+    field_list = sorted(fields) if fields is not None else []
+    h = float(_fields_hash(field_list))
+    # MAX over [flags..., hash, -hash] gives the OR of the flags and both the max and min hash.
+    values = torch.tensor([float(bool(flags[n])) for n in names] + [h, -h], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    out = values.tolist()
+    if fields is not None and out[-2] != -out[-1]:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, field_list)
+        union = set().union(*map(set, everyone))
+        partial = {f: [r for r, fs in enumerate(everyone) if f in fs] for f in sorted(union) if any(f not in fs for fs in everyone)}
+        detail = "; ".join(f"{f!r} only on ranks {ranks}" for f, ranks in partial.items())
+        raise RuntimeError(f"batch fields differ between ranks (a rank-dependent branch would hang the job): {detail}")
+    return {n: bool(v) for n, v in zip(names, out[: len(names)])}

@@ -1,0 +1,117 @@
+"""Rank-uniform decisions over real gloo process groups (spawned, under a deadline)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from slurmvla.collectives import agree
+from slurmvla.engine.precision import MasterWeightOptimizer, check_fp32_master_state
+from slurmvla.optim import build_adamw
+from slurmvla.config import OptimConfig, PolicyConfig
+from slurmvla.policy import build_policy
+
+pytestmark = pytest.mark.multiproc
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank)
+    except Exception as e:  # reported to the test, which asserts on it
+        result = f"{type(e).__name__}: {e}"
+    torch.save(result, f"{out_dir}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def run_spawned(fn, world: int, tmp_path, deadline_s: float = 60.0) -> list:
+    ctx = mp.start_processes(_worker, args=(world, _free_port(), fn, str(tmp_path)), nprocs=world, join=False,
+                             start_method="spawn")
+    end = time.monotonic() + deadline_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > end:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"ranks did not finish within {deadline_s}s (a hang)")
+    return [torch.load(f"{tmp_path}/{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _flags(rank):
+    return agree({"text": rank == 1, "subgoal": False}, fields=["images", "state"])
+
+
+def _mismatch(rank):
+    fields = ["images", "state"] + (["subgoal_images"] if rank == 0 else [])
+    return agree({"text": True}, fields=fields)
+
+
+def test_flags_are_ored_across_ranks_in_one_call(tmp_path):
+    assert run_spawned(_flags, 2, tmp_path) == [{"subgoal": False, "text": True}] * 2
+
+
+def test_a_field_on_some_ranks_only_is_an_error_not_a_hang(tmp_path):
+    results = run_spawned(_mismatch, 3, tmp_path)
+    for r in results:
+        assert r.startswith("RuntimeError") and "'subgoal_images' only on ranks [0]" in r
+
+
+def _policy_forward(rank):
+    """Rank 0's batch has instructions, rank 1's has none: both still include text tokens."""
+    torch.manual_seed(0)
+    cfg = PolicyConfig()
+    policy = build_policy(cfg)
+    from tests.test_policy import make_batch
+
+    batch = make_batch(2, cfg)
+    if rank == 1:
+        batch["text_mask"][:, 2:] = False
+    seen = {}
+    policy.text_embed.register_forward_hook(lambda *a: seen.update(text=True))
+    policy(batch)
+    return seen.get("text", False)
+
+
+def test_policy_agrees_on_optional_instruction_tokens(tmp_path):
+    assert run_spawned(_policy_forward, 2, tmp_path, deadline_s=120) == [True, True]
+
+
+def test_single_process_needs_no_group():
+    assert agree({"a": True, "b": False}, fields=["x"]) == {"a": True, "b": False}
+
+
+def test_negative_control_bf16_model_with_plain_adamw_is_detected():
+    """The broken recipe (cast to bf16, then torch.optim.AdamW) fails the check the trainer runs."""
+    torch.manual_seed(0)
+    from tests.test_policy import make_batch
+
+    policy = build_policy(PolicyConfig()).to(torch.bfloat16)
+    groups = policy.param_groups(0.01, 1e-3)
+    broken = build_adamw(groups, OptimConfig(), torch.device("cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        policy(make_batch())["loss"].backward()
+    broken.step()
+    with pytest.raises(RuntimeError, match="bfloat16 parameter"):
+        check_fp32_master_state(broken)
+    # The master-weight optimizer over the same bf16 model passes the same check.
+    fixed = MasterWeightOptimizer(policy.param_groups(0.01, 1e-3), lambda g: build_adamw(g, OptimConfig(), torch.device("cpu")))
+    fixed.step()
+    check_fp32_master_state(fixed)
+    # Moments alone in bf16 are caught too.
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p])
+    opt.state[p] = {"exp_avg": torch.zeros(3, dtype=torch.bfloat16)}
+    with pytest.raises(RuntimeError, match="exp_avg.*bfloat16"):
+        check_fp32_master_state(opt)
