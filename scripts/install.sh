@@ -20,5 +20,8 @@ if [ -n "${TORCH_VERSION:-}" ] && [ "${have%%+*}" != "$TORCH_VERSION" ]; then
 elif [ -z "$have" ]; then
   "${PIP[@]}" "torch==2.13.0"
 fi
+# DeepSpeed (the [deepspeed] extra) compiles its ops just in time when they are used; building them
+# at install time would need CUDA. TORCH_EXTENSIONS_DIR caches what it compiles.
+export DS_BUILD_OPS=${DS_BUILD_OPS:-0}
 "${PIP[@]}" -e ".${EXTRAS:+[$EXTRAS]}"
 echo "slurmvla installed with torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"

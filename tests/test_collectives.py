@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from slurmvla.collectives import agree
+from slurmvla.config import OptimConfig, PolicyConfig
 from slurmvla.engine.precision import MasterWeightOptimizer, check_fp32_master_state
 from slurmvla.optim import build_adamw
-from slurmvla.config import OptimConfig, PolicyConfig
 from slurmvla.policy import build_policy
 
 pytestmark = pytest.mark.multiproc
