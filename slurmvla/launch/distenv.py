@@ -1,7 +1,12 @@
 """DistEnv: the one place that turns launcher variables into rank, world size and rendezvous.
 
-Each source is a table of variable names, read in one function, never parsed ad hoc elsewhere.
-This file knows torchrun and the one-process debug mode; SLURM and submitit tables sit beside them.
+Each source is a table of variable names, read in one function, never parsed ad hoc elsewhere:
+
+- torchrun (also inside a SLURM task, on the sbatch path: its variables win);
+- a SLURM job step with one task per process (srun, and submitit, which runs srun): rank, local
+  rank and node from ``SLURM_PROCID`` / ``SLURM_LOCALID`` / ``SLURM_NODEID``; ``MASTER_ADDR`` is the
+  first host of the step's expanded node list, ``MASTER_PORT`` a function of the job id;
+- nothing: the one-process debug mode.
 """
 
 from __future__ import annotations
@@ -20,6 +25,40 @@ TORCHRUN_VARS = {
     "master_addr": "MASTER_ADDR",
     "master_port": "MASTER_PORT",
 }
+
+
+# One task per process under srun / submitit. Step variables first: they describe this srun step.
+SLURM_VARS = {
+    "rank": "SLURM_PROCID",
+    "local_rank": "SLURM_LOCALID",
+    "world_size": ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
+    "node_rank": "SLURM_NODEID",
+    "num_nodes": ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"),
+    "nodelist": ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"),
+    "job_id": ("SLURM_ARRAY_JOB_ID", "SLURM_JOB_ID"),
+    "array_task": "SLURM_ARRAY_TASK_ID",
+}
+
+# Outside Linux's ephemeral range (32768-60999), so a derived port never collides with an
+# outgoing connection's; distinct job ids on one node get distinct ports (up to 15000 apart).
+PORT_BASE, PORT_SPAN = 15000, 15000
+
+
+def derive_master_port(job_id: str | int, array_task: str | int | None = None) -> int:
+    """A deterministic rendezvous port for a job (and array task): every task computes the same."""
+    try:
+        key = int(job_id) * 1009 + (int(array_task) if array_task not in (None, "") else 0)
+    except ValueError:
+        raise ValueError(f"SLURM job id {job_id!r} / array task {array_task!r} is not an integer") from None
+    return PORT_BASE + key % PORT_SPAN
+
+
+def _first(env: Mapping[str, str], names: str | tuple[str, ...]) -> tuple[str | None, str | None]:
+    for name in (names,) if isinstance(names, str) else names:
+        value = env.get(name)
+        if value not in (None, ""):
+            return name, value
+    return None, None
 
 
 @dataclass(frozen=True)
@@ -47,7 +86,66 @@ class DistEnv:
         env = os.environ if environ is None else environ
         if "RANK" in env and "WORLD_SIZE" in env:
             return cls._from_table(env, TORCHRUN_VARS, source="torchrun")
+        # A SLURM job step (srun): SLURM_STEP_ID is set in tasks started by srun, not in the batch
+        # script itself, where SLURM_NTASKS may say 8 while only one process runs.
+        if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+            return cls._from_slurm(env, source="submitit" if "SUBMITIT_EXECUTOR" in env else "slurm")
         return cls()
+
+    @classmethod
+    def _from_slurm(cls, env: Mapping[str, str], source: str) -> DistEnv:
+        def get(field: str, required: bool = True) -> str | None:
+            name, value = _first(env, SLURM_VARS[field])
+            if value is None and required:
+                raise ValueError(f"{source}: {SLURM_VARS[field]} is not set (needed for {field})")
+            return value
+
+        def as_int(field: str) -> int:
+            raw = get(field)
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"{source}: {SLURM_VARS[field]}={raw!r} is not an integer (read as {field})") from None
+
+        from slurmvla.launch.nodelist import expand_nodelist
+
+        world, nodes = as_int("world_size"), as_int("num_nodes")
+        if world % nodes:
+            raise ValueError(f"{source}: {world} tasks on {nodes} nodes is not the same number per node; "
+                             "slurmvla needs --ntasks-per-node (or tasks_per_node) to be uniform")
+        hosts = expand_nodelist(get("nodelist"))
+        if len(hosts) != nodes:
+            raise ValueError(f"{source}: node list {get('nodelist')!r} has {len(hosts)} hosts for {nodes} nodes")
+        job_id = get("job_id")
+        port = env.get("MASTER_PORT") or derive_master_port(job_id, get("array_task", required=False))
+        rank = as_int("rank")
+        if not 0 <= rank < world:
+            raise ValueError(f"{source}: rank {rank} is outside world size {world}")
+        return cls(
+            rank=rank, local_rank=as_int("local_rank"), world_size=world, local_world_size=world // nodes,
+            node_rank=as_int("node_rank"), num_nodes=nodes,
+            master_addr=env.get("MASTER_ADDR") or hosts[0], master_port=int(port), source=source,
+        )
+
+    def exports(self) -> dict[str, str]:
+        """The variables a process of this job should see (torchrun's names, plus NNODES / NODE_RANK)."""
+        return {
+            "RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank), "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size), "NODE_RANK": str(self.node_rank),
+            "NNODES": str(self.num_nodes), "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
+        }
+
+    def export_to(self, environ: dict[str, str] | None = None) -> list[str]:
+        """Set the exports where unset; a variable already set keeps its value. Returns the
+        names whose existing value differs, so the caller can say so instead of hiding it."""
+        env = os.environ if environ is None else environ
+        kept = []
+        for name, value in self.exports().items():
+            if name not in env:
+                env[name] = value
+            elif env[name] != value:
+                kept.append(f"{name}={env[name]} (derived: {value})")
+        return kept
 
     @classmethod
     def _from_table(cls, env: Mapping[str, str], table: Mapping[str, str], source: str) -> DistEnv:

@@ -1,0 +1,136 @@
+"""Launch layer: DistEnv tables, node lists, ports, override splitting, the preemption flag."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from slurmvla.launch import DistEnv
+from slurmvla.launch.distenv import PORT_BASE, PORT_SPAN, derive_master_port
+from slurmvla.launch.nodelist import expand_nodelist
+from slurmvla.launch.overrides import split_overrides
+from slurmvla.launch.preempt import PreemptionFlag
+
+
+@pytest.mark.parametrize("expr, hosts", [
+    ("node1", ["node1"]),
+    ("n[1-3,5],gpu-a[01-02]", ["n1", "n2", "n3", "n5", "gpu-a01", "gpu-a02"]),
+    ("node[08-11]", ["node08", "node09", "node10", "node11"]),
+    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+    ("a,b[7]", ["a", "b7"]),
+])
+def test_nodelist_expansion(expr, hosts):
+    assert expand_nodelist(expr) == hosts
+
+
+@pytest.mark.parametrize("expr", ["", "n[1-", "n[3-1]", "n[a-b]", "n]1[", "a,,b", "n[1-2", "n[[1]]"])
+def test_invalid_nodelists_name_the_expression(expr):
+    with pytest.raises(ValueError, match="invalid nodelist"):
+        expand_nodelist(expr)
+
+
+def test_torchrun_table():
+    env = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+           "MASTER_ADDR": "node7", "MASTER_PORT": "29400"}
+    d = DistEnv.from_environ(env)
+    assert (d.rank, d.local_rank, d.world_size, d.node_rank, d.num_nodes, d.master_addr, d.master_port, d.source) == \
+        (3, 1, 4, 1, 2, "node7", 29400, "torchrun")
+
+
+SLURM_STEP = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "2", "SLURM_STEP_ID": "0",
+              "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NUM_NODES": "4", "SLURM_STEP_NODELIST": "gpu[03-04,07],cpu9",
+              "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "8", "SLURM_NNODES": "4"}
+
+
+def test_slurm_step_table():
+    d = DistEnv.from_environ(SLURM_STEP)
+    assert (d.rank, d.local_rank, d.world_size, d.local_world_size, d.node_rank, d.num_nodes) == (5, 1, 8, 2, 2, 4)
+    assert d.master_addr == "gpu03" and d.master_port == derive_master_port(4242) and d.source == "slurm"
+    assert DistEnv.from_environ({**SLURM_STEP, "SUBMITIT_EXECUTOR": "slurm"}).source == "submitit"
+
+
+def test_set_variables_win_over_derived_ones():
+    d = DistEnv.from_environ({**SLURM_STEP, "MASTER_ADDR": "login1", "MASTER_PORT": "23456"})
+    assert d.master_addr == "login1" and d.master_port == 23456
+
+
+def test_batch_script_without_srun_is_one_process():
+    """In the batch step SLURM_NTASKS may be 8 while one process runs: not a world of 8."""
+    env = {k: v for k, v in SLURM_STEP.items() if k not in ("SLURM_STEP_ID",)}
+    assert DistEnv.from_environ(env).world_size == 1
+
+
+def test_torchrun_inside_a_slurm_task_wins():
+    env = {**SLURM_STEP, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert DistEnv.from_environ(env).source == "torchrun"
+
+
+def test_slurm_errors_name_the_variable():
+    with pytest.raises(ValueError, match="SLURM_PROCID='x' is not an integer"):
+        DistEnv.from_environ({**SLURM_STEP, "SLURM_PROCID": "x"})
+    with pytest.raises(ValueError, match="has 4 hosts for 3 nodes"):
+        DistEnv.from_environ({**SLURM_STEP, "SLURM_STEP_NUM_NODES": "3", "SLURM_STEP_NUM_TASKS": "6"})
+    with pytest.raises(ValueError, match="not the same number per node"):
+        DistEnv.from_environ({**SLURM_STEP, "SLURM_STEP_NUM_TASKS": "7"})
+
+
+def test_port_derivation_is_deterministic_and_outside_the_ephemeral_range():
+    ports = {derive_master_port(j) for j in range(1, 5000)}
+    assert len(ports) == 4999, "consecutive jobs on one node never share a port"
+    assert all(PORT_BASE <= p < PORT_BASE + PORT_SPAN <= 32768 for p in ports)
+    assert derive_master_port(77, 0) != derive_master_port(77, 1) == derive_master_port("77", "1")
+    with pytest.raises(ValueError, match="not an integer"):
+        derive_master_port("abc")
+
+
+def test_exports_never_overwrite_silently():
+    d = DistEnv.from_environ(SLURM_STEP)
+    env = {"MASTER_PORT": "11111"}
+    kept = d.export_to(env)
+    assert env["RANK"] == "5" and env["NODE_RANK"] == "2" and env["NNODES"] == "4" and env["WORLD_SIZE"] == "8"
+    assert env["MASTER_PORT"] == "11111" and kept == [f"MASTER_PORT=11111 (derived: {d.master_port})"]
+
+
+@pytest.mark.parametrize("text, parts", [
+    ("", []),
+    ("  ", []),
+    ("trainer.max_steps=5 precision=bf16", ["trainer.max_steps=5", "precision=bf16"]),
+    ("'name=a b' tags='[x, y]'", ["name=a b", "tags=[x, y]"]),
+    ('name="x y"', ["name=x y"]),
+    ("name=$(id) b=`id`; c=1", ["name=$(id)", "b=`id`;", "c=1"]),
+    ("'name=$(touch /tmp/x)'", ["name=$(touch /tmp/x)"]),
+])
+def test_override_splitting(text, parts):
+    assert split_overrides(text) == parts
+
+
+def test_unbalanced_quote_shows_the_string():
+    with pytest.raises(ValueError, match=r"EXTRA_TAIL_OVERRIDES cannot be split .*\"name='a b\""):
+        split_overrides("name='a b")
+
+
+def test_override_module_prints_nul_separated_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    env = {**os.environ, "EXTRA_TAIL_OVERRIDES": f"'a=x y' 'b=$(touch {marker})'"}
+    out = subprocess.run([sys.executable, "-m", "slurmvla.launch.overrides"], env=env, capture_output=True, check=True)
+    assert out.stdout.split(b"\0")[:-1] == [b"a=x y", f"b=$(touch {marker})".encode()]
+    assert not marker.exists()
+    bad = subprocess.run([sys.executable, "-m", "slurmvla.launch.overrides"], capture_output=True, text=True,
+                         env={**os.environ, "EXTRA_TAIL_OVERRIDES": "a='b"})
+    assert bad.returncode == 2 and "a='b" in bad.stderr
+
+
+def test_preemption_flag_is_set_by_usr2_only():
+    flag = PreemptionFlag()
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        flag.install()
+        assert not flag.is_set()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert flag.is_set() and flag.signal_name == "SIGUSR2"
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
