@@ -195,6 +195,9 @@ class TrainerConfig:
     log_every_steps: int = 10
     device: str = "auto"
     progress_bar: bool = True
+    # How often the ranks agree on a pending preemption signal (one small all-reduce). SLURM signals
+    # signal_delay seconds ahead of the kill, so a few steps of latency cost nothing.
+    signal_check_every_steps: int = 5
 
     def __post_init__(self) -> None:
         _positive("trainer.max_steps", self.max_steps)
@@ -202,6 +205,7 @@ class TrainerConfig:
         _positive("trainer.grad_accum_steps", self.grad_accum_steps)
         _positive("trainer.max_grad_norm", self.max_grad_norm, allow_zero=True)
         _positive("trainer.log_every_steps", self.log_every_steps)
+        _positive("trainer.signal_check_every_steps", self.signal_check_every_steps)
         _choice("trainer.device", self.device, DEVICES)
 
     def micro_batch_size(self, world_size: int) -> int:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -14,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from slurmvla.config import to_config
+from slurmvla.launch.preempt import REQUEUE_EXIT_CODE
 
 
 def config_dir() -> Path:
@@ -33,6 +35,9 @@ def main(cfg: DictConfig) -> float | None:
         trainer.close(failed=True)
         raise
     trainer.close()
+    if trainer.stopped_for_requeue:
+        # Checkpoint written; the launcher requeues on this exit code (SystemExit passes Hydra).
+        sys.exit(REQUEUE_EXIT_CODE)
     return metrics.get("loss")
 
 

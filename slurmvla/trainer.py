@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from slurmvla.checkpoint import CheckpointManager
+from slurmvla.collectives import agree
 from slurmvla.config import Config
 from slurmvla.data.droid import DroidDataset, EpochSampler
 from slurmvla.data.synthetic import ensure_sample_dataset
@@ -27,6 +28,7 @@ from slurmvla.engine import build_engine
 from slurmvla.engine.distributed import init_process_group, select_device, shutdown_process_group
 from slurmvla.engine.precision import check_fp32_master_state
 from slurmvla.launch import DistEnv
+from slurmvla.launch.preempt import FINISHED_MARKER, PreemptionFlag
 from slurmvla.logger import MetricLogger
 from slurmvla.optim import build_scheduler
 from slurmvla.policy import build_policy
@@ -124,6 +126,9 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(config_dict))
         self.resumed_from: Path | None = None
+        self.stopped_for_requeue = False
+        self.preempt = PreemptionFlag()
+        self.preempt.install()
         if cfg.checkpoint.resume:
             self._resume()
         self.logger.start(self.step)
@@ -194,11 +199,25 @@ class Trainer:
                 t0 = time.perf_counter()
             if self.cfg.checkpoint.every_steps and self.step % self.cfg.checkpoint.every_steps == 0:
                 self.save()
+            if self.step % tcfg.signal_check_every_steps == 0 and self._preemption_agreed():
+                break
         bar.close()
         latest = self.checkpoints.latest()
         if latest is None or latest.name != f"step_{self.step:08d}":
             self.save()
+        if self.step >= tcfg.max_steps and self.env.is_main:
+            (self.run_dir / FINISHED_MARKER).write_text(f"{self.step}\n")
         return last
+
+    def _preemption_agreed(self) -> bool:
+        """All ranks stop at the same step if any rank got the signal (then the caller saves)."""
+        stop = agree({"stop": self.preempt.is_set()}, device=self.device)["stop"]
+        if stop:
+            self.stopped_for_requeue = True
+            if self.env.is_main:
+                where = f"here ({self.preempt.signal_name})" if self.preempt.is_set() else "on another rank"
+                log.warning("preemption signal %s at step %d: all ranks checkpoint for requeue", where, self.step)
+        return stop
 
     def _record(self, window: dict, lrs: dict[str, float], elapsed: float) -> dict[str, float]:
         steps = window["steps"]

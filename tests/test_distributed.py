@@ -197,3 +197,49 @@ def test_sharding_without_wrap_units_is_an_error():
     engine.name = "fsdp_full"
     with pytest.raises(ValueError, match=r"wrap_units\(\) is empty"):
         engine.wrap(NoUnits())
+
+
+def _torchrun_train(args: list[str], timeout: int = 300) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "slurmvla.train", *args],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+
+
+@pytest.mark.slow
+def test_preemption_signal_on_one_rank_checkpoints_all_and_resumes_exactly(sample_root, tmp_path):
+    """USR2 to rank 1 only: the ranks agree, save together, stop; a restart ends where an
+    uninterrupted run ends, bitwise."""
+    import time
+
+    import psutil
+
+    common = ["engine=ddp", *base_overrides(sample_root), "trainer.max_steps=150", "checkpoint.every_steps=10",
+              "trainer.signal_check_every_steps=1"]
+    straight = _torchrun_train([*common, f"hydra.run.dir={tmp_path / 'straight'}"])
+    assert straight.wait(timeout=300) == 0, straight.stdout.read()[-3000:]
+
+    run = tmp_path / "preempted"
+    job = _torchrun_train([*common, f"hydra.run.dir={run}"])
+    deadline = time.monotonic() + 120
+    while not (run / "checkpoints" / "step_00000010").exists():
+        assert job.poll() is None and time.monotonic() < deadline, "training did not reach step 10"
+        time.sleep(0.05)
+    workers = psutil.Process(job.pid).children()
+    rank1 = [w for w in workers if "LOCAL_RANK" in w.environ() and w.environ()["LOCAL_RANK"] == "1"]
+    assert len(rank1) == 1
+    rank1[0].send_signal(signal.SIGUSR2)
+    log, _ = job.communicate(timeout=120)
+    assert job.returncode != 0, "a preempted run must not look finished to the launcher"
+    assert "preemption signal on another rank" in log, log[-5000:]
+    stopped = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")]
+    stopped_at = max(int(n.split("_")[1]) for n in stopped)
+    assert 10 <= stopped_at < 150 and not (run / "FINISHED").exists()
+
+    resumed = _torchrun_train([*common, f"hydra.run.dir={run}"])
+    log, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, log[-3000:]
+    assert (run / "FINISHED").read_text().strip() == "150"
+    a = load_file(str(tmp_path / "straight" / "checkpoints" / "step_00000150" / "model.safetensors"))
+    b = load_file(str(run / "checkpoints" / "step_00000150" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

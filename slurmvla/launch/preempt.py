@@ -16,6 +16,8 @@ log = logging.getLogger("slurmvla")
 
 # What a run that stopped for a requeue exits with (EX_TEMPFAIL): the launcher requeues on it.
 REQUEUE_EXIT_CODE = 75
+# Written into the run directory when training reached max_steps: such a run is never requeued.
+FINISHED_MARKER = "FINISHED"
 
 
 class PreemptionFlag:
