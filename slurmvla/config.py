@@ -115,6 +115,26 @@ class PolicyConfig:
 
 
 @dataclass
+class KeepRangesConfig:
+    # The DROID keep-ranges JSON (keep_ranges_1_0_1.json); null turns the filter off.
+    path: str | None = None
+    # episode_id -> relative path mapping (episode_id_to_path.json), read with episode_id_column.
+    episode_id_to_path: str | None = None
+    episode_id_column: str = "episode_id"
+    # Or a column that already holds the relative path (used when set).
+    relative_path_column: str | None = None
+    # frame: the start frame lies in a range; window: the whole action chunk does.
+    semantics: str = "frame"
+
+    def __post_init__(self) -> None:
+        _choice("data.keep_ranges.semantics", self.semantics, ("frame", "window"))
+        for name in ("path", "episode_id_to_path"):
+            value = getattr(self, name)
+            if value is not None and not Path(value).expanduser().is_file():
+                raise ValueError(f"data.keep_ranges.{name}={value!r} does not exist (or is not a file)")
+
+
+@dataclass
 class DataConfig:
     name: str = "droid"
     # A LeRobot-format dataset. null means the small DROID-format sample dataset, written on first
@@ -127,6 +147,7 @@ class DataConfig:
     action_key: str = "action"
     instruction_keys: list[str] = field(default_factory=lambda: list(DROID_INSTRUCTION_KEYS))
     success_only: bool = False
+    keep_ranges: KeepRangesConfig = field(default_factory=KeepRangesConfig)
     control_mode: str = "joint_position"
     num_workers: int = 2
     # Decoded episodes kept per dataloader worker (the map-style reader decodes a whole episode once).

@@ -12,17 +12,23 @@ the same sample contract.
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 from collections import OrderedDict
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
 from slurmvla.config import DataConfig
+from slurmvla.data.keep_ranges import episode_key, keep_segments, load_keep_ranges
 from slurmvla.data.lerobot import LeRobotDataset
 from slurmvla.data.tokenizer import tokenize
 from slurmvla.data.video import decode_range
+
+log = logging.getLogger("slurmvla")
 
 
 class DroidDataset(Dataset):
@@ -61,14 +67,63 @@ class DroidDataset(Dataset):
         keep = np.ones(len(self.ep_from), dtype=bool)
         if cfg.success_only:
             keep = columns["is_episode_successful"][self.ep_from].astype(bool).reshape(-1)
-        self.kept_episodes = np.flatnonzero(keep)
-        if len(self.kept_episodes) == 0:
-            raise ValueError(f"no episodes left in {self.meta.root} after filtering (data.success_only={cfg.success_only})")
-        lengths = self.ep_to[self.kept_episodes] - self.ep_from[self.kept_episodes]
-        # Samples are addressed through cumulative episode lengths: memory per episode, not per frame.
-        self.cum_lengths = np.concatenate([[0], np.cumsum(lengths)])
+        lengths = self.ep_to - self.ep_from
+        # Samples live in segments (episode, first start frame, end): memory per segment, never per frame.
+        seg_ep, seg_start, seg_end = np.flatnonzero(keep), np.zeros(int(keep.sum()), np.int64), lengths[keep]
+        if cfg.keep_ranges.path is not None:
+            seg_ep, seg_start, seg_end = self._apply_keep_ranges(keep, lengths)
+        if len(seg_ep) == 0:
+            raise ValueError(f"no samples left in {self.meta.root} after filtering (data.success_only="
+                             f"{cfg.success_only}, data.keep_ranges.path={cfg.keep_ranges.path!r})")
+        self.seg_ep, self.seg_start = seg_ep, seg_start
+        self.cum_lengths = np.concatenate([[0], np.cumsum(seg_end - seg_start)])
+        self.kept_episodes = np.unique(seg_ep)
         self.videos = {cam: self.meta.video_location(cam) for cam in cfg.cameras}
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def _apply_keep_ranges(self, keep: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        kr = self.cfg.keep_ranges
+        ranges = load_keep_ranges(kr.path)
+        column = kr.relative_path_column or kr.episode_id_column
+        values = self.meta.episode_strings(column)
+        if values is None:
+            raise ValueError(
+                f"the keep-ranges filter needs each episode's DROID id or relative path, but {self.meta.root} has no "
+                f"{column!r} column in meta/episodes; set data.keep_ranges.episode_id_column / relative_path_column "
+                "to the column that has it, or unset data.keep_ranges.path (this dataset cannot be filtered)"
+            )
+        mapping = None
+        if kr.relative_path_column is None:
+            if kr.episode_id_to_path is None:
+                raise ValueError("data.keep_ranges.episode_id_to_path is needed to turn episode ids into keep-ranges "
+                                 "keys (or set data.keep_ranges.relative_path_column)")
+            mapping = json.loads(Path(kr.episode_id_to_path).expanduser().read_text())
+        eps, starts, ends = [], [], []
+        counts = {"kept": 0, "absent": 0, "unkeyed": 0}
+        for e in np.flatnonzero(keep):
+            rel = values[e] if mapping is None else mapping.get(values[e])
+            if not rel:
+                counts["unkeyed"] += 1
+                continue
+            r = ranges.get(episode_key(rel))
+            if r is None:
+                counts["absent"] += 1
+                continue
+            counts["kept"] += 1
+            for s, t in keep_segments(r, int(lengths[e]), self.action_horizon, kr.semantics):
+                eps.append(e)
+                starts.append(s)
+                ends.append(t)
+        total = int(lengths[keep].sum())
+        kept_frames = int(sum(t - s for s, t in zip(starts, ends)))
+        log.info("keep-ranges (%s): kept %d of %d episodes and %d of %d frames; %d episodes absent from the file, "
+                 "%d without a key", kr.semantics, counts["kept"], int(keep.sum()), kept_frames, total,
+                 counts["absent"], counts["unkeyed"])
+        if counts["unkeyed"] == int(keep.sum()):
+            raise ValueError(f"no episode of {self.meta.root} could be keyed into the keep-ranges file through "
+                             f"{column!r}; the filter cannot be applied to this dataset")
+        self.keep_ranges_counts = {**counts, "kept_frames": kept_frames, "total_frames": total}
+        return np.asarray(eps, np.int64), np.asarray(starts, np.int64), np.asarray(ends, np.int64)
 
     @property
     def name(self) -> str:
@@ -132,9 +187,9 @@ class DroidDataset(Dataset):
         if not 0 <= i < len(self):
             raise IndexError(i)
         k = int(np.searchsorted(self.cum_lengths, i, side="right") - 1)
-        episode_pos = int(self.kept_episodes[k])
+        episode_pos = int(self.seg_ep[k])
         start, end = int(self.ep_from[episode_pos]), int(self.ep_to[episode_pos])
-        t = int(i - self.cum_lengths[k])
+        t = int(self.seg_start[k] + i - self.cum_lengths[k])
         row = start + t
         chunk_rows = np.arange(row, row + self.action_horizon)
         valid = chunk_rows < end

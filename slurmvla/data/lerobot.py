@@ -103,6 +103,17 @@ class LeRobotDataset:
             raise ValueError(f"{self.root}: meta/episodes length disagrees with dataset_to_index - dataset_from_index")
         return episodes
 
+    def episode_strings(self, column: str) -> list[str] | None:
+        """A string column of meta/episodes (e.g. a DROID ``episode_id``), in episode order; None if absent."""
+        files = sorted((self.root / "meta" / "episodes").glob("**/*.parquet"))
+        tables = [pq.read_table(f) for f in files]
+        if not all(column in t.column_names for t in tables):
+            return None
+        table = pa.concat_tables([t.select(["episode_index", column]) for t in tables])
+        order = np.argsort(np.asarray(table["episode_index"]), kind="stable")
+        values = table[column].to_pylist()
+        return [values[i] for i in order]
+
     def video_location(self, key: str) -> VideoLocation:
         template = self.info["video_path"]
         ep = self.episodes

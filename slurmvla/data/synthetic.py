@@ -6,7 +6,9 @@ Feature names and shapes are DROID 1.0.1's (three 180x320 cameras at 15 fps, 8-D
 plus their sub-keys, three language instructions, ``is_episode_successful``). The episodes are
 learnable: the arm moves smoothly from its start towards a goal that the scene colour and the
 instruction reveal, and the action is the next joint position, so a policy's loss visibly falls.
-Episode lengths vary, and some episodes are shorter than an action chunk.
+Episode lengths vary, and some episodes are shorter than an action chunk. Beside the data it
+writes ``keep_ranges_1_0_1.json`` and ``episode_id_to_path.json`` in DROID's formats (idle first and
+last steps cut from long episodes, every fifth episode left out), to exercise the idle filter.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from slurmvla.config import DROID_CAMERAS
+from slurmvla.data.keep_ranges import episode_key
 
 FPS = 15
 HEIGHT, WIDTH = 180, 320
@@ -118,6 +121,11 @@ def write_droid_sample(out: str | Path, num_episodes: int, seed: int = 0, episod
     tasks: list[str] = []
     episode_rows: list[dict] = []
     global_index = 0
+    rel_paths: dict[str, str] = {}
+
+    def episode_id_of(e: int) -> str:
+        return f"{LABS[e % len(LABS)]}+{(e * 2654435761) % 16**8:08x}+2023-10-{1 + e % 28:02d}-{e % 24:02d}h-{e % 60:02d}m-{(7 * e) % 60:02d}s"
+
     num_files = (num_episodes + episodes_per_file - 1) // episodes_per_file
     for file_index in range(num_files):
         file_eps = range(file_index * episodes_per_file, min(num_episodes, (file_index + 1) * episodes_per_file))
@@ -135,8 +143,10 @@ def write_droid_sample(out: str | Path, num_episodes: int, seed: int = 0, episod
             if instructions[0] not in tasks:
                 tasks.append(instructions[0])
             success = bool(rng.random() < 0.8)
-            day = 1 + e % 28
-            episode_id = f"{LABS[e % len(LABS)]}+{rng.integers(16**8):08x}+2023-10-{day:02d}-{e % 24:02d}h-{e % 60:02d}m-{(7 * e) % 60:02d}s"
+            # A DROID-style relative path; the keep-ranges file drops the idle first and last steps of
+            # long episodes and leaves every fifth episode out (such episodes are dropped by the filter).
+            rel_paths[episode_id_of(e)] = f"{LABS[e % len(LABS)]}/{'success' if success else 'failure'}/2023-10-{1 + e % 28:02d}/ep{e:05d}"
+            episode_id = episode_id_of(e)
             cart_state, cart_action = _cartesian(ep["state"]), _cartesian(ep["action"])
             per_frame = {
                 "observation.state": ep["state"],
@@ -202,6 +212,14 @@ def write_droid_sample(out: str | Path, num_episodes: int, seed: int = 0, episod
     action = np.concatenate([e["action"] for e in episodes])
     stats = {"observation.state": _stats(state), "action": _stats(action)}
     (meta / "stats.json").write_text(json.dumps(stats, indent=2))
+    keep = {}
+    for e, n in enumerate(lengths):
+        if e % 5 == 4:
+            continue
+        rel = rel_paths[episode_id_of(e)]
+        keep[episode_key(rel)] = [[1, n - 1]] if n > 12 else [[0, n]]
+    (tmp / "keep_ranges_1_0_1.json").write_text(json.dumps(keep, indent=1))
+    (tmp / "episode_id_to_path.json").write_text(json.dumps(rel_paths, indent=1))
     (meta / "info.json").write_text(json.dumps(_info(num_episodes, global_index, len(tasks), episodes_per_file), indent=2))
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)

@@ -1,0 +1,86 @@
+"""Small decisions the shell wrappers ask for, so that no script computes anything that can be wrong.
+
+    python -m slurmvla.launch master-addr       # first host of the job's node list
+    python -m slurmvla.launch master-port       # MASTER_PORT if set, else derived from the job id
+    python -m slurmvla.launch nproc-per-node    # NPROC_PER_NODE / GPUS_PER_NODE / SLURM GPUs / CUDA devices / 1
+    python -m slurmvla.launch requeue RUN_DIR EXIT_CODE   # after the job step: finished, requeue, or fail
+    python -m slurmvla.launch check-file NAME PATH        # fail at once when a configured file is missing
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from slurmvla.launch.distenv import derive_master_port
+from slurmvla.launch.nodelist import expand_nodelist
+from slurmvla.launch.preempt import FINISHED_MARKER
+
+DEFAULT_MAX_RESTARTS = 3
+
+
+def nproc_per_node(env: dict[str, str]) -> int:
+    for name in ("NPROC_PER_NODE", "GPUS_PER_NODE", "SLURM_GPUS_ON_NODE"):
+        value = env.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    try:
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    except ImportError:
+        return 1
+
+
+def requeue_decision(run_dir: Path, exit_code: int, env: dict[str, str]) -> tuple[str, int]:
+    """('finished' | 'requeue' | 'failed', exit code for the batch script)."""
+    if (run_dir / FINISHED_MARKER).is_file():
+        return "finished", 0
+    if "SLURM_JOB_ID" not in env:
+        return "failed", exit_code or 1
+    restarts = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    budget = int(env.get("SLURMVLA_MAX_RESTARTS", DEFAULT_MAX_RESTARTS))
+    if restarts >= budget:
+        return "failed", exit_code or 1
+    return "requeue", 0
+
+
+def main(argv: list[str]) -> int:
+    env = dict(os.environ)
+    cmd = argv[0] if argv else "help"
+    if cmd == "master-addr":
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        print(env.get("MASTER_ADDR") or (expand_nodelist(nodelist)[0] if nodelist else "127.0.0.1"))
+    elif cmd == "master-port":
+        job = env.get("SLURM_JOB_ID")
+        print(env.get("MASTER_PORT") or (derive_master_port(job, env.get("SLURM_ARRAY_TASK_ID")) if job else 29500))
+    elif cmd == "nproc-per-node":
+        print(nproc_per_node(env))
+    elif cmd == "check-file":
+        name, path = argv[1], argv[2]
+        if not Path(path).is_file():
+            print(f"error: {name}={path!r} does not exist (or is not a file); fix it or unset {name}", file=sys.stderr)
+            return 2
+    elif cmd == "requeue":
+        run_dir, code = Path(argv[1]), int(argv[2])
+        decision, rc = requeue_decision(run_dir, code, env)
+        restarts = env.get("SLURM_RESTART_COUNT", "0")
+        if decision == "requeue":
+            print(f"slurmvla: run not finished (exit {code}); requeueing job {env['SLURM_JOB_ID']} (restart {restarts})")
+            subprocess.run(["scontrol", "requeue", env["SLURM_JOB_ID"]], check=True)
+        elif decision == "failed":
+            print(f"slurmvla: run not finished (exit {code}) and not requeued (restarts so far: {restarts}, "
+                  f"budget SLURMVLA_MAX_RESTARTS={env.get('SLURMVLA_MAX_RESTARTS', DEFAULT_MAX_RESTARTS)})", file=sys.stderr)
+        else:
+            print(f"slurmvla: run finished ({run_dir / FINISHED_MARKER})")
+        return rc
+    else:
+        print(__doc__, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
