@@ -67,6 +67,10 @@ class Trainer:
         tcfg = cfg.trainer
         self.micro_batch_size = tcfg.micro_batch_size(self.env.world_size)
         self.device = select_device(tcfg.device, self.env)
+        if self.env.source in ("slurm", "submitit"):
+            # The engine and any child process see torchrun's names; set variables are kept, and said.
+            for kept in self.env.export_to():
+                log.warning("keeping the environment's %s", kept)
         init_process_group(self.env, self.device, cfg.engine.backend, cfg.engine.timeout_s)
         if self.env.is_distributed:
             # Every rank writes into rank 0's run directory (a timestamped default can differ by a

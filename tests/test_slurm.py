@@ -1,0 +1,191 @@
+"""End to end on a real SLURM cluster started on this machine (tests/slurm/cluster.sh): two nodes,
+each in its own network namespace with its own hostname, slurmctld + slurmd + slurmdbd + munge.
+
+Skipped only where a cluster cannot run at all (not root, no iproute2/nsenter). The cluster is
+torn down by PID at the end of the module, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from slurmvla.config import to_config
+from slurmvla.trainer import Trainer
+
+from .conftest import compose_cfg
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if os.geteuid() != 0 or not shutil.which("nsenter") or not shutil.which("ip"):
+        pytest.skip("a local SLURM cluster needs root, nsenter and iproute2")
+    # munged needs every directory above its socket to be world-executable (pytest's are 0700).
+    base = Path(tempfile.mkdtemp(prefix="slurmvla-cluster-", dir="/tmp"))
+    base.chmod(0o755)
+    env = {**os.environ, "SVLA_BASE": str(base)}
+    subprocess.run(["bash", str(CLUSTER), "down"], env=env, capture_output=True)
+    up = subprocess.run(["bash", str(CLUSTER), "up"], env=env, capture_output=True, text=True, timeout=600)
+    try:
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        yield {**env, "SLURM_CONF": str(base / "etc" / "slurm.conf"), "OMP_NUM_THREADS": "1"}
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "down"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _overrides(root, steps: int, every: int) -> list[str]:
+    return [f"data.root={root}", "logging.wandb.mode=disabled", "trainer.progress_bar=false", "data.num_workers=0",
+            "trainer.global_batch_size=8", f"trainer.max_steps={steps}", f"checkpoint.every_steps={every}",
+            "trainer.log_every_steps=2", "trainer.signal_check_every_steps=1"]
+
+
+def sbatch(env: dict, script: str, args: list[str], out_dir: Path, extra_env: dict | None = None) -> str:
+    res = subprocess.run(["sbatch", "--parsable", f"--output={out_dir}/%j.out", script, *args], cwd=REPO,
+                         env={**env, **(extra_env or {})}, capture_output=True, text=True, check=True)
+    return res.stdout.strip().split(";")[0]
+
+
+def job_state(env: dict, job: str) -> str:
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True, text=True).stdout.strip()
+    return out
+
+
+def wait_gone(env: dict, job: str, timeout: float) -> float:
+    start = time.monotonic()
+    while job_state(env, job):
+        if time.monotonic() - start > timeout:
+            subprocess.run(["scancel", job], env=env)
+            pytest.fail(f"job {job} still in the queue after {timeout}s")
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def sacct_state(env: dict, job: str) -> str:
+    out = subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "State,ExitCode", "-P"], env=env,
+                         capture_output=True, text=True).stdout.strip().splitlines()
+    return out[-1] if out else ""
+
+
+def single_process(root, steps: int, tmp: Path) -> dict:
+    cfg = to_config(compose_cfg(_overrides(root, steps, 0)))
+    trainer = Trainer(cfg, tmp)
+    trainer.fit()
+    weights = trainer.engine.model_state_dict()
+    trainer.close()
+    return weights
+
+
+def rel_l2(a, b) -> float:
+    return (sum(((a[k] - b[k]) ** 2).sum() for k in b) ** 0.5 / sum((b[k] ** 2).sum() for k in b) ** 0.5).item()
+
+
+def test_sbatch_droid_with_keep_ranges_and_quoted_tail_overrides(cluster, sample_root, tmp_path):
+    run = tmp_path / "run"
+    marker = tmp_path / "pwned"
+    extra = {
+        "NPROC_PER_NODE": "1", "RUN_DIR": str(run),
+        "KEEP_RANGES_PATH": str(sample_root / "keep_ranges_1_0_1.json"),
+        "EPISODE_ID_TO_PATH": str(sample_root / "episode_id_to_path.json"),
+        # A quoted value with spaces, and text that a shell would execute if the string were eval'd.
+        "EXTRA_TAIL_OVERRIDES": f"'name=droid on two nodes' \"logging.wandb.project='p $(touch {marker})'\" trainer.max_steps=4",
+    }
+    args = ["policy=tiny", "engine=ddp", "precision=fp32", *_overrides(sample_root, 100, 2)]
+    t0 = time.monotonic()
+    job = sbatch(cluster, "sbatch/droid.sh", args, tmp_path, extra)
+    wait_gone(cluster, job, 300)
+    log = (tmp_path / f"{job}.out").read_text()
+    assert sacct_state(cluster, job).startswith("COMPLETED"), log[:3000] + log[-3000:]
+    assert "master node1:" in log and "run finished" in log
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step_00000002", "step_00000004"]
+    resolved = (run / "config.resolved.yaml").read_text()
+    assert "name: droid on two nodes" in resolved and f"$(touch {marker})" in resolved and not marker.exists()
+    assert "keep_ranges_1_0_1.json" in resolved and "keep-ranges (frame): kept" in (run / "train.log").read_text()
+    meta = json.loads((run / "checkpoints" / "step_00000004" / "meta.json").read_text())
+    assert meta["world_size"] == 2
+    print(f"sbatch droid: submit -> finished in {time.monotonic() - t0:.1f}s")
+
+
+def test_sbatch_missing_keep_ranges_fails_at_once(cluster, sample_root, tmp_path):
+    extra = {"NPROC_PER_NODE": "1", "RUN_DIR": str(tmp_path / "run"), "KEEP_RANGES_PATH": "/nope/keep.json",
+             "SLURMVLA_MAX_RESTARTS": "0"}
+    job = sbatch(cluster, "sbatch/droid.sh", ["policy=tiny", "engine=ddp"], tmp_path, extra)
+    assert wait_gone(cluster, job, 120) < 60
+    log = (tmp_path / f"{job}.out").read_text()
+    assert "KEEP_RANGES_PATH='/nope/keep.json' does not exist" in log
+    assert not sacct_state(cluster, job).startswith("COMPLETED")
+
+
+def test_preemption_signal_requeues_and_resumes_to_the_same_weights(cluster, sample_root, tmp_path):
+    steps = 60
+    run = tmp_path / "run"
+    extra = {"NPROC_PER_NODE": "1", "RUN_DIR": str(run)}
+    job = sbatch(cluster, "sbatch/train.sh", ["engine=ddp", *_overrides(sample_root, steps, 10)], tmp_path, extra)
+    deadline = time.monotonic() + 180
+    while not (run / "checkpoints" / "step_00000010").exists():
+        assert time.monotonic() < deadline, (tmp_path / f"{job}.out").read_text()[-3000:]
+        time.sleep(0.1)
+    # What SLURM sends signal_delay before the time limit (and on preemption), to the job steps.
+    t_signal = time.monotonic()
+    subprocess.run(["scancel", "--signal=USR2", job], env=cluster, check=True)
+    first_resumed = None
+    while job_state(cluster, job) or first_resumed is None:
+        log = (tmp_path / f"{job}.out").read_text() if (tmp_path / f"{job}.out").exists() else ""
+        if first_resumed is None and "restart 1" in log:
+            first_resumed = time.monotonic() - t_signal
+        assert time.monotonic() - t_signal < 300, log[-4000:]
+        if not job_state(cluster, job) and first_resumed is None:
+            break
+        time.sleep(0.2)
+    log = (tmp_path / f"{job}.out").read_text()
+    assert "all ranks checkpoint for requeue" in log and "requeueing job" in log and "restart 1" in log, log[-4000:]
+    assert (run / "FINISHED").read_text().strip() == str(steps)
+    reference = single_process(sample_root, steps, tmp_path / "single")
+    final = load_file(str(run / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
+    assert rel_l2(final, reference) < 1e-6
+    print(f"preemption: signal -> requeued job running again in {first_resumed:.1f}s")
+
+
+def test_a_killed_rank_ends_the_job_in_bounded_time(cluster, sample_root, tmp_path):
+    import psutil
+
+    run = tmp_path / "run"
+    extra = {"NPROC_PER_NODE": "1", "RUN_DIR": str(run), "SLURMVLA_MAX_RESTARTS": "0"}
+    job = sbatch(cluster, "sbatch/train.sh", ["engine=ddp", *_overrides(sample_root, 100000, 0)], tmp_path, extra)
+    deadline = time.monotonic() + 180
+    victim = None
+    while victim is None:
+        assert time.monotonic() < deadline, "no training worker appeared"
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                env = p.environ()
+            except (psutil.Error, OSError):
+                continue
+            if env.get("RUN_DIR") == str(run) and env.get("RANK") == "1" and "slurmvla.train" in " ".join(p.info["cmdline"] or []):
+                victim = p
+                break
+        time.sleep(0.2)
+    while not (run / "metrics.jsonl").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    t_kill = time.monotonic()
+    victim.send_signal(signal.SIGKILL)
+    took = wait_gone(cluster, job, 180)
+    state = sacct_state(cluster, job)
+    assert not state.startswith("COMPLETED"), state
+    assert took < 90, took
+    print(f"killed rank 1 -> job {state} after {time.monotonic() - t_kill:.1f}s")
