@@ -36,7 +36,9 @@ def main(cfg: DictConfig) -> float | None:
         raise
     trainer.close()
     if trainer.stopped_for_requeue:
-        # Checkpoint written; the launcher requeues on this exit code (SystemExit passes Hydra).
+        # Checkpoint written. Under submitit its handler requeues now (and exits on rank 0); on the
+        # sbatch path the batch script requeues on this exit code (SystemExit passes Hydra).
+        trainer.preempt.hand_over()
         sys.exit(REQUEUE_EXIT_CODE)
     return metrics.get("loss")
 

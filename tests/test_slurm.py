@@ -217,3 +217,41 @@ def test_submitit_two_nodes_matches_a_single_process_and_sweeps_are_arrays(clust
     assert rel_l2(final, reference) < 1e-6
     other = load_file(str(sweep / "1" / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
     assert rel_l2(other, reference) > 1e-3, "the seed sweep point trained a different model"
+
+
+def test_submitit_preemption_hands_over_to_submitits_requeue_and_resumes(cluster, sample_root, tmp_path):
+    """USR2 on the submitit path: the trainer checkpoints, hands the signal to submitit's handler,
+    which requeues the job; the requeued job resumes and ends with the uninterrupted weights.
+
+    The run is checked, not the launcher's client: submitit's client can read the job's sacct
+    state from before the requeue and report the job as finished without a result (a client-side
+    race in submitit); the job itself completes.
+    """
+    steps = 60
+    sweep = tmp_path / "sweep"
+    client = subprocess.Popen(
+        [sys.executable, "-m", "slurmvla.train", "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2",
+         "hydra.launcher.tasks_per_node=1", "hydra.launcher.timeout_min=20", "hydra.launcher.max_num_timeout=3",
+         f"hydra.sweep.dir={sweep}", "engine=ddp", *_overrides(sample_root, steps, 10)],
+        cwd=tmp_path, env=cluster, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (sweep / "0" / "checkpoints" / "step_00000010").exists():
+            assert time.monotonic() < deadline and client.poll() is None
+            time.sleep(0.1)
+        job = subprocess.run(["squeue", "-h", "-o", "%i"], env=cluster, capture_output=True, text=True).stdout.split()[0]
+        subprocess.run(["scancel", "--signal=USR2", job], env=cluster, check=True)
+        while not (sweep / "0" / "FINISHED").exists():
+            assert time.monotonic() < deadline + 120, "the requeued job did not finish"
+            time.sleep(0.2)
+    finally:
+        try:
+            client.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            client.kill()
+    logs = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_0_log.out"))
+    assert "handing SIGUSR2 over to SignalHandler.checkpoint_and_try_requeue" in logs
+    assert "resumed from" in (sweep / "0" / "train.log").read_text()
+    reference = single_process(sample_root, steps, tmp_path / "single")
+    final = load_file(str(sweep / "0" / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
+    assert rel_l2(final, reference) < 1e-6

@@ -1,9 +1,11 @@
 """Preemption and time-limit signals. The handler only sets a flag; the trainer acts on it.
 
-SLURM sends the signal ``signal_delay`` before the time limit (``--signal=B:USR2@90`` on the sbatch
-path; submitit sends USR2 too). USR2 because NCCL may use USR1. At the next step boundary the
-ranks agree on the flag (one small all-reduce, see slurmvla.collectives), save a checkpoint
-together and exit with ``REQUEUE_EXIT_CODE``; the launcher requeues the job, which resumes there.
+SLURM sends the signal ``signal_delay`` before the time limit (``--signal=USR2@120`` on the sbatch
+path; submitit asks for USR2 too). USR2 because NCCL may use USR1. At the next step boundary the
+ranks agree on the flag (one small all-reduce, see slurmvla.collectives) and save a checkpoint
+together. Then the launcher requeues: on the sbatch path the batch script (``python -m
+slurmvla.launch requeue``) after the step exits with ``REQUEUE_EXIT_CODE``; on the submitit path
+submitit's own handler, which ours replaced and hands over to once the checkpoint is written.
 """
 
 from __future__ import annotations
@@ -30,8 +32,21 @@ class PreemptionFlag:
     def install(self, signals: tuple[str, ...] = ("SIGUSR2",)) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
+        self._previous = {}
         for name in signals:
-            signal.signal(getattr(signal, name), self._handle)
+            sig = getattr(signal, name)
+            previous = signal.getsignal(sig)
+            if previous is not self._handle:
+                self._previous[sig] = previous
+            signal.signal(sig, self._handle)
+
+    def hand_over(self) -> None:
+        """After the checkpoint: run the handler that was there before ours (submitit's, which
+        requeues the job from global rank 0 and exits there), as if the signal arrived now."""
+        for sig, previous in getattr(self, "_previous", {}).items():
+            if callable(previous):
+                log.info("handing %s over to %s", signal.Signals(sig).name, getattr(previous, "__qualname__", previous))
+                previous(sig, None)
 
     def _handle(self, signum: int, frame) -> None:  # noqa: ANN001 - signal's signature
         self.signal_name = signal.Signals(signum).name
