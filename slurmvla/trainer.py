@@ -7,7 +7,9 @@ checkpoint. Everything strategy-specific sits behind the engine; there is no bra
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -29,6 +31,7 @@ from slurmvla.engine.distributed import init_process_group, select_device, shutd
 from slurmvla.engine.precision import check_fp32_master_state
 from slurmvla.launch import DistEnv
 from slurmvla.launch.preempt import FINISHED_MARKER, PreemptionFlag
+from slurmvla.launch.runtime import apply_process_defaults, write_snapshot
 from slurmvla.logger import MetricLogger
 from slurmvla.optim import build_scheduler
 from slurmvla.policy import build_policy
@@ -66,6 +69,7 @@ class Trainer:
         self.env = env or DistEnv.from_environ()
         tcfg = cfg.trainer
         self.micro_batch_size = tcfg.micro_batch_size(self.env.world_size)
+        apply_process_defaults(self.env.is_main)
         self.device = select_device(tcfg.device, self.env)
         if self.env.source in ("slurm", "submitit"):
             # The engine and any child process see torchrun's names; set variables are kept, and said.
@@ -129,6 +133,8 @@ class Trainer:
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(config_dict))
+            restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+            write_snapshot(self.run_dir, dataclasses.asdict(self.env), restart)
         self.resumed_from: Path | None = None
         self.stopped_for_requeue = False
         self.preempt = PreemptionFlag()

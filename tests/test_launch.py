@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -134,3 +135,70 @@ def test_preemption_flag_is_set_by_usr2_only():
         assert flag.is_set() and flag.signal_name == "SIGUSR2"
     finally:
         signal.signal(signal.SIGUSR2, previous)
+
+
+def test_alloc_conf_default_is_set_once_and_never_overrides(caplog):
+    from slurmvla.launch.runtime import apply_process_defaults
+
+    env: dict[str, str] = {}
+    with caplog.at_level("INFO", logger="slurmvla"):
+        apply_process_defaults(True, env)
+        apply_process_defaults(True, env)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert sum("PYTORCH_CUDA_ALLOC_CONF" in r.message for r in caplog.records) == 1
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+    apply_process_defaults(True, mine)
+    assert mine["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+
+
+def test_snapshot_keeps_the_job_shape_and_drops_secrets():
+    from slurmvla.launch.runtime import job_environment
+
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-2]", "MASTER_ADDR": "node1", "WANDB_API_KEY": "xyz",
+           "SLURM_AUTH_TOKEN": "t", "HF_TOKEN": "h", "HOME": "/root", "EXTRA_TAIL_OVERRIDES": "a=1"}
+    kept = job_environment(env)
+    assert kept == {"EXTRA_TAIL_OVERRIDES": "a=1", "MASTER_ADDR": "node1", "SLURM_JOB_ID": "7",
+                    "SLURM_JOB_NODELIST": "node[1-2]"}
+
+
+GOLDEN = Path(__file__).with_name("golden")
+_LAUNCH_VARS = ("SLURM", "NNODES", "NODE_RANK", "MASTER_", "RUN_DIR", "DROID_ROOT", "EPISODE_ID_TO_PATH", "LAUNCHER",
+                "SLURMVLA_", "KEEP_RANGES_PATH", "EXTRA_TAIL_OVERRIDES", "NPROC_PER_NODE", "GPUS_PER_NODE", "DRY_RUN")
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_VARS)}
+
+
+def test_wrapper_works_run_and_sourced_and_stops_on_a_malformed_tail():
+    repo = Path(__file__).resolve().parents[1]
+    env = {**_clean_env(), "DRY_RUN": "1", "NPROC_PER_NODE": "1", "EXTRA_TAIL_OVERRIDES": "'a=b c'"}
+    run = subprocess.run(["bash", "launchers/train.sh", "x=1"], cwd=repo, env=env, capture_output=True, text=True)
+    sourced = subprocess.run(["bash", "-c", "source launchers/train.sh x=1"], cwd=repo, env=env, capture_output=True,
+                             text=True)
+    assert run.returncode == sourced.returncode == 0 and run.stdout == sourced.stdout
+    assert run.stdout.strip().endswith("-m slurmvla.train x=1 a=b\\ c")
+    bad = subprocess.run(["bash", "launchers/train.sh"], cwd=repo, capture_output=True, text=True,
+                         env={**env, "EXTRA_TAIL_OVERRIDES": "a='b", "DRY_RUN": "0"})
+    assert bad.returncode == 2 and "a='b" in bad.stderr and "torchrun" not in bad.stdout
+
+
+@pytest.mark.parametrize("script, args, golden", [
+    ("sbatch/droid.sh", ["trainer.seed=1"], "sbatch_droid_dry_run.txt"),
+    ("launchers/train.sh", ["engine=ddp"], "launcher_single_node_dry_run.txt"),
+])
+def test_dry_runs_match_golden_files(script, args, golden, tmp_path):
+    """The exact command lines each path would run (regenerate with SLURMVLA_REGOLDEN=1)."""
+    repo = Path(__file__).resolve().parents[1]
+    keep = tmp_path / "keep_ranges_1_0_1.json"
+    keep.write_text("{}")
+    env = _clean_env()
+    env.update(DRY_RUN="1", NPROC_PER_NODE="2", PYTHON="python3", KEEP_RANGES_PATH=str(keep),
+               EXTRA_TAIL_OVERRIDES="'name=two words' trainer.max_steps=3")
+    out = subprocess.run(["bash", script, *args], cwd=repo, env=env, capture_output=True, text=True, check=True).stdout
+    out = out.replace(str(keep), "<KEEP_RANGES_PATH>")
+    path = GOLDEN / golden
+    if os.environ.get("SLURMVLA_REGOLDEN"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(out)
+    assert out == path.read_text()
