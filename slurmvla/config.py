@@ -296,6 +296,34 @@ class Config:
             self.trainer.log_every_steps = self.trainer.max_steps
 
 
+def check_override_keys(overrides: list[str], groups: list[str]) -> None:
+    """Fail on a misspelled key with the keys that exist there (Hydra names only the bad one).
+
+    ``groups`` are the config group names (``engine=ddp`` selects an option, it is no key path).
+    Overrides of Hydra itself, additions (``+``), deletions (``~``) and package syntax (``@``) pass.
+    """
+    import dataclasses
+
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        if "=" not in item or key.startswith(("hydra", "+", "~")) or "@" in key or key in groups:
+            continue
+        node: Any = Config
+        walked: list[str] = []
+        for part in key.split("."):
+            fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else None
+            if fields is None:
+                break
+            if part not in fields:
+                where = ".".join(walked) or "the top level"
+                raise ValueError(f"unknown config key {key!r}: {where} has no {part!r}; valid keys there: "
+                                 f"{sorted(fields)}")
+            walked.append(part)
+            default = fields[part].default_factory() if fields[part].default_factory is not dataclasses.MISSING \
+                else fields[part].default
+            node = type(default) if dataclasses.is_dataclass(default) else _FIELD_TYPES.get((node, part))
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="slurmvla_schema", node=Config)
@@ -309,5 +337,11 @@ def to_config(cfg: DictConfig) -> Config:
     typed = OmegaConf.merge(OmegaConf.structured(Config), container)
     return OmegaConf.to_object(typed)
 
+
+# Dataclass-typed fields whose defaults are MISSING in Config: where check_override_keys descends.
+_FIELD_TYPES = {(Config, "engine"): EngineConfig, (Config, "policy"): PolicyConfig, (Config, "data"): DataConfig,
+                (Config, "optim"): OptimConfig, (Config, "scheduler"): SchedulerConfig,
+                (Config, "trainer"): TrainerConfig, (Config, "checkpoint"): CheckpointConfig,
+                (Config, "logging"): LoggingConfig}
 
 register_configs()

@@ -14,7 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from slurmvla.config import to_config
+from slurmvla.config import check_override_keys, to_config
 from slurmvla.launch.preempt import REQUEUE_EXIT_CODE
 
 
@@ -43,5 +43,41 @@ def main(cfg: DictConfig) -> float | None:
     return metrics.get("loss")
 
 
-if __name__ == "__main__":
+def dry_run(overrides: list[str]) -> None:
+    """Compose exactly what a run would, print what would be submitted or run, and stop."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from slurmvla.launch.dryrun import describe
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    launcher = {}
+    for key in cfg.hydra.launcher:
+        value = OmegaConf.select(cfg, f"hydra.launcher.{key}", throw_on_missing=False, throw_on_resolution_failure=False)
+        launcher[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    launcher.setdefault("name", cfg.name)
+    hydra_cfg = {"launcher": launcher}
+    job = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+    to_config(OmegaConf.create(job))  # every validation rule, as at start-up
+    print(describe(job, hydra_cfg, [o for o in overrides if not o.startswith("hydra")]))
+
+
+def cli() -> None:
+    """Entry point: a misspelled key fails here with the valid keys listed, before Hydra starts;
+    ``--dry-run`` prints what would be run or submitted and runs nothing."""
+    overrides = [a for a in sys.argv[1:] if not a.startswith("-")]
+    groups = sorted(p.name for p in config_dir().iterdir() if p.is_dir())
+    try:
+        check_override_keys(overrides, groups)
+        if "--dry-run" in sys.argv:
+            dry_run(overrides)
+            return
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    cli()

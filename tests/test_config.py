@@ -117,3 +117,26 @@ def test_policy_shape_must_match_data(make_cfg, tmp_path):
     cfg = make_cfg("policy.state_dim=7")
     with pytest.raises(ValueError, match=r"policy.state_dim=7 does not match .*observation.state.*=8"):
         Trainer(cfg, tmp_path)
+
+
+def test_misspelled_key_lists_the_valid_keys_there():
+    from slurmvla.config import check_override_keys
+
+    with pytest.raises(ValueError) as e:
+        check_override_keys(["engine=hsdp", "engine.replicat_degree=2"], GROUPS)
+    assert "'engine.replicat_degree'" in str(e.value) and "'replicate_degree'" in str(e.value)
+    with pytest.raises(ValueError, match=r"data.keep_ranges has no 'pth'.*'path'"):
+        check_override_keys(["data.keep_ranges.pth=x"], GROUPS)
+    with pytest.raises(ValueError, match=r"the top level has no 'precison'.*'precision'"):
+        check_override_keys(["precison=bf16"], GROUPS)
+    check_override_keys(["experiment=demo", "+extra.key=1", "hydra.run.dir=x", "trainer.seed=0,1",
+                         "data.keep_ranges.path=x", "optim.betas=[0.9,0.99]"], GROUPS)
+
+
+def test_cli_rejects_a_misspelled_key_with_the_valid_ones(tmp_path):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "slurmvla.train", "engine=hsdp", "engine.shard_degre=2"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "'shard_degree'" in res.stderr and not (tmp_path / "outputs").exists()

@@ -202,3 +202,23 @@ def test_dry_runs_match_golden_files(script, args, golden, tmp_path):
         path.parent.mkdir(exist_ok=True)
         path.write_text(out)
     assert out == path.read_text()
+
+
+def test_python_dry_runs_print_and_submit_nothing(tmp_path):
+    env = {**_clean_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    res = subprocess.run([sys.executable, "-m", "slurmvla.train", "--dry-run", "-m", "hydra/launcher=slurm_cluster",
+                          "hydra.launcher.nodes=4", "hydra.launcher.partition=gpu", "engine=fsdp_full"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --signal=USR2@120", "#SBATCH --partition=gpu", "submitit.core._submit"):
+        assert line in res.stdout
+    assert "training with these overrides: engine=fsdp_full" in res.stdout
+    local = subprocess.run([sys.executable, "-m", "slurmvla.train", "--dry-run", "engine=ddp", "precision=bf16"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert local.returncode == 0 and "-m slurmvla.train engine=ddp precision=bf16" in local.stdout
+    assert "engine=ddp precision=bf16" in local.stdout.splitlines()[-1]
+    assert not list(tmp_path.iterdir()), "a dry run writes nothing"
+    bad = subprocess.run([sys.executable, "-m", "slurmvla.train", "--dry-run", "precision=fp8"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "precision='fp8'" in bad.stderr

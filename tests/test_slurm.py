@@ -108,7 +108,12 @@ def test_sbatch_droid_with_keep_ranges_and_quoted_tail_overrides(cluster, sample
     args = ["policy=tiny", "engine=ddp", "precision=fp32", *_overrides(sample_root, 100, 2)]
     t0 = time.monotonic()
     job = sbatch(cluster, "sbatch/droid.sh", args, tmp_path, extra)
-    wait_gone(cluster, job, 300)
+    first_step = None
+    while job_state(cluster, job):
+        if first_step is None and (run / "metrics.jsonl").exists():
+            first_step = time.monotonic() - t0
+        assert time.monotonic() - t0 < 300
+        time.sleep(0.05)
     log = (tmp_path / f"{job}.out").read_text()
     assert sacct_state(cluster, job).startswith("COMPLETED"), log[:3000] + log[-3000:]
     assert "master node1:" in log and "run finished" in log
@@ -118,7 +123,7 @@ def test_sbatch_droid_with_keep_ranges_and_quoted_tail_overrides(cluster, sample
     assert "keep_ranges_1_0_1.json" in resolved and "keep-ranges (frame): kept" in (run / "train.log").read_text()
     meta = json.loads((run / "checkpoints" / "step_00000004" / "meta.json").read_text())
     assert meta["world_size"] == 2
-    print(f"sbatch droid: submit -> finished in {time.monotonic() - t0:.1f}s")
+    print(f"sbatch droid: submit -> first logged step (2) {first_step:.1f}s, -> finished {time.monotonic() - t0:.1f}s")
 
 
 def test_sbatch_missing_keep_ranges_fails_at_once(cluster, sample_root, tmp_path):
