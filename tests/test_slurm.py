@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -163,7 +164,14 @@ def test_preemption_signal_requeues_and_resumes_to_the_same_weights(cluster, sam
     reference = single_process(sample_root, steps, tmp_path / "single")
     final = load_file(str(run / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
     assert rel_l2(final, reference) < 1e-6
-    print(f"preemption: signal -> requeued job running again in {first_resumed:.1f}s")
+    stamps = {}
+    for line in log.splitlines():
+        for key, text in (("stop", "all ranks checkpoint for requeue"), ("resume", "resumed from")):
+            if text in line and key not in stamps:
+                stamps[key] = datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f")
+    resume_s = (stamps["resume"] - stamps["stop"]).total_seconds()
+    print(f"preemption: signal -> requeued job running again {first_resumed:.1f}s; "
+          f"checkpoint for requeue -> resumed trainer ready for its first step {resume_s:.1f}s")
 
 
 def test_a_killed_rank_ends_the_job_in_bounded_time(cluster, sample_root, tmp_path):
