@@ -75,10 +75,6 @@ class DeepSpeedEngine(SingleEngine):
     def model(self) -> nn.Module:
         return self._ds
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        # DeepSpeed's bf16 mode already casts the module; autocast keeps norms/softmax in fp32.
-        return super().autocast()
-
     # -- one optimizer step -----------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor) -> None:
