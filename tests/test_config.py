@@ -140,3 +140,12 @@ def test_cli_rejects_a_misspelled_key_with_the_valid_ones(tmp_path):
     res = subprocess.run([sys.executable, "-m", "slurmvla.train", "engine=hsdp", "engine.shard_degre=2"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "'shard_degree'" in res.stderr and not (tmp_path / "outputs").exists()
+
+
+def test_experiment_overlays_override_the_primary_config():
+    demo = to_config(compose_cfg(["experiment=demo"]))
+    assert demo.name == "demo" and demo.trainer.max_steps == 1500
+    droid = to_config(compose_cfg(["experiment=droid", "data.root=/data/droid"]))
+    assert (droid.name, droid.precision, droid.engine.name, droid.policy.size) == ("droid", "bf16", "hsdp", "base")
+    # and the command line overrides the overlay
+    assert to_config(compose_cfg(["experiment=droid", "data.root=/d", "precision=fp32"])).precision == "fp32"
