@@ -67,15 +67,28 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.env = env or DistEnv.from_environ()
-        tcfg = cfg.trainer
-        self.micro_batch_size = tcfg.micro_batch_size(self.env.world_size)
+        self.micro_batch_size = cfg.trainer.micro_batch_size(self.env.world_size)
+        self._join_job()
+        self._build_data()
+        self._build_model()
+        self._open_run_dir()
+        self.resumed_from: Path | None = None
+        self.stopped_for_requeue = False
+        self.preempt = PreemptionFlag()
+        self.preempt.install()
+        if cfg.checkpoint.resume:
+            self._resume()
+        self.logger.start(self.step)
+
+    def _join_job(self) -> None:
+        """Device, process group, and one run directory for every rank."""
         apply_process_defaults(self.env.is_main)
-        self.device = select_device(tcfg.device, self.env)
+        self.device = select_device(self.cfg.trainer.device, self.env)
         if self.env.source in ("slurm", "submitit"):
             # The engine and any child process see torchrun's names; set variables are kept, and said.
             for kept in self.env.export_to():
                 log.warning("keeping the environment's %s", kept)
-        init_process_group(self.env, self.device, cfg.engine.backend, cfg.engine.timeout_s)
+        init_process_group(self.env, self.device, self.cfg.engine.backend, self.cfg.engine.timeout_s)
         if self.env.is_distributed:
             # Every rank writes into rank 0's run directory (a timestamped default can differ by a
             # second between ranks).
@@ -83,16 +96,39 @@ class Trainer:
             torch.distributed.broadcast_object_list(shared, src=0)
             self.run_dir = Path(shared[0])
 
+    def _build_data(self) -> None:
+        cfg, seed = self.cfg, self.cfg.trainer.seed
         if self.env.local_rank == 0:
             ensure_sample_dataset(cfg.data)
         if self.env.is_distributed:
             torch.distributed.barrier()
         self.dataset = DroidDataset(cfg.data, cfg.policy.image_size, cfg.policy.action_horizon,
-                                    cfg.policy.max_text_len, seed=tcfg.seed)
+                                    cfg.policy.max_text_len, seed=seed)
         check_data_matches_policy(cfg, self.dataset)
+        if len(self.dataset) // self.env.world_size < self.micro_batch_size:
+            raise ValueError(
+                f"the dataset has {len(self.dataset)} samples: fewer than one micro-batch of {self.micro_batch_size} "
+                f"per rank for {self.env.world_size} ranks; lower trainer.global_batch_size"
+            )
+        self.sampler = EpochSampler(len(self.dataset), seed, self.env.rank, self.env.world_size)
+        workers = cfg.data.num_workers
+        self.loader = DataLoader(
+            self.dataset, batch_size=self.micro_batch_size, sampler=self.sampler, num_workers=workers,
+            drop_last=True, persistent_workers=workers > 0, pin_memory=self.device.type == "cuda",
+            prefetch_factor=4 if workers > 0 else None,
+            # Its own generator: starting workers must not draw from the global RNG, or a resumed
+            # run (which starts its workers at a different step) would diverge.
+            generator=torch.Generator().manual_seed(seed),
+        )
+        self.step = 0
+        self.epoch = 0
+        self.batches_in_epoch = 0  # on this rank; the checkpoint stores the global sample count
+        self._batches = None
 
+    def _build_model(self) -> None:
+        cfg = self.cfg
         # The same seed on every rank: every rank builds identical initial weights.
-        seed_everything(tcfg.seed)
+        seed_everything(cfg.trainer.seed)
         policy = build_policy(cfg.policy, self.dataset.stats)
         self.engine = build_engine(cfg, self.env, self.device, self.micro_batch_size)
         self.engine.wrap(policy)
@@ -101,47 +137,21 @@ class Trainer:
         self.optimizer = self.engine.build_optimizer(groups, cfg.optim)
         self.policy = self.engine.model
         # Built on the optimizer the engine returned, i.e. the one that actually steps.
-        self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, tcfg.max_steps)
-        # Flow-matching noise and time differ per rank.
-        seed_everything(tcfg.seed + 1_000 * (self.env.rank + 1))
-
-        self.sampler = EpochSampler(len(self.dataset), tcfg.seed, self.env.rank, self.env.world_size)
-        self.batches_per_epoch = (len(self.dataset) // self.env.world_size) // self.micro_batch_size
-        if self.batches_per_epoch == 0:
-            raise ValueError(
-                f"the dataset has {len(self.dataset)} samples: fewer than one micro-batch of {self.micro_batch_size} "
-                f"per rank for {self.env.world_size} ranks; lower trainer.global_batch_size"
-            )
-        workers = cfg.data.num_workers
-        self.loader = DataLoader(
-            self.dataset, batch_size=self.micro_batch_size, sampler=self.sampler, num_workers=workers,
-            drop_last=True, persistent_workers=workers > 0, pin_memory=self.device.type == "cuda",
-            prefetch_factor=4 if workers > 0 else None,
-            # Its own generator: starting workers must not draw from the global RNG that the policy's
-            # noise uses, or a resumed run (which starts its workers at a different step) diverges.
-            generator=torch.Generator().manual_seed(tcfg.seed),
-        )
-        self.step = 0
-        self.epoch = 0
-        self.batches_in_epoch = 0  # on this rank; the checkpoint stores the global sample count
-        self._batches = None
+        self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, cfg.trainer.max_steps)
         self._numerics_checked = False
+        # Per-rank streams for any randomness drawn outside the data pipeline (the training noise
+        # itself comes with each sample).
+        seed_everything(cfg.trainer.seed + 1_000 * (self.env.rank + 1))
 
-        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep, self.env.is_main)
-        config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
-        self.logger = MetricLogger(self.run_dir, cfg.logging.wandb, cfg.name, config_dict, self.env.is_main)
+    def _open_run_dir(self) -> None:
+        self.checkpoints = CheckpointManager(self.run_dir, self.cfg.checkpoint.keep, self.env.is_main)
+        config_dict = OmegaConf.to_container(OmegaConf.structured(self.cfg))
+        self.logger = MetricLogger(self.run_dir, self.cfg.logging.wandb, self.cfg.name, config_dict, self.env.is_main)
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(config_dict))
             restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
             write_snapshot(self.run_dir, dataclasses.asdict(self.env), restart)
-        self.resumed_from: Path | None = None
-        self.stopped_for_requeue = False
-        self.preempt = PreemptionFlag()
-        self.preempt.install()
-        if cfg.checkpoint.resume:
-            self._resume()
-        self.logger.start(self.step)
 
     # -- data -------------------------------------------------------------------------------------
 
