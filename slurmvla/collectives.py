@@ -21,11 +21,27 @@ def _fields_hash(fields: Iterable[str]) -> int:
     return int.from_bytes(digest, "little")  # < 2**48: exact in float64
 
 
-def agree(flags: Mapping[str, bool], fields: Iterable[str] | None = None, device: torch.device | None = None) -> dict[str, bool]:
-    """Return each flag OR-ed over all ranks (true if any rank says true), in one all-reduce.
+_control: tuple[object, dist.ProcessGroup | None] | None = None
+
+
+def _control_group() -> dist.ProcessGroup | None:
+    """A CPU (gloo) group for these host-side decisions: under NCCL an all-reduce of a GPU tensor
+    followed by ``.tolist()`` would stall the GPU stream every step. Created once per job (all
+    ranks reach the first call together); None means the default group is gloo already."""
+    global _control
+    world = dist.group.WORLD
+    if _control is None or _control[0] is not world:
+        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        _control = (world, group)
+    return _control[1]
+
+
+def agree(flags: Mapping[str, bool], fields: Iterable[str] | None = None) -> dict[str, bool]:
+    """Return each flag OR-ed over all ranks (true if any rank says true), in one CPU all-reduce.
 
     Every rank must call this with the same flag names. With ``fields`` (e.g. a batch's keys),
-    raise ``RuntimeError`` on every rank when the field sets differ between ranks.
+    raise ``RuntimeError`` on every rank when the field sets differ between ranks. The flags must
+    be host-side values (no ``.item()`` of a GPU tensor), so deciding costs no GPU sync.
     """
     names = sorted(flags)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -33,12 +49,13 @@ def agree(flags: Mapping[str, bool], fields: Iterable[str] | None = None, device
     field_list = sorted(fields) if fields is not None else []
     h = float(_fields_hash(field_list))
     # MAX over [flags..., hash, -hash] gives the OR of the flags and both the max and min hash.
-    values = torch.tensor([float(bool(flags[n])) for n in names] + [h, -h], dtype=torch.float64, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    group = _control_group()
+    values = torch.tensor([float(bool(flags[n])) for n in names] + [h, -h], dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     out = values.tolist()
     if fields is not None and out[-2] != -out[-1]:
         everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, field_list)
+        dist.all_gather_object(everyone, field_list, group=group)
         union = set().union(*map(set, everyone))
         partial = {f: [r for r, fs in enumerate(everyone) if f in fs] for f in sorted(union) if any(f not in fs for fs in everyone)}
         detail = "; ".join(f"{f!r} only on ranks {ranks}" for f, ranks in partial.items())

@@ -231,7 +231,7 @@ class Trainer:
 
     def _preemption_agreed(self) -> bool:
         """All ranks stop at the same step if any rank got the signal (then the caller saves)."""
-        stop = agree({"stop": self.preempt.is_set()}, device=self.device)["stop"]
+        stop = agree({"stop": self.preempt.is_set()})["stop"]
         if stop:
             self.stopped_for_requeue = True
             if self.env.is_main:

@@ -69,23 +69,35 @@ def test_a_field_on_some_ranks_only_is_an_error_not_a_hang(tmp_path):
 
 
 def _policy_forward(rank):
-    """Rank 0's batch has instructions, rank 1's has none: both still include text tokens."""
+    """Rank 0's batch has instruction tokens and rank 1's none at all: a clear error, not a hang.
+    Both without them: both skip the text tower; both with them (rank 1's empty): both run it."""
     torch.manual_seed(0)
     cfg = PolicyConfig()
     policy = build_policy(cfg)
     from tests.test_policy import make_batch
 
+    seen = []
+    policy.text_embed.register_forward_hook(lambda *a: seen.append(True))
+    out = {}
     batch = make_batch(2, cfg)
+    no_text = {k: v for k, v in batch.items() if k not in ("text", "text_mask")}
+    policy(no_text)
+    out["none"] = len(seen)
     if rank == 1:
         batch["text_mask"][:, 2:] = False
-    seen = {}
-    policy.text_embed.register_forward_hook(lambda *a: seen.update(text=True))
     policy(batch)
-    return seen.get("text", False)
+    out["all"] = len(seen)
+    try:
+        policy(batch if rank == 0 else no_text)
+    except RuntimeError as e:
+        out["mixed"] = str(e)
+    return out
 
 
 def test_policy_agrees_on_optional_instruction_tokens(tmp_path):
-    assert run_spawned(_policy_forward, 2, tmp_path, deadline_s=120) == [True, True]
+    for r in run_spawned(_policy_forward, 2, tmp_path, deadline_s=120):
+        assert r["none"] == 0 and r["all"] == 1
+        assert "'text' only on ranks [0]" in r["mixed"] and "'text_mask' only on ranks [0]" in r["mixed"]
 
 
 def test_single_process_needs_no_group():

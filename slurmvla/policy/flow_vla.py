@@ -245,15 +245,14 @@ class FlowMatchingVLA(Policy):
         state = (batch["state"].float() - self.state_mean) / self.state_std
         parts = [img, self.state_proj(state)[:, None, :].to(img.dtype)]
         keep = [batch["image_mask"].repeat_interleave(per_cam, dim=1), torch.ones(b, 1, dtype=torch.bool, device=images.device)]
-        # Instruction tokens are optional: a batch in which no sample on any rank carries an
-        # instruction (only BOS/EOS) skips them. Agreed across ranks, with a check that every
-        # rank's batch has the same fields.
-        has_text = batch["text_mask"].sum(dim=1) > 2 if "text" in batch else None
-        local = has_text is not None and bool(has_text.any())
-        if agree({"text": local}, fields=batch.keys(), device=images.device)["text"]:
+        # Instruction tokens are optional: a data source without instructions sends no "text"
+        # field. Whether the text tower runs is agreed across ranks from host-side knowledge
+        # (field presence, no GPU sync), with a check that every rank's batch has the same fields.
+        if agree({"text": "text" in batch}, fields=batch.keys())["text"]:
+            # A sample with an empty instruction (only BOS/EOS) sees no text tokens, as if they
+            # were absent: its result does not depend on its batch-mates' instructions.
+            has_text = batch["text_mask"].sum(dim=1) > 2
             parts.insert(1, self.text_embed(batch["text"]).to(img.dtype))
-            # A sample without an instruction sees no text tokens, as if they were skipped: its
-            # result does not depend on whether its batch-mates have instructions.
             keep.insert(1, batch["text_mask"] & has_text[:, None])
         return torch.cat(parts, dim=1), torch.cat(keep, dim=1)
 
