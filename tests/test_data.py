@@ -96,7 +96,7 @@ def test_success_only_drops_failed_episodes(sample_root, make_cfg):
 
 
 def test_image_content_follows_the_arm(sample_root, make_cfg):
-    """The rendered square tracks the state: frames of one episode differ, and match at full size."""
+    """The rendered square tracks the state: two frames of the first episode differ visibly."""
     ds = DroidDataset(make_cfg().data, 64, 8, 32)
     a, b = ds[0]["images"].float(), ds[20]["images"].float()
     assert (a - b).abs().mean() > 1.0

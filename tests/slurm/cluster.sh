@@ -121,7 +121,10 @@ DBD
 }
 
 up() {
-  command -v slurmctld >/dev/null || install
+  local tool
+  for tool in slurmctld slurmd slurmdbd munged mariadbd ip nsenter; do
+    command -v "$tool" > /dev/null || { install; break; }
+  done
   [ -s "$LOG/slurmctld.pid" ] && alive "$(cat "$LOG/slurmctld.pid")" && { say "already up"; return 0; }
   write_conf
   [ -s "$BASE/munge-key/munge.key" ] || { dd if=/dev/urandom of="$BASE/munge-key/munge.key" bs=128 count=1 status=none; chmod 400 "$BASE/munge-key/munge.key"; }
