@@ -87,6 +87,10 @@ class PolicyConfig:
     state_dim: int = 8
     action_dim: int = 8
     action_horizon: int = 8
+    # Observation frames per sample; must equal data.n_obs_history (checked at start-up).
+    n_obs_history: int = 1
+    # A conditioning token and a mode embedding for data.mode=joint / forward_dynamics / inverse_dynamics.
+    dynamics: bool = False
     num_inference_steps: int = 10
     attention_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
@@ -102,7 +106,7 @@ class PolicyConfig:
         )
         for key in ("image_size", "patch_size", "num_cameras", "vision_width", "vision_depth", "vision_heads",
                     "width", "depth", "num_heads", "head_dim", "expert_width", "max_text_len", "state_dim",
-                    "action_dim", "action_horizon", "num_inference_steps"):
+                    "action_dim", "action_horizon", "num_inference_steps", "n_obs_history"):
             _positive(f"policy.{key}", getattr(self, key))
         if self.image_size % self.patch_size:
             raise ValueError(
@@ -134,36 +138,100 @@ class KeepRangesConfig:
                 raise ValueError(f"data.keep_ranges.{name}={value!r} does not exist (or is not a file)")
 
 
+DATA_LOADERS = ("stream", "map")
+DATA_MODES = ("policy", "joint", "forward_dynamics", "inverse_dynamics")
+NORMALIZATIONS = ("mean_std", "min_max", "quantile", "identity")
+MISSING_CAMERA_CHOICES = ("fail", "pad")
+
+
+@dataclass
+class MixtureMember:
+    """One more dataset of a weighted mixture (the top-level ``data`` fields describe the first)."""
+
+    # null: the embedded DROID-format sample dataset.
+    root: str | None = None
+    weight: float = 1.0
+    control_mode: str = "joint_position"
+    success_only: bool = False
+    keep_ranges: KeepRangesConfig = field(default_factory=KeepRangesConfig)
+
+
 @dataclass
 class DataConfig:
     name: str = "droid"
-    # A LeRobot-format dataset. null means the small DROID-format sample dataset, written on first
-    # use into cache_dir (python -m slurmvla.data.synthetic writes the same thing by hand).
+    # A LeRobot-format dataset (v3.0 or v2.1). null means the small DROID-format sample dataset,
+    # written on first use into cache_dir (python -m slurmvla.data.synthetic writes it by hand).
     root: str | None = None
     cache_dir: str = "${oc.env:SLURMVLA_CACHE,${oc.env:HOME}/.cache/slurmvla}"
     sample_episodes: int = 24
     cameras: list[str] = field(default_factory=lambda: list(DROID_CAMERAS))
-    state_key: str = "observation.state"
-    action_key: str = "action"
+    # A camera the dataset lacks: fail, or pad with a black image whose image_mask entry is false.
+    missing_cameras: str = "fail"
+    # Concatenated in order: e.g. [observation.state] or its sub-keys
+    # [observation.state.joint_position, observation.state.gripper_position].
+    state_keys: list[str] = field(default_factory=lambda: ["observation.state"])
+    action_keys: list[str] = field(default_factory=lambda: ["action"])
     instruction_keys: list[str] = field(default_factory=lambda: list(DROID_INSTRUCTION_KEYS))
+    # From the dataset's stats: mean_std, min_max (to [-1, 1]), quantile (q01/q99 to [-1, 1]), identity.
+    state_normalization: str = "mean_std"
+    action_normalization: str = "mean_std"
     success_only: bool = False
     keep_ranges: KeepRangesConfig = field(default_factory=KeepRangesConfig)
     control_mode: str = "joint_position"
+    # This dataset's sampling weight in a mixture; more datasets go in data.mixture.<name>.
+    weight: float = 1.0
+    mixture: dict[str, MixtureMember] = field(default_factory=dict)
+    # policy: observation -> action chunk. joint draws one of policy / forward_dynamics (observation +
+    # action chunk -> future states) / inverse_dynamics (observation + future state -> action chunk)
+    # per sample; each sample says which in its "mode" field.
+    mode: str = "policy"
+    # Observation frames per sample (the current one last), history_interval frames apart.
+    n_obs_history: int = 1
+    history_interval: int = 1
+    # stream: episode-shuffle stream (the fast path: each episode decoded once, sequentially).
+    # map: per-sample access in a global order that does not depend on the world size (debugging,
+    # engine parity checks).
+    loader: str = "stream"
+    # Episodes interleaved by each stream worker, so one batch is not one episode.
+    interleave_episodes: int = 8
+    # Validation split, by episode, seeded with split_seed (independent of trainer.seed).
+    val_fraction: float = 0.0
+    split_seed: int = 0
     num_workers: int = 2
-    # Decoded episodes kept per dataloader worker (the map-style reader decodes a whole episode once).
+    # Decoded episodes kept per dataloader worker by the map-style and validation readers.
     episode_cache_size: int = 64
 
     def __post_init__(self) -> None:
         _positive("data.num_workers", self.num_workers, allow_zero=True)
         _positive("data.sample_episodes", self.sample_episodes)
+        _positive("data.weight", self.weight)
+        _positive("data.n_obs_history", self.n_obs_history)
+        _positive("data.history_interval", self.history_interval)
+        _positive("data.interleave_episodes", self.interleave_episodes)
+        _choice("data.loader", self.loader, DATA_LOADERS)
+        _choice("data.mode", self.mode, DATA_MODES)
+        _choice("data.missing_cameras", self.missing_cameras, MISSING_CAMERA_CHOICES)
+        _choice("data.state_normalization", self.state_normalization, NORMALIZATIONS)
+        _choice("data.action_normalization", self.action_normalization, NORMALIZATIONS)
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction={self.val_fraction!r} is not valid; it must be in [0, 1)")
         if not self.cameras:
             raise ValueError("data.cameras is empty; name at least one camera feature, e.g. " f"{list(DROID_CAMERAS)}")
+        for name in ("state_keys", "action_keys"):
+            if not getattr(self, name):
+                raise ValueError(f"data.{name} is empty; name at least one feature, e.g. observation.state / action")
+        for name, member in self.mixture.items():
+            _positive(f"data.mixture.{name}.weight", member.weight)
+            if name == self.name:
+                raise ValueError(f"data.mixture.{name}: the name is the first dataset's (data.name={self.name!r}); "
+                                 "mixture members need distinct names")
+
+    def sample_root(self) -> Path:
+        return Path(self.cache_dir).expanduser() / f"droid_sample_v3.0_{self.sample_episodes}ep"
 
     @property
     def resolved_root(self) -> Path:
-        if self.root is not None:
-            return Path(self.root).expanduser()
-        return Path(self.cache_dir).expanduser() / f"droid_sample_v3.0_{self.sample_episodes}ep"
+        return Path(self.root).expanduser() if self.root is not None else self.sample_root()
 
 
 @dataclass
@@ -291,6 +359,22 @@ class Config:
                 f"policy.gradient_checkpointing=true is refused with engine={self.engine.name!r}: torch activation "
                 "checkpointing under ZeRO-3 re-gathers partitioned parameters in the recomputation and is known to "
                 f"corrupt gradients; use it with one of {list(GRADIENT_CHECKPOINTING_ENGINES)}, or turn it off"
+            )
+        if self.policy.n_obs_history != self.data.n_obs_history:
+            raise ValueError(
+                f"policy.n_obs_history={self.policy.n_obs_history} does not match data.n_obs_history="
+                f"{self.data.n_obs_history}: the policy would read the wrong frames; set both to the same value"
+            )
+        if self.data.mode != "policy" and not self.policy.dynamics:
+            raise ValueError(
+                f"data.mode={self.data.mode!r} yields dynamics samples, which need policy.dynamics=true "
+                "(a conditioning token and a mode embedding); set it, or use data.mode='policy'"
+            )
+        if self.data.mode in ("joint", "forward_dynamics") and self.policy.state_dim != self.policy.action_dim:
+            raise ValueError(
+                f"data.mode={self.data.mode!r} predicts future states with the action head, so policy.state_dim="
+                f"{self.policy.state_dim} must equal policy.action_dim={self.policy.action_dim}; use "
+                "data.mode='policy' or 'inverse_dynamics'"
             )
         if self.trainer.log_every_steps > self.trainer.max_steps:
             self.trainer.log_every_steps = self.trainer.max_steps

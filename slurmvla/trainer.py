@@ -24,7 +24,8 @@ from tqdm import tqdm
 from slurmvla.checkpoint import CheckpointManager
 from slurmvla.collectives import agree
 from slurmvla.config import Config
-from slurmvla.data.droid import DroidDataset, EpochSampler
+from slurmvla.data.loader import TrainData
+from slurmvla.data.mixture import Mixture
 from slurmvla.data.synthetic import ensure_sample_dataset
 from slurmvla.engine import build_engine
 from slurmvla.engine.distributed import init_process_group, select_device, shutdown_process_group
@@ -45,17 +46,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def check_data_matches_policy(cfg: Config, dataset: DroidDataset) -> None:
+def check_data_matches_policy(cfg: Config, mixture: Mixture) -> None:
     """Shapes the policy was built for must be the data's, or training silently learns garbage."""
-    p = cfg.policy
+    p, source = cfg.policy, mixture.sources[0]
     checks = [
         ("policy.num_cameras", p.num_cameras, "len(data.cameras)", len(cfg.data.cameras)),
-        ("policy.state_dim", p.state_dim, f"the dim of {cfg.data.state_key!r}", dataset.meta.feature_dim(cfg.data.state_key)),
-        ("policy.action_dim", p.action_dim, f"the dim of {cfg.data.action_key!r}", dataset.meta.feature_dim(cfg.data.action_key)),
+        ("policy.state_dim", p.state_dim, f"the dim of {list(cfg.data.state_keys)}", source.state_dim),
+        ("policy.action_dim", p.action_dim, f"the dim of {list(cfg.data.action_keys)}", source.action_dim),
     ]
     for key, value, what, expected in checks:
         if value != expected:
-            raise ValueError(f"{key}={value} does not match {what}={expected} in {dataset.meta.root}")
+            raise ValueError(f"{key}={value} does not match {what}={expected} in {source.meta.root}")
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -102,34 +103,25 @@ class Trainer:
             ensure_sample_dataset(cfg.data)
         if self.env.is_distributed:
             torch.distributed.barrier()
-        self.dataset = DroidDataset(cfg.data, cfg.policy.image_size, cfg.policy.action_horizon,
-                                    cfg.policy.max_text_len, seed=seed)
-        check_data_matches_policy(cfg, self.dataset)
-        if len(self.dataset) // self.env.world_size < self.micro_batch_size:
-            raise ValueError(
-                f"the dataset has {len(self.dataset)} samples: fewer than one micro-batch of {self.micro_batch_size} "
-                f"per rank for {self.env.world_size} ranks; lower trainer.global_batch_size"
-            )
-        self.sampler = EpochSampler(len(self.dataset), seed, self.env.rank, self.env.world_size)
-        workers = cfg.data.num_workers
-        self.loader = DataLoader(
-            self.dataset, batch_size=self.micro_batch_size, sampler=self.sampler, num_workers=workers,
-            drop_last=True, persistent_workers=workers > 0, pin_memory=self.device.type == "cuda",
-            prefetch_factor=4 if workers > 0 else None,
-            # Its own generator: starting workers must not draw from the global RNG, or a resumed
-            # run (which starts its workers at a different step) would diverge.
-            generator=torch.Generator().manual_seed(seed),
-        )
+        self.mixture = Mixture(cfg.data, cfg.policy.image_size, cfg.policy.action_horizon, cfg.policy.max_text_len, seed)
+        check_data_matches_policy(cfg, self.mixture)
+        self.data = TrainData(self.mixture, cfg.data, self.micro_batch_size, self.env.rank, self.env.world_size, seed,
+                              pin_memory=self.device.type == "cuda")
+        if self.env.is_main:
+            for name, c in self.mixture.summary().items():
+                log.info("data %s (%s): %d train / %d val episodes, %d samples per epoch, weight %.3f", name,
+                         c["format"], c["train_episodes"], c["val_episodes"], c["samples_per_epoch"], c["weight"])
         self.step = 0
         self.epoch = 0
-        self.batches_in_epoch = 0  # on this rank; the checkpoint stores the global sample count
+        self.batches_in_epoch = 0  # on this rank
         self._batches = None
 
     def _build_model(self) -> None:
         cfg = self.cfg
         # The same seed on every rank: every rank builds identical initial weights.
         seed_everything(cfg.trainer.seed)
-        policy = build_policy(cfg.policy, self.dataset.stats)
+        policy = build_policy(cfg.policy, self.mixture.normalization(cfg.data.state_normalization,
+                                                                     cfg.data.action_normalization))
         self.engine = build_engine(cfg, self.env, self.device, self.micro_batch_size)
         self.engine.wrap(policy)
         # Groups are read after wrapping: sharding engines replace the parameter objects.
@@ -158,8 +150,7 @@ class Trainer:
     def _next_batch(self) -> dict[str, Any]:
         while True:
             if self._batches is None:
-                self.sampler.set_position(self.epoch, self.batches_in_epoch * self.micro_batch_size)
-                self._batches = iter(self.loader)
+                self._batches = self.data.iterate(self.epoch, self.batches_in_epoch)
             try:
                 batch = next(self._batches)
             except StopIteration:
@@ -260,9 +251,7 @@ class Trainer:
         return {
             "step": self.step,
             "epoch": self.epoch,
-            # Global, so a run can resume on another world size: the first k samples of every
-            # rank's strided share of the epoch's order are the first k * world of the order.
-            "samples_in_epoch": self.batches_in_epoch * self.micro_batch_size * self.env.world_size,
+            "data": {"batches_in_epoch": self.batches_in_epoch, "layout": self.data.layout},
             "scheduler": self.scheduler.state_dict(),
         }
 
@@ -284,7 +273,7 @@ class Trainer:
             return
         state, rank_state = self.checkpoints.load(latest, self.engine, self.env.rank)
         self.step, self.epoch = state["step"], state["epoch"]
-        self.batches_in_epoch = state["samples_in_epoch"] // (self.micro_batch_size * self.env.world_size)
+        self.batches_in_epoch = self.data.resume_position(state["data"])
         self.scheduler.load_state_dict(state["scheduler"])
         if rank_state:
             torch.set_rng_state(rank_state["torch_rng"])

@@ -17,6 +17,12 @@ def sample_root(tmp_path_factory) -> Path:
                               episodes_per_file=5)
 
 
+@pytest.fixture(scope="session")
+def sample_root_v21(tmp_path_factory) -> Path:
+    """A second dataset in the LeRobot v2.1 layout (one parquet and one mp4 per episode)."""
+    return write_droid_sample(tmp_path_factory.mktemp("data") / "droid_v21", num_episodes=6, seed=2, format="v2.1")
+
+
 def compose_cfg(overrides: list[str]):
     with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
         return compose(config_name="config", overrides=overrides)

@@ -10,7 +10,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ValidationError
 
 from slurmvla.config import to_config
-from slurmvla.data.droid import DroidDataset
+from slurmvla.data.droid import DroidSource, dataset_specs
 from slurmvla.train import config_dir
 from slurmvla.trainer import Trainer
 
@@ -83,10 +83,14 @@ def test_global_batch_not_divisible(make_cfg, tmp_path):
 def test_data_root_not_lerobot(make_cfg, tmp_path):
     cfg = make_cfg(f"data.root={tmp_path}")
     with pytest.raises(ValueError, match="is not a LeRobot dataset"):
-        DroidDataset(cfg.data, 64, 8, 24)
+        DroidSource(dataset_specs(cfg.data)[0], cfg.data, 64, 8, 24, 0)
     cfg = make_cfg(f"data.root={tmp_path / 'nope'}")
     with pytest.raises(ValueError, match="does not exist"):
-        DroidDataset(cfg.data, 64, 8, 24)
+        DroidSource(dataset_specs(cfg.data)[0], cfg.data, 64, 8, 24, 0)
+
+
+def _source(cfg):
+    return DroidSource(dataset_specs(cfg.data)[0], cfg.data, 64, 8, 24, 0)
 
 
 def _copy_with_info(sample_root, tmp_path, edit):
@@ -102,15 +106,15 @@ def test_missing_feature_is_named_with_what_the_dataset_has(make_cfg, sample_roo
     root = _copy_with_info(sample_root, tmp_path, lambda info: info["features"].pop("observation.images.wrist_left"))
     cfg = make_cfg(f"data.root={root}")
     with pytest.raises(ValueError) as e:
-        DroidDataset(cfg.data, 64, 8, 24)
+        DroidSource(dataset_specs(cfg.data)[0], cfg.data, 64, 8, 24, 0)
     msg = str(e.value)
     assert "'observation.images.wrist_left'" in msg and "observation.images.exterior_1_left" in msg
 
 
 def test_unsupported_version(make_cfg, sample_root, tmp_path):
     root = _copy_with_info(sample_root, tmp_path, lambda info: info.update(codebase_version="v1.6"))
-    with pytest.raises(ValueError, match=r"'v1.6' is not supported; supported: \['v3.0'\]"):
-        DroidDataset(make_cfg(f"data.root={root}").data, 64, 8, 24)
+    with pytest.raises(ValueError, match=r"'v1.6' is not supported; supported: \['v2.1', 'v3.0'\]"):
+        _source(make_cfg(f"data.root={root}"))
 
 
 def test_policy_shape_must_match_data(make_cfg, tmp_path):

@@ -39,7 +39,9 @@ STEPS = 20
 
 
 def base_overrides(root) -> list[str]:
-    return [f"data.root={root}", "logging.wandb.mode=disabled", "trainer.progress_bar=false", "data.num_workers=0",
+    # The map loader: its global order does not depend on the world size, so every world size
+    # trains on the same global batches (the stream shards per rank and worker).
+    return [f"data.root={root}", "data.loader=map", "logging.wandb.mode=disabled", "trainer.progress_bar=false", "data.num_workers=0",
             f"trainer.max_steps={STEPS}", "trainer.global_batch_size=8", "checkpoint.every_steps=10",
             "trainer.log_every_steps=5", "optim.lr=1e-3"]
 

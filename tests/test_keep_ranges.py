@@ -8,8 +8,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from slurmvla.data.droid import DroidDataset
-from slurmvla.data.keep_ranges import episode_key, keep_segments, load_keep_ranges
+from slurmvla.data.droid import DroidSource, dataset_specs
+from slurmvla.data.index import build_index
+from slurmvla.data.keep_ranges import episode_key, load_keep_ranges
 
 
 def _write(tmp_path, obj):
@@ -38,12 +39,6 @@ def test_key_format_is_droids():
         "gs://xembodiment_data/r2d2/r2d2-data-full/AUTOLab/success/2023-10-27/Fri_Oct_27/trajectory.h5")
 
 
-def test_segments_by_semantics():
-    r = np.array([[2, 10], [20, 23]])
-    assert keep_segments(r, 22, 4, "frame").tolist() == [[2, 10], [20, 22]]
-    assert keep_segments(r, 30, 4, "window").tolist() == [[2, 7]]  # [20, 23) cannot hold a 4-step chunk
-
-
 @pytest.mark.parametrize("semantics", ["frame", "window"])
 def test_dataset_keeps_exactly_the_ranges(make_cfg, sample_root, semantics):
     keep = json.loads((sample_root / "keep_ranges_1_0_1.json").read_text())
@@ -58,13 +53,50 @@ def test_dataset_keeps_exactly_the_ranges(make_cfg, sample_root, semantics):
     cfg = make_cfg(f"data.keep_ranges.path={sample_root / 'keep_ranges_1_0_1.json'}",
                    f"data.keep_ranges.episode_id_to_path={sample_root / 'episode_id_to_path.json'}",
                    f"data.keep_ranges.semantics={semantics}")
-    ds = DroidDataset(cfg.data, 32, horizon, 24)
-    got = {(ds[i]["episode_index"].item(), ds[i]["frame_index"].item()) for i in range(len(ds))}
-    assert got == expected and len(ds) == len(expected)
-    assert ds.keep_ranges_counts["absent"] > 0 and ds.keep_ranges_counts["unkeyed"] == 0
+    source = DroidSource(dataset_specs(cfg.data)[0], cfg.data, 32, horizon, 24, 0)
+    index = source.index
+    eps = np.repeat(index.episodes, index.ep_count[index.episodes])
+    k = np.arange(len(eps)) - np.repeat(np.cumsum(index.ep_count[index.episodes]) - index.ep_count[index.episodes],
+                                        index.ep_count[index.episodes])
+    got = set(zip(eps.tolist(), index.frames_of(eps, k).tolist()))
+    assert got == expected and index.num_samples == len(expected)
+    assert index.counts["episodes_absent"] > 0 and index.counts["episodes_unkeyed"] == 0
     if semantics == "window":
-        for i in range(0, len(ds), 7):
-            assert ds[i]["action_mask"].all()
+        for e in index.episodes[:4]:
+            ep = source.load_episode(int(e))
+            t = int(index.frames_of(np.asarray([e]), np.asarray([index.ep_count[e] - 1]))[0])
+            assert source.sample(ep, t, 0)["action_mask"].all()
+
+
+def _index(tmp_path, ranges, lengths=(10, 10, 10), horizon=4, semantics="frame", keys=("a", "b", "c")):
+    parsed = load_keep_ranges(_write(tmp_path, ranges))
+    index = build_index(np.asarray(lengths), None, list(keys), parsed, horizon, semantics)
+    eps = np.repeat(index.episodes, index.ep_count[index.episodes])
+    k = np.arange(len(eps)) - np.repeat(np.cumsum(index.ep_count[index.episodes]) - index.ep_count[index.episodes],
+                                        index.ep_count[index.episodes])
+    return sorted(zip(eps.tolist(), index.frames_of(eps, k).tolist())), index.counts
+
+
+def test_edge_cases_by_hand(tmp_path):
+    # An empty range list keeps nothing of its episode; an episode missing from the file is dropped;
+    # an episode without a key is counted apart.
+    samples, counts = _index(tmp_path, {"a": [], "b": [[2, 5]]}, keys=("a", "b", None))
+    assert samples == [(1, 2), (1, 3), (1, 4)]
+    assert (counts["episodes_kept"], counts["episodes_without_samples"], counts["episodes_unkeyed"],
+            counts["episodes_absent"]) == (1, 1, 1, 0)
+    samples, counts = _index(tmp_path, {"a": [[0, 3]]})
+    assert counts["episodes_absent"] == 2 and samples == [(0, 0), (0, 1), (0, 2)]
+    # Ranges touching both episode ends, and one running past the end (clipped).
+    assert _index(tmp_path, {"a": [[0, 10]], "b": [[7, 25]], "c": [[0, 1], [9, 10]]})[0] == (
+        [(0, t) for t in range(10)] + [(1, 7), (1, 8), (1, 9)] + [(2, 0), (2, 9)])
+    # A chunk crossing a range end: kept by "frame" (the start frame is inside), not by "window".
+    frame, _ = _index(tmp_path, {"a": [[2, 7]]}, semantics="frame")
+    window, counts = _index(tmp_path, {"a": [[2, 7]], "b": [[0, 3]]}, semantics="window")
+    assert frame == [(0, t) for t in range(2, 7)]
+    assert window == [(0, 2), (0, 3)]  # chunks [2, 6) and [3, 7) fit; [4, 8) would cross 7
+    assert counts["episodes_without_samples"] == 1  # "b": a 3-step range holds no 4-step chunk
+    # At the episode end under "window": the chunk must fit inside the episode too.
+    assert _index(tmp_path, {"a": [[5, 10]]}, semantics="window")[0] == [(0, 5), (0, 6)]
 
 
 def test_missing_file_and_unkeyable_dataset_fail_clearly(make_cfg, sample_root, tmp_path):
@@ -74,4 +106,4 @@ def test_missing_file_and_unkeyable_dataset_fail_clearly(make_cfg, sample_root, 
                    f"data.keep_ranges.episode_id_to_path={sample_root / 'episode_id_to_path.json'}",
                    "data.keep_ranges.episode_id_column=droid_id")
     with pytest.raises(ValueError, match="has no 'droid_id' column.*cannot be filtered"):
-        DroidDataset(cfg.data, 32, 8, 24)
+        DroidSource(dataset_specs(cfg.data)[0], cfg.data, 32, 8, 24, 0)

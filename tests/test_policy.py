@@ -77,14 +77,14 @@ def test_noise_and_time_come_from_the_batch():
 def test_loss_is_the_masked_mse_of_the_velocity_by_hand():
     """Recompute the flow-matching target and the masked MSE from the captured prediction."""
     p = policy()
-    p.action_mean.uniform_(-1, 1)
-    p.action_std.uniform_(0.5, 2)
+    p.action_offset.uniform_(-1, 1)
+    p.action_scale.uniform_(0.5, 2)
     batch = make_batch()
     noise, t = fixed_noise(batch)
     captured = {}
     p.expert_out.register_forward_hook(lambda m, i, o: captured.update(pred=o.detach()))
     out = p(batch, noise=noise, t=t)
-    actions = (batch["actions"] - p.action_mean) / p.action_std
+    actions = (batch["actions"] - p.action_offset) / p.action_scale
     target = noise - actions
     m = batch["action_mask"]
     for i in range(4):
@@ -173,7 +173,7 @@ def test_wrap_units_are_the_bundled_layers():
 
 def test_sample_actions_returns_unnormalized_chunks():
     p = policy()
-    p.action_mean.fill_(5.0)
+    p.action_offset.fill_(5.0)
     batch = make_batch(b=2)
     acts = p.sample_actions(batch, noise=torch.zeros(2, 8, 8), num_steps=3)
     assert acts.shape == (2, 8, 8) and torch.isfinite(acts).all()

@@ -131,12 +131,13 @@ def test_export_round_trip(make_cfg, tmp_path):
     assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.float32}
     fresh = build_policy(trainer.cfg.policy)
     fresh.load_state_dict(weights, strict=True)
-    batch = next(iter(trainer.loader))
+    batch = next(trainer.data.iterate(0, 0))
     noise = torch.randn(batch["actions"].shape, generator=torch.Generator().manual_seed(0))
     trainer.policy.eval()
     fresh.eval()
     assert torch.equal(fresh.sample_actions(batch, noise=noise), trainer.policy.sample_actions(batch, noise=noise))
-    assert torch.equal(fresh.action_mean, trainer.dataset.stats["action_mean"])
+    stats = json.loads((trainer.mixture.sources[0].meta.root / "meta" / "stats.json").read_text())
+    assert torch.allclose(fresh.action_offset, torch.tensor(stats["action"]["mean"]))
     from safetensors import safe_open
 
     with safe_open(str(out), "pt") as f:

@@ -1,12 +1,14 @@
-"""The DROID dataset, map-style: one sample per frame, with its action chunk and provenance.
+"""One DROID-format dataset as a sample source: metadata, filters, split, statistics, and samples.
 
-A sample is a dict of tensors plus provenance (``dataset_index``, ``dataset_name``,
-``control_mode``, ``episode_index``, ``frame_index``). State and actions are raw; the policy owns the
-normalization statistics (``stats``) as buffers, so an exported policy normalizes by itself.
+A sample is a dict of tensors plus provenance (``dataset_index``, ``dataset_name``, ``control_mode``,
+``episode_index``, ``frame_index``, ``mode``). State and actions are raw; the policy owns the
+normalization (``normalization()`` gives it offset / scale buffers), so an exported policy
+normalizes by itself.
 
-Video is decoded one whole episode at a time and kept in a per-worker LRU cache: random access
-never seeks per sample. The episode-shuffle stream replaces this reader for full-size DROID behind
-the same sample contract.
+Reading goes through episodes: :meth:`DroidSource.load_episode` reads one episode's frame columns
+and decodes the frame range it needs of each camera in one forward pass; :meth:`DroidSource.sample`
+cuts samples from that. The stream and the map-style readers (``slurmvla.data.mixture``) only decide
+which episodes to load and in which order.
 """
 
 from __future__ import annotations
@@ -14,233 +16,247 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections import OrderedDict
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
 
-from slurmvla.config import DataConfig
-from slurmvla.data.keep_ranges import episode_key, keep_segments, load_keep_ranges
+from slurmvla.config import DataConfig, KeepRangesConfig
+from slurmvla.data.index import SampleIndex, build_index, keep_range_keys
+from slurmvla.data.keep_ranges import load_keep_ranges
 from slurmvla.data.lerobot import LeRobotDataset
 from slurmvla.data.tokenizer import tokenize
 from slurmvla.data.video import decode_range
 
 log = logging.getLogger("slurmvla")
 
+MODES = ("policy", "forward_dynamics", "inverse_dynamics")
 
-class DroidDataset(Dataset):
-    def __init__(self, cfg: DataConfig, image_size: int, action_horizon: int, max_text_len: int,
-                 seed: int = 0, dataset_index: int = 0):
-        self.cfg = cfg
-        self.image_size = image_size
-        self.action_horizon = action_horizon
-        self.max_text_len = max_text_len
-        self.seed = seed
-        self.dataset_index = dataset_index
-        self.meta = LeRobotDataset(cfg.resolved_root)
-        self.meta.require_features([*cfg.cameras, cfg.state_key, cfg.action_key], needed_by="the policy (data.cameras, "
-                                   "data.state_key, data.action_key)")
-        for cam in cfg.cameras:
-            if self.meta.features[cam].get("dtype") != "video":
-                raise ValueError(f"feature {cam!r} in {self.meta.root} is not a video feature; video features: "
-                                 f"{self.meta.video_keys}")
-        self.instruction_keys = [k for k in cfg.instruction_keys if k in self.meta.features]
-        if not self.instruction_keys and "task_index" not in self.meta.features:
-            raise ValueError(f"dataset {str(self.meta.root)!r} has none of the instruction features "
-                             f"{list(cfg.instruction_keys)}; features it has: {sorted(self.meta.features)}")
-        keys = [cfg.state_key, cfg.action_key, *self.instruction_keys]
-        if cfg.success_only:
-            self.meta.require_features(["is_episode_successful"], needed_by="data.success_only=true")
-            keys.append("is_episode_successful")
-        columns = self.meta.read_columns(keys)
-        self.state = columns[cfg.state_key].astype(np.float32)
-        self.action = columns[cfg.action_key].astype(np.float32)
-        self.instructions = np.stack([columns[k] for k in self.instruction_keys], axis=1) if self.instruction_keys else None
 
-        ep = self.meta.episodes
-        self.ep_from = ep["dataset_from_index"].astype(np.int64)
-        self.ep_to = ep["dataset_to_index"].astype(np.int64)
-        self.ep_index = ep["episode_index"].astype(np.int64)
-        keep = np.ones(len(self.ep_from), dtype=bool)
-        if cfg.success_only:
-            keep = columns["is_episode_successful"][self.ep_from].astype(bool).reshape(-1)
-        lengths = self.ep_to - self.ep_from
-        # Samples live in segments (episode, first start frame, end): memory per segment, never per frame.
-        seg_ep, seg_start, seg_end = np.flatnonzero(keep), np.zeros(int(keep.sum()), np.int64), lengths[keep]
-        if cfg.keep_ranges.path is not None:
-            seg_ep, seg_start, seg_end = self._apply_keep_ranges(keep, lengths)
-        if len(seg_ep) == 0:
-            raise ValueError(f"no samples left in {self.meta.root} after filtering (data.success_only="
-                             f"{cfg.success_only}, data.keep_ranges.path={cfg.keep_ranges.path!r})")
-        self.seg_ep, self.seg_start = seg_ep, seg_start
-        self.cum_lengths = np.concatenate([[0], np.cumsum(seg_end - seg_start)])
-        self.kept_episodes = np.unique(seg_ep)
-        self.videos = {cam: self.meta.video_location(cam) for cam in cfg.cameras}
-        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+@dataclass(frozen=True)
+class DatasetSpec:
+    """What differs between the datasets of one mixture; the rest of ``data`` is shared."""
 
-    def _apply_keep_ranges(self, keep: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        kr = self.cfg.keep_ranges
-        ranges = load_keep_ranges(kr.path)
+    name: str
+    root: Path
+    weight: float
+    control_mode: str
+    success_only: bool
+    keep_ranges: KeepRangesConfig
+
+
+def dataset_specs(cfg: DataConfig) -> list[DatasetSpec]:
+    first = DatasetSpec(cfg.name, cfg.resolved_root, cfg.weight, cfg.control_mode, cfg.success_only, cfg.keep_ranges)
+    rest = [DatasetSpec(name, Path(m.root).expanduser() if m.root is not None else cfg.sample_root(), m.weight,
+                        m.control_mode, m.success_only, m.keep_ranges) for name, m in cfg.mixture.items()]
+    return [first, *rest]
+
+
+def seeded_int(*parts: object) -> int:
+    """A 64-bit integer that depends only on ``parts`` (stable across processes and Python runs)."""
+    return int.from_bytes(hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest(), "little")
+
+
+@dataclass
+class Episode:
+    """One loaded episode: its columns and the decoded frames ``[first_frame, first_frame + len)``."""
+
+    pos: int
+    state: np.ndarray  # [T, state_dim] float32
+    action: np.ndarray  # [T, action_dim] float32
+    instructions: list[list[str]]  # per frame, the non-empty candidates
+    frames: np.ndarray  # [n, num_cams, H, W, 3] uint8
+    first_frame: int
+    present: np.ndarray  # [num_cams] bool: camera exists in the dataset
+
+
+class DroidSource:
+    def __init__(self, spec: DatasetSpec, cfg: DataConfig, image_size: int, action_horizon: int,
+                 max_text_len: int, seed: int, dataset_index: int = 0):
+        self.spec, self.cfg = spec, cfg
+        self.image_size, self.action_horizon, self.max_text_len = image_size, action_horizon, max_text_len
+        self.seed, self.dataset_index = seed, dataset_index
+        self.meta = meta = LeRobotDataset(spec.root)
+        needed = "the policy (data.state_keys, data.action_keys)"
+        meta.require_features([*cfg.state_keys, *cfg.action_keys], needed_by=needed)
+        self.cameras = [c for c in cfg.cameras if c in meta.features]
+        missing = [c for c in cfg.cameras if c not in meta.features]
+        if missing and cfg.missing_cameras == "fail":
+            raise ValueError(
+                f"dataset {str(meta.root)!r} has no camera {missing[0]!r} (data.cameras={list(cfg.cameras)}); its video "
+                f"features: {meta.video_keys}. Set data.cameras to those, or data.missing_cameras=pad to pad "
+                "absent cameras with a masked black image"
+            )
+        if not self.cameras:
+            raise ValueError(f"dataset {str(meta.root)!r} has none of data.cameras={list(cfg.cameras)}; its video "
+                             f"features: {meta.video_keys}")
+        for cam in self.cameras:
+            if meta.features[cam].get("dtype") != "video":
+                raise ValueError(f"feature {cam!r} in {meta.root} is not a video feature; video features: "
+                                 f"{meta.video_keys}")
+        self.present = np.asarray([c in meta.features for c in cfg.cameras])
+        self.instruction_keys = [k for k in cfg.instruction_keys if k in meta.features]
+        self.use_task = not self.instruction_keys and "task_index" in meta.features and bool(meta.tasks)
+        if not self.instruction_keys and not self.use_task:
+            raise ValueError(f"dataset {str(meta.root)!r} has none of the instruction features "
+                             f"{list(cfg.instruction_keys)} and no task table; features it has: {sorted(meta.features)}")
+        self.state_dim = sum(meta.feature_dim(k) for k in cfg.state_keys)
+        self.action_dim = sum(meta.feature_dim(k) for k in cfg.action_keys)
+        self.videos = {cam: meta.video_location(cam) for cam in self.cameras}
+        self.index = self._build_index()
+        if self.index.num_samples == 0:
+            raise ValueError(f"no samples left in {meta.root} after filtering (success_only={spec.success_only}, "
+                             f"keep_ranges.path={spec.keep_ranges.path!r}); counts: {self.index.counts}")
+        self.train_index, self.val_index = self._split()
+
+    # -- index, filters, split --------------------------------------------------------------------
+
+    def _build_index(self) -> SampleIndex:
+        meta, spec = self.meta, self.spec
+        mask = None
+        if spec.success_only:
+            meta.require_features(["is_episode_successful"], needed_by="success_only=true")
+            mask = meta.episode_first_values("is_episode_successful").astype(bool)
+        lengths = meta.episodes["length"]
+        kr = spec.keep_ranges
+        if kr.path is None:
+            return build_index(lengths, mask)
         column = kr.relative_path_column or kr.episode_id_column
-        values = self.meta.episode_strings(column)
+        values = meta.episode_strings(column)
         if values is None:
             raise ValueError(
-                f"the keep-ranges filter needs each episode's DROID id or relative path, but {self.meta.root} has no "
-                f"{column!r} column in meta/episodes; set data.keep_ranges.episode_id_column / relative_path_column "
-                "to the column that has it, or unset data.keep_ranges.path (this dataset cannot be filtered)"
+                f"the keep-ranges filter needs each episode's DROID id or relative path, but {meta.root} has no "
+                f"{column!r} column in its episode metadata; set keep_ranges.episode_id_column / relative_path_column "
+                "to the column that has it, or unset keep_ranges.path (this dataset cannot be filtered)"
             )
         mapping = None
         if kr.relative_path_column is None:
             if kr.episode_id_to_path is None:
-                raise ValueError("data.keep_ranges.episode_id_to_path is needed to turn episode ids into keep-ranges "
-                                 "keys (or set data.keep_ranges.relative_path_column)")
+                raise ValueError("keep_ranges.episode_id_to_path is needed to turn episode ids into keep-ranges "
+                                 "keys (or set keep_ranges.relative_path_column)")
             mapping = json.loads(Path(kr.episode_id_to_path).expanduser().read_text())
-        eps, starts, ends = [], [], []
-        counts = {"kept": 0, "absent": 0, "unkeyed": 0}
-        for e in np.flatnonzero(keep):
-            rel = values[e] if mapping is None else mapping.get(values[e])
-            if not rel:
-                counts["unkeyed"] += 1
-                continue
-            r = ranges.get(episode_key(rel))
-            if r is None:
-                counts["absent"] += 1
-                continue
-            counts["kept"] += 1
-            for s, t in keep_segments(r, int(lengths[e]), self.action_horizon, kr.semantics):
-                eps.append(e)
-                starts.append(s)
-                ends.append(t)
-        total = int(lengths[keep].sum())
-        kept_frames = int(sum(t - s for s, t in zip(starts, ends)))
-        log.info("keep-ranges (%s): kept %d of %d episodes and %d of %d frames; %d episodes absent from the file, "
-                 "%d without a key", kr.semantics, counts["kept"], int(keep.sum()), kept_frames, total,
-                 counts["absent"], counts["unkeyed"])
-        if counts["unkeyed"] == int(keep.sum()):
-            raise ValueError(f"no episode of {self.meta.root} could be keyed into the keep-ranges file through "
+        keys = keep_range_keys(values, mapping)
+        index = build_index(lengths, mask, keys, load_keep_ranges(kr.path), self.action_horizon, kr.semantics)
+        c = index.counts
+        log.info("%s: keep-ranges (%s) kept %d of %d episodes and %d of %d frames; %d episodes absent from the file, "
+                 "%d without a key", spec.name, kr.semantics, c["episodes_kept"], c["episodes_selected"],
+                 c["frames_kept"], c["frames_selected"], c["episodes_absent"], c["episodes_unkeyed"])
+        if c["episodes_selected"] and c["episodes_unkeyed"] == c["episodes_selected"]:
+            raise ValueError(f"no episode of {meta.root} could be keyed into the keep-ranges file through "
                              f"{column!r}; the filter cannot be applied to this dataset")
-        self.keep_ranges_counts = {**counts, "kept_frames": kept_frames, "total_frames": total}
-        return np.asarray(eps, np.int64), np.asarray(starts, np.int64), np.asarray(ends, np.int64)
+        return index
+
+    def _split(self) -> tuple[SampleIndex, SampleIndex]:
+        episodes = self.index.episodes
+        num_val = int(round(len(episodes) * self.cfg.val_fraction))
+        if self.cfg.val_fraction > 0 and num_val == len(episodes):
+            num_val -= 1  # never the whole dataset
+        g = np.random.default_rng(seeded_int("split", self.cfg.split_seed, self.spec.name) % 2**63)
+        val = np.sort(g.permutation(episodes)[:num_val])
+        train = np.setdiff1d(episodes, val)
+        return self.index.subset(train), self.index.subset(val)
+
+    # -- statistics -------------------------------------------------------------------------------
+
+    def raw_stats(self, keys: list[str]) -> dict[str, np.ndarray]:
+        """Concatenated stats of ``keys`` (mean/std/min/max and q01/q99 where every key has them)."""
+        parts = []
+        for k in keys:
+            s = self.meta.stats.get(k)
+            if s is None:
+                raise ValueError(f"dataset {str(self.meta.root)!r} has no stats for {k!r} (meta/stats.json or "
+                                 f"meta/episodes_stats.jsonl); stats it has: {sorted(self.meta.stats)}")
+            parts.append(s)
+        out = {}
+        for name in ("mean", "std", "min", "max", "q01", "q99"):
+            if all(name in p for p in parts):
+                out[name] = np.concatenate([np.asarray(p[name], np.float64).reshape(-1) for p in parts])
+        out["count"] = np.asarray([float(np.asarray(parts[0].get("count", [self.meta.num_frames])).reshape(-1)[0])])
+        return out
+
+    # -- reading ----------------------------------------------------------------------------------
 
     @property
     def name(self) -> str:
-        return self.cfg.name
+        return self.spec.name
 
-    @property
-    def stats(self) -> dict[str, torch.Tensor]:
-        """Mean / std of state and action, from the dataset's stats (or computed when absent)."""
-        out = {}
-        for prefix, key, values in (("state", self.cfg.state_key, self.state), ("action", self.cfg.action_key, self.action)):
-            s = self.meta.stats.get(key)
-            mean = s["mean"] if s is not None and "mean" in s else values.mean(0)
-            std = s["std"] if s is not None and "std" in s else values.std(0)
-            out[f"{prefix}_mean"] = torch.as_tensor(np.asarray(mean, dtype=np.float32).reshape(-1))
-            out[f"{prefix}_std"] = torch.as_tensor(np.asarray(std, dtype=np.float32).reshape(-1))
-        return out
+    def history_offsets(self) -> np.ndarray:
+        n, step = self.cfg.n_obs_history, self.cfg.history_interval
+        return -step * np.arange(n - 1, -1, -1)
 
-    def __len__(self) -> int:
-        return int(self.cum_lengths[-1])
-
-    def _frames(self, episode_pos: int) -> np.ndarray:
-        """All cameras of one episode, ``[T, num_cams, H, W, 3]`` uint8, through the LRU cache."""
-        if episode_pos in self._cache:
-            self._cache.move_to_end(episode_pos)
-            return self._cache[episode_pos]
-        per_cam = []
-        for cam in self.cfg.cameras:
+    def load_episode(self, pos: int, first: int | None = None, last: int | None = None) -> Episode:
+        """Columns of episode ``pos`` and its frames for sample start frames ``first..last`` (inclusive),
+        with the history they need, decoded forward in one pass per camera."""
+        meta, cfg = self.meta, self.cfg
+        length = int(meta.episodes["length"][pos])
+        first = 0 if first is None else first
+        last = length - 1 if last is None else last
+        lo = max(0, first + int(self.history_offsets()[0]))
+        hi = last + 1
+        cols = meta.read_episode(pos, [*cfg.state_keys, *cfg.action_keys, *self.instruction_keys,
+                                       *(["task_index"] if self.use_task else [])])
+        state = np.concatenate([cols[k].reshape(length, -1) for k in cfg.state_keys], axis=1).astype(np.float32)
+        action = np.concatenate([cols[k].reshape(length, -1) for k in cfg.action_keys], axis=1).astype(np.float32)
+        if self.use_task:
+            instructions = [[meta.tasks.get(int(i), "")] for i in cols["task_index"].reshape(-1)]
+        else:
+            instructions = [[s for s in row if s] for row in zip(*(cols[k].reshape(-1) for k in self.instruction_keys))]
+        frames = np.zeros((hi - lo, len(cfg.cameras), self.image_size, self.image_size, 3), dtype=np.uint8)
+        for c, cam in enumerate(cfg.cameras):
+            if not self.present[c]:
+                continue
             loc = self.videos[cam]
-            per_cam.append(decode_range(loc.paths[episode_pos], loc.from_ts[episode_pos], loc.to_ts[episode_pos],
-                                        self.meta.fps, self.image_size))
-        frames = np.stack(per_cam, axis=1)
-        length = self.ep_to[episode_pos] - self.ep_from[episode_pos]
-        if len(frames) != length:
-            raise ValueError(f"episode {self.ep_index[episode_pos]}: {len(frames)} video frames for {length} data frames")
-        self._cache[episode_pos] = frames
-        while len(self._cache) > self.cfg.episode_cache_size:
-            self._cache.popitem(last=False)
-        return frames
+            t0 = float(loc.from_ts[pos]) + lo / meta.fps
+            decoded = decode_range(loc.paths[pos], t0, t0 + (hi - lo) / meta.fps, meta.fps, self.image_size)
+            frames[:, c] = decoded
+        return Episode(pos, state, action, instructions, frames, lo, self.present)
 
-    def _instruction(self, row: int) -> str:
-        if self.instructions is None:
-            return ""
-        options = [s for s in self.instructions[row] if s]
+    def _instruction(self, episode: Episode, t: int) -> str:
+        options = episode.instructions[t]
         if not options:
             return ""
-        # A seeded choice that depends only on (seed, frame): the same on every worker and resume.
-        digest = hashlib.blake2b(f"{self.seed}:{row}".encode(), digest_size=8).digest()
-        return options[int.from_bytes(digest, "little") % len(options)]
+        # Seeded by (seed, dataset, episode, frame): the same on every worker, world size and resume.
+        return options[seeded_int(self.seed, self.dataset_index, episode.pos, t) % len(options)]
 
-    def sample_randomness(self, i: int, epoch: int) -> dict[str, torch.Tensor]:
-        """Per-sample training randomness (flow-matching noise and time), a pure function of
-        ``(seed, epoch, sample)``: the same sample gets the same draw whichever rank, worker or
-        resumed run reads it, so results do not depend on the world size."""
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 1_000_000_007 + i)
-        return {"noise": torch.randn(self.action_horizon, self.action.shape[1], generator=g),
-                "time_u": torch.rand((), generator=g)}
-
-    def __getitem__(self, key: int | tuple[int, int]) -> dict:
-        """``key`` is a sample index, or ``(index, epoch)`` as the EpochSampler yields them."""
-        i, epoch = key if isinstance(key, tuple) else (key, 0)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        k = int(np.searchsorted(self.cum_lengths, i, side="right") - 1)
-        episode_pos = int(self.seg_ep[k])
-        start, end = int(self.ep_from[episode_pos]), int(self.ep_to[episode_pos])
-        t = int(self.seg_start[k] + i - self.cum_lengths[k])
-        row = start + t
-        chunk_rows = np.arange(row, row + self.action_horizon)
-        valid = chunk_rows < end
-        # Past the episode end the last action repeats; the mask keeps it out of the loss.
-        actions = self.action[np.minimum(chunk_rows, end - 1)]
-        images = self._frames(episode_pos)[t]
-        text, text_mask = tokenize(self._instruction(row), self.max_text_len)
-        return {
-            "images": torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2))),  # [cams, 3, H, W] uint8
-            "image_mask": torch.ones(len(self.cfg.cameras), dtype=torch.bool),
-            "state": torch.from_numpy(self.state[row]),
+    def sample(self, episode: Episode, t: int, epoch: int, repeat: int = 0) -> dict:
+        """The sample starting at frame ``t``. Its training randomness (flow-matching noise and time,
+        and the mode under data.mode=joint) is a pure function of (seed, epoch, sample, repeat)."""
+        cfg, horizon = self.cfg, self.action_horizon
+        length = len(episode.state)
+        chunk = np.arange(t, t + horizon)
+        valid = chunk < length
+        # Past the episode end the last value repeats; the mask keeps it out of the loss.
+        actions = episode.action[np.minimum(chunk, length - 1)]
+        hist = t + self.history_offsets()
+        hist_ok = hist >= 0
+        hist = np.maximum(hist, 0)
+        images = episode.frames[hist - episode.first_frame]  # [n_hist, cams, H, W, 3]
+        image_mask = hist_ok[:, None] & episode.present[None, :]
+        state = episode.state[hist]
+        text, text_mask = tokenize(self._instruction(episode, t), self.max_text_len)
+        key = seeded_int(self.seed, epoch, self.dataset_index, episode.pos, t, repeat)
+        g = torch.Generator().manual_seed(key % 2**63)
+        out = {
+            "images": torch.from_numpy(np.ascontiguousarray(images.reshape(-1, *images.shape[2:]).transpose(0, 3, 1, 2))),
+            "image_mask": torch.from_numpy(image_mask.reshape(-1)),
+            "state": torch.from_numpy(state[0] if len(state) == 1 else state),
             "actions": torch.from_numpy(actions),
             "action_mask": torch.from_numpy(valid),
             "text": text,
             "text_mask": text_mask,
-            **self.sample_randomness(i, epoch),
+            "noise": torch.randn(horizon, actions.shape[1], generator=g),
+            "time_u": torch.rand((), generator=g),
             "dataset_index": torch.tensor(self.dataset_index),
-            "episode_index": torch.tensor(int(self.ep_index[episode_pos])),
+            "episode_index": torch.tensor(int(self.meta.episodes["episode_index"][episode.pos])),
             "frame_index": torch.tensor(t),
             "dataset_name": self.name,
-            "control_mode": self.cfg.control_mode,
+            "control_mode": self.spec.control_mode,
         }
-
-
-class EpochSampler(Sampler[tuple[int, int]]):
-    """Shuffled ``(index, epoch)`` keys for one rank; the order is a pure function of ``(seed, epoch, rank)``.
-
-    Every rank gets the same number of samples (the tail that does not divide evenly is dropped
-    for the epoch), and ``set_position`` starts an epoch part-way, which is how a resumed run picks
-    up the exact sample the interrupted one would have read next.
-    """
-
-    def __init__(self, num_samples: int, seed: int, rank: int = 0, world_size: int = 1):
-        if num_samples < world_size:
-            raise ValueError(f"dataset has {num_samples} samples, fewer than world size {world_size}")
-        self.num_samples = num_samples
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
-        self.epoch = 0
-        self.start = 0
-
-    def set_position(self, epoch: int, start: int) -> None:
-        self.epoch, self.start = epoch, start
-
-    def __len__(self) -> int:
-        return self.num_samples // self.world_size - self.start
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.num_samples, generator=g)
-        per_rank = self.num_samples // self.world_size
-        mine = order[self.rank :: self.world_size][:per_rank]
-        return iter([(i, self.epoch) for i in mine[self.start :].tolist()])
+        if cfg.mode != "policy":
+            mode = cfg.mode if cfg.mode != "joint" else MODES[int(torch.randint(3, (), generator=g))]
+            future = np.arange(t + 1, t + 1 + horizon)
+            out["mode"] = torch.tensor(MODES.index(mode))
+            out["future_states"] = torch.from_numpy(episode.state[np.minimum(future, length - 1)])
+            out["future_mask"] = torch.from_numpy(future < length)
+        return out

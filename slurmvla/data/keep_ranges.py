@@ -27,36 +27,61 @@ def episode_key(relative_path: str) -> str:
     return f"{base}/recordings/MP4--{base}/trajectory.h5"
 
 
-def load_keep_ranges(path: str | Path) -> dict[str, np.ndarray]:
-    """Key -> int64 ``[n, 2]`` ranges, validated: an object of lists of sorted, disjoint [start, end)."""
+class KeepRanges:
+    """All ranges of a keep-ranges file in one ``[n, 2]`` int64 array, found by key: a dict of
+    ~95k small arrays would cost more memory and time than the data it holds."""
+
+    def __init__(self, keys: list[str], offsets: np.ndarray, ranges: np.ndarray):
+        self.position = {k: i for i, k in enumerate(keys)}
+        self.offsets = offsets  # [num_keys + 1]
+        self.ranges = ranges
+
+    def __len__(self) -> int:
+        return len(self.position)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.position
+
+    def get(self, key: str, default=None) -> np.ndarray | None:
+        i = self.position.get(key)
+        return default if i is None else self.ranges[self.offsets[i] : self.offsets[i + 1]]
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        out = self.get(key)
+        if out is None:
+            raise KeyError(key)
+        return out
+
+
+def load_keep_ranges(path: str | Path) -> KeepRanges:
+    """Read and validate: one object of lists of disjoint ``[start, end)`` integer ranges (sorted here)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"keep-ranges file {str(path)!r} does not exist")
     raw = json.loads(path.read_text())
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected one JSON object {{key: [[start, end], ...]}}, got {type(raw).__name__}")
-    out = {}
-    for key, ranges in raw.items():
+    keys = list(raw)
+    counts = np.zeros(len(keys) + 1, dtype=np.int64)
+    flat: list = []
+    for i, key in enumerate(keys):
+        ranges = raw[key]
         if not isinstance(ranges, list):
             raise ValueError(f"{path}: {key!r}: expected a list of [start, end] ranges, got {ranges!r}")
         for r in ranges:
-            ok = isinstance(r, list) and len(r) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in r)
-            if not ok or r[0] < 0 or r[0] >= r[1]:
+            # type() is int: rejects floats and bools, which json would otherwise let through.
+            if not (type(r) is list and len(r) == 2 and type(r[0]) is int and type(r[1]) is int and 0 <= r[0] < r[1]):
                 raise ValueError(f"{path}: {key!r}: range {r!r} is not [start, end) with 0 <= start < end integers")
-        arr = np.asarray(sorted(ranges), dtype=np.int64).reshape(-1, 2)
-        if len(arr) > 1 and (arr[1:, 0] < arr[:-1, 1]).any():
-            i = int(np.flatnonzero(arr[1:, 0] < arr[:-1, 1])[0])
-            raise ValueError(f"{path}: {key!r}: ranges {arr[i].tolist()} and {arr[i + 1].tolist()} overlap")
-        out[key] = arr
-    return out
-
-
-def keep_segments(ranges: np.ndarray, length: int, horizon: int, semantics: str) -> np.ndarray:
-    """Start-frame segments ``[s, e)`` of one episode that the filter keeps."""
-    if semantics not in SEMANTICS:
-        raise ValueError(f"keep-ranges semantics {semantics!r} is not valid; choose one of {list(SEMANTICS)}")
-    segs = np.clip(ranges, 0, length)
-    if semantics == "window":
-        segs = segs.copy()
-        segs[:, 1] -= horizon - 1
-    return segs[segs[:, 1] > segs[:, 0]]
+        counts[i + 1] = len(ranges)
+        flat.extend(ranges)
+    offsets = np.cumsum(counts)
+    arr = np.asarray(flat, dtype=np.int64).reshape(-1, 2)
+    # Sort ranges within each key (by key position, then start), then check neighbours for overlap.
+    owner = np.repeat(np.arange(len(keys)), counts[1:])
+    order = np.lexsort((arr[:, 0], owner))
+    arr, owner = arr[order], owner[order]
+    bad = np.flatnonzero((owner[1:] == owner[:-1]) & (arr[1:, 0] < arr[:-1, 1]))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"{path}: {keys[owner[i]]!r}: ranges {arr[i].tolist()} and {arr[i + 1].tolist()} overlap")
+    return KeepRanges(keys, offsets, arr)

@@ -1,9 +1,14 @@
-"""LeRobot-format metadata and columns (v3.0: many episodes per parquet and per mp4 file).
+"""LeRobot-format metadata and per-episode reads, for codebase versions v3.0 and v2.1.
 
-Episode boundaries come from ``meta/episodes/**.parquet`` (``dataset_from_index`` /
-``dataset_to_index``, and per camera ``videos/<key>/from_timestamp`` / ``to_timestamp``); nothing is
-inferred from file names. Everything a caller can get wrong raises ``ValueError`` naming the path,
-the value and what would have been valid.
+- v3.0: many episodes per parquet and per mp4 file. Episode boundaries come from
+  ``meta/episodes/**.parquet`` (``dataset_from_index`` / ``dataset_to_index``, and per camera
+  ``videos/<key>/from_timestamp`` / ``to_timestamp``); stats from ``meta/stats.json``.
+- v2.1: one parquet and one mp4 per episode, ``meta/episodes.jsonl``, ``meta/tasks.jsonl``, stats
+  from ``meta/stats.json`` or aggregated from ``meta/episodes_stats.jsonl``.
+
+Both are read into one in-memory shape: arrays per episode (never per frame), so the metadata of
+DROID's ~95k episodes costs megabytes. Frame columns are read one episode at a time. Everything a
+caller can get wrong raises ``ValueError`` naming the path, the value and what would have been valid.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-SUPPORTED_VERSIONS = ("v3.0",)
+SUPPORTED_VERSIONS = ("v2.1", "v3.0")
 
 
 @dataclass(frozen=True)
@@ -28,8 +33,24 @@ class VideoLocation:
     to_ts: np.ndarray
 
 
+def to_numpy(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Vectors as ``[n, dim]`` float32 (or their integer dtype), strings as object arrays, scalars as-is."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if pa.types.is_list(col.type) or pa.types.is_fixed_size_list(col.type) or pa.types.is_large_list(col.type):
+        flat = np.asarray(col.flatten())
+        return flat.reshape(len(col), -1).astype(np.float32 if flat.dtype.kind == "f" else flat.dtype)
+    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+        return np.asarray(col.to_pylist(), dtype=object)
+    return np.asarray(col)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 class LeRobotDataset:
-    """Metadata of one LeRobot dataset plus column access. Holds arrays per episode, not per frame."""
+    """Metadata of one LeRobot dataset plus per-episode column access."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root).expanduser()
@@ -39,7 +60,7 @@ class LeRobotDataset:
         if not info_path.is_file():
             raise ValueError(
                 f"data root {str(self.root)!r} is not a LeRobot dataset: it has no meta/info.json "
-                "(expected meta/info.json, meta/episodes/, data/ and videos/)"
+                "(expected meta/info.json, meta/episodes/ or meta/episodes.jsonl, data/ and videos/)"
             )
         self.info = json.loads(info_path.read_text())
         version = self.info.get("codebase_version")
@@ -50,12 +71,10 @@ class LeRobotDataset:
         self.version: str = version
         self.fps: float = float(self.info["fps"])
         self.features: dict[str, dict] = self.info["features"]
-        self.episodes = self._read_episodes()
-        stats_path = self.root / "meta" / "stats.json"
-        self.stats: dict[str, dict[str, np.ndarray]] = {}
-        if stats_path.is_file():
-            raw = json.loads(stats_path.read_text())
-            self.stats = {k: {s: np.asarray(v, dtype=np.float64) for s, v in d.items()} for k, d in raw.items()}
+        self._episode_rows: list[dict] | None = None  # v2.1: episodes.jsonl as read
+        self.episodes = self._read_episodes_v3() if version == "v3.0" else self._read_episodes_v2()
+        self.tasks = self._read_tasks()
+        self.stats = self._read_stats()
 
     # -- metadata ---------------------------------------------------------------------------------
 
@@ -82,10 +101,11 @@ class LeRobotDataset:
     def feature_dim(self, key: str) -> int:
         return int(np.prod(self.features[key]["shape"]))
 
-    def _read_episodes(self) -> dict[str, np.ndarray]:
+    def _read_episodes_v3(self) -> dict[str, np.ndarray]:
         files = sorted((self.root / "meta" / "episodes").glob("**/*.parquet"))
         if not files:
             raise ValueError(f"{self.root}: no episode metadata under meta/episodes/ (LeRobot v3.0 layout)")
+        # Only numeric columns: v3.0 also stores per-episode stats and task lists there.
         table = pa.concat_tables([pq.read_table(f) for f in files], promote_options="default")
         required = ["episode_index", "length", "dataset_from_index", "dataset_to_index",
                     "data/chunk_index", "data/file_index"]
@@ -103,13 +123,55 @@ class LeRobotDataset:
             raise ValueError(f"{self.root}: meta/episodes length disagrees with dataset_to_index - dataset_from_index")
         return episodes
 
+    def _read_episodes_v2(self) -> dict[str, np.ndarray]:
+        path = self.root / "meta" / "episodes.jsonl"
+        if not path.is_file():
+            raise ValueError(f"{self.root}: no meta/episodes.jsonl (LeRobot v2.1 layout)")
+        rows = sorted(_read_jsonl(path), key=lambda r: r["episode_index"])
+        for r in rows:
+            if "episode_index" not in r or "length" not in r:
+                raise ValueError(f"{path}: every line needs 'episode_index' and 'length'; got keys {sorted(r)}")
+        self._episode_rows = rows
+        index = np.asarray([r["episode_index"] for r in rows], dtype=np.int64)
+        lengths = np.asarray([r["length"] for r in rows], dtype=np.int64)
+        # v2.1's global frame index runs through the episodes in order.
+        ends = np.cumsum(lengths)
+        return {"episode_index": index, "length": lengths, "dataset_from_index": ends - lengths,
+                "dataset_to_index": ends, "episode_chunk": index // int(self.info.get("chunks_size", 1000))}
+
+    def _read_tasks(self) -> dict[int, str]:
+        v3, v2 = self.root / "meta" / "tasks.parquet", self.root / "meta" / "tasks.jsonl"
+        if v3.is_file():
+            t = pq.read_table(v3).to_pydict()
+            names = t.get("task", t.get("__index_level_0__", []))
+            return {int(i): str(s) for i, s in zip(t["task_index"], names)}
+        if v2.is_file():
+            return {int(r["task_index"]): str(r["task"]) for r in _read_jsonl(v2)}
+        return {}
+
+    def _read_stats(self) -> dict[str, dict[str, np.ndarray]]:
+        path = self.root / "meta" / "stats.json"
+        if path.is_file():
+            raw = json.loads(path.read_text())
+            return {k: {s: np.asarray(v, dtype=np.float64) for s, v in d.items()} for k, d in raw.items()}
+        per_episode = self.root / "meta" / "episodes_stats.jsonl"
+        if per_episode.is_file():
+            lengths = dict(zip(self.episodes["episode_index"].tolist(), self.episodes["length"].tolist()))
+            return aggregate_stats([(r["stats"], lengths.get(r["episode_index"])) for r in _read_jsonl(per_episode)])
+        return {}
+
     def episode_strings(self, column: str) -> list[str] | None:
-        """A string column of meta/episodes (e.g. a DROID ``episode_id``), in episode order; None if absent."""
+        """A string column of the episode metadata (e.g. a DROID ``episode_id``), in episode order; None if absent."""
+        if self._episode_rows is not None:
+            if not all(column in r for r in self._episode_rows):
+                return None
+            return [r[column] for r in self._episode_rows]
         files = sorted((self.root / "meta" / "episodes").glob("**/*.parquet"))
-        tables = [pq.read_table(f) for f in files]
-        if not all(column in t.column_names for t in tables):
+        tables = [pq.read_table(f, columns=["episode_index", column]) if column in pq.read_schema(f).names else None
+                  for f in files]
+        if any(t is None for t in tables):
             return None
-        table = pa.concat_tables([t.select(["episode_index", column]) for t in tables])
+        table = pa.concat_tables(tables)
         order = np.argsort(np.asarray(table["episode_index"]), kind="stable")
         values = table[column].to_pylist()
         return [values[i] for i in order]
@@ -117,6 +179,11 @@ class LeRobotDataset:
     def video_location(self, key: str) -> VideoLocation:
         template = self.info["video_path"]
         ep = self.episodes
+        if self.version == "v2.1":
+            paths = [self.root / template.format(episode_chunk=int(c), video_key=key, episode_index=int(e))
+                     for c, e in zip(ep["episode_chunk"], ep["episode_index"])]
+            # One file per episode, starting at time 0.
+            return VideoLocation(paths, np.zeros(len(paths)), ep["length"] / self.fps)
         for col in ("chunk_index", "file_index", "from_timestamp", "to_timestamp"):
             if f"videos/{key}/{col}" not in ep:
                 raise ValueError(f"{self.root}: meta/episodes has no 'videos/{key}/{col}' column for camera {key!r}")
@@ -129,36 +196,65 @@ class LeRobotDataset:
 
     # -- frame columns ----------------------------------------------------------------------------
 
-    def data_files(self) -> list[Path]:
-        template = self.info["data_path"]
-        pairs = sorted({(int(c), int(f)) for c, f in zip(self.episodes["data/chunk_index"], self.episodes["data/file_index"])})
-        return [self.root / template.format(chunk_index=c, file_index=f) for c, f in pairs]
+    def episode_data_path(self, pos: int) -> Path:
+        ep = self.episodes
+        if self.version == "v2.1":
+            return self.root / self.info["data_path"].format(episode_chunk=int(ep["episode_chunk"][pos]),
+                                                               episode_index=int(ep["episode_index"][pos]))
+        return self.root / self.info["data_path"].format(chunk_index=int(ep["data/chunk_index"][pos]),
+                                                           file_index=int(ep["data/file_index"][pos]))
 
-    def read_columns(self, keys: list[str]) -> dict[str, np.ndarray]:
-        """Read frame columns for the whole dataset, ordered by the global frame ``index``.
+    def read_episode(self, pos: int, keys: list[str]) -> dict[str, np.ndarray]:
+        """Frame columns of the episode at position ``pos`` (in episode order), in frame order."""
+        lo, hi = int(self.episodes["dataset_from_index"][pos]), int(self.episodes["dataset_to_index"][pos])
+        path = self.episode_data_path(pos)
+        if self.version == "v2.1":
+            table = pq.read_table(path, columns=list(dict.fromkeys(["frame_index", *keys])))
+            order = np.argsort(np.asarray(table["frame_index"]), kind="stable")
+        else:
+            # The filter on the global index skips row groups that hold other episodes.
+            table = pq.read_table(path, columns=list(dict.fromkeys(["index", *keys])),
+                                  filters=[("index", ">=", lo), ("index", "<", hi)])
+            order = np.argsort(np.asarray(table["index"]), kind="stable")
+        if table.num_rows != hi - lo:
+            raise ValueError(f"{path}: episode {int(self.episodes['episode_index'][pos])} has {table.num_rows} rows, "
+                             f"its metadata says {hi - lo}")
+        return {k: to_numpy(table[k])[order] for k in keys}
 
-        Numeric features come back as ``[num_frames, dim]`` float32 / int64 arrays; strings as an
-        object array.
-        """
-        keys = list(dict.fromkeys(["index", *keys]))
-        tables = [pq.read_table(f, columns=keys) for f in self.data_files()]
-        table = pa.concat_tables(tables)
-        out: dict[str, np.ndarray] = {}
-        for key in keys:
-            col = table[key].combine_chunks()
-            if pa.types.is_list(col.type) or pa.types.is_fixed_size_list(col.type) or pa.types.is_large_list(col.type):
-                flat = np.asarray(col.flatten())
-                out[key] = flat.reshape(len(col), -1).astype(np.float32 if flat.dtype.kind == "f" else flat.dtype)
-            elif pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
-                out[key] = np.asarray(col.to_pylist(), dtype=object)
-            else:
-                out[key] = np.asarray(col)
-        index = out.pop("index")
-        if not np.array_equal(index, np.arange(len(index))):
-            order = np.argsort(index, kind="stable")
-            out = {k: v[order] for k, v in out.items()}
-            if not np.array_equal(index[order], np.arange(len(index))):
-                raise ValueError(f"{self.root}: the frame 'index' column is not 0..N-1")
-        if len(index) != self.num_frames:
-            raise ValueError(f"{self.root}: data has {len(index)} frames, meta/episodes says {self.num_frames}")
-        return out
+    def episode_first_values(self, key: str) -> np.ndarray:
+        """One frame column's value at each episode's first frame (e.g. ``is_episode_successful``)."""
+        out = []
+        if self.version == "v2.1":
+            for pos in range(self.num_episodes):
+                out.append(to_numpy(pq.read_table(self.episode_data_path(pos), columns=[key])[key])[:1])
+            return np.concatenate(out).reshape(self.num_episodes, -1)[:, 0]
+        paths = sorted({self.episode_data_path(p) for p in range(self.num_episodes)})
+        table = pa.concat_tables([pq.read_table(p, columns=["index", key]) for p in paths])
+        index, values = np.asarray(table["index"]), to_numpy(table[key]).reshape(table.num_rows, -1)[:, 0]
+        where = np.full(self.num_frames, -1, dtype=np.int64)
+        where[index] = np.arange(len(index))
+        return values[where[self.episodes["dataset_from_index"]]]
+
+
+def aggregate_stats(per_episode: list[tuple[dict, int | None]]) -> dict[str, dict[str, np.ndarray]]:
+    """Pool per-episode stats (v2.1's episodes_stats.jsonl): count-weighted mean and variance,
+    elementwise min / max. A missing ``count`` falls back to the episode length."""
+    pooled: dict[str, dict[str, np.ndarray]] = {}
+    features = {k for stats, _ in per_episode for k in stats}
+    for key in sorted(features):
+        parts = [(s[key], n) for s, n in per_episode if key in s]
+        if not all(all(f in p for f in ("mean", "std", "min", "max")) for p, _ in parts):
+            continue
+        counts = np.asarray([float(np.asarray(p.get("count", [n or 1])).reshape(-1)[0]) for p, n in parts])
+        means = np.stack([np.asarray(p["mean"], np.float64).reshape(-1) for p, _ in parts])
+        stds = np.stack([np.asarray(p["std"], np.float64).reshape(-1) for p, _ in parts])
+        w = counts[:, None] / counts.sum()
+        mean = (w * means).sum(0)
+        var = (w * (stds**2 + means**2)).sum(0) - mean**2
+        pooled[key] = {
+            "mean": mean, "std": np.sqrt(np.maximum(var, 0.0)),
+            "min": np.min([np.asarray(p["min"], np.float64).reshape(-1) for p, _ in parts], axis=0),
+            "max": np.max([np.asarray(p["max"], np.float64).reshape(-1) for p, _ in parts], axis=0),
+            "count": np.asarray([counts.sum()]),
+        }
+    return pooled

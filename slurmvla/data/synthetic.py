@@ -1,6 +1,6 @@
-"""Write a small DROID-format dataset in the LeRobot v3.0 layout, with real mp4 video.
+"""Write a small DROID-format dataset in the LeRobot v3.0 (or v2.1) layout, with real mp4 video.
 
-    python -m slurmvla.data.synthetic --out DIR --episodes 24
+    python -m slurmvla.data.synthetic --out DIR --episodes 24 [--format v2.1]
 
 Feature names and shapes are DROID 1.0.1's (three 180x320 cameras at 15 fps, 8-D state and action
 plus their sub-keys, three language instructions, ``is_episode_successful``). The episodes are
@@ -35,6 +35,9 @@ PLACES = ["the drawer", "the shelf", "the sink", "the left bin", "the right bin"
 LABS = ["AUTOLab", "ILIAD", "IRIS", "RAIL", "PennPAL", "REAL"]
 DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
 VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+V2_DATA_PATH = "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
+V2_VIDEO_PATH = "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4"
+FORMATS = ("v3.0", "v2.1")
 
 
 def _episode(rng: np.random.Generator, length: int) -> dict[str, np.ndarray]:
@@ -76,13 +79,13 @@ def _render(state: np.ndarray, goal_id: int, camera: int) -> np.ndarray:
     return frames
 
 
-def _encode(path: Path, frames: np.ndarray) -> None:
+def _encode(path: Path, frames: np.ndarray, gop: int = FPS) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), mode="w") as container:
         stream = container.add_stream("libx264", rate=Fraction(FPS))
         stream.width, stream.height, stream.pix_fmt = WIDTH, HEIGHT, "yuv420p"
         # A short GOP keeps seeking to an episode start cheap, as in LeRobot's own encodings.
-        stream.options = {"crf": "23", "preset": "veryfast", "g": str(FPS), "bf": "0"}
+        stream.options = {"crf": "23", "preset": "veryfast", "g": str(gop), "bf": "0"}
         for i, img in enumerate(frames):
             frame = av.VideoFrame.from_ndarray(img, format="rgb24")
             frame.pts = i
@@ -106,8 +109,15 @@ def _float_list(x: np.ndarray) -> pa.Array:
 
 
 def write_droid_sample(out: str | Path, num_episodes: int, seed: int = 0, episodes_per_file: int = 1000,
-                       min_length: int = 4, max_length: int = 60) -> Path:
-    """Write the dataset into ``out`` atomically (a temporary folder renamed at the end)."""
+                       min_length: int = 4, max_length: int = 60, format: str = "v3.0", gop: int = FPS) -> Path:
+    """Write the dataset into ``out`` atomically (a temporary folder renamed at the end).
+
+    ``format`` is the LeRobot layout: ``v3.0`` (``episodes_per_file`` episodes per parquet / mp4) or
+    ``v2.1`` (one parquet and one mp4 per episode, jsonl metadata, per-episode stats). The same
+    seed gives the same episodes in either layout. ``gop`` is the keyframe interval of the videos.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r} is not valid; choose one of {list(FORMATS)}")
     out = Path(out)
     if (out / "meta" / "info.json").is_file():
         raise FileExistsError(f"{out} already holds a dataset")
@@ -119,114 +129,137 @@ def write_droid_sample(out: str | Path, num_episodes: int, seed: int = 0, episod
                for e in range(num_episodes)]
     episodes = [_episode(rng, n) for n in lengths]
     tasks: list[str] = []
-    episode_rows: list[dict] = []
-    global_index = 0
     rel_paths: dict[str, str] = {}
+    per_episode = []  # (columns, frames per camera, metadata row)
+    global_index = 0
+    for e, (ep, n) in enumerate(zip(episodes, lengths)):
+        obj, place = OBJECTS[ep["goal_id"]], PLACES[ep["goal_id"]]
+        instructions = [f"put the {obj} in {place}", f"move the {obj} to {place}", ""]
+        if rng.random() < 0.5:
+            instructions[2] = f"place {obj} into {place}"
+        if rng.random() < 0.2:
+            instructions[1] = ""
+        if instructions[0] not in tasks:
+            tasks.append(instructions[0])
+        success = bool(rng.random() < 0.8)
+        episode_id = _episode_id(e)
+        # A DROID-style relative path; the keep-ranges file drops the idle first and last steps of
+        # long episodes and leaves every fifth episode out (such episodes are dropped by the filter).
+        rel_paths[episode_id] = f"{LABS[e % len(LABS)]}/{'success' if success else 'failure'}/2023-10-{1 + e % 28:02d}/ep{e:05d}"
+        cart_state, cart_action = _cartesian(ep["state"]), _cartesian(ep["action"])
+        columns = {
+            "observation.state": ep["state"],
+            "observation.state.joint_position": ep["state"][:, :7],
+            "observation.state.gripper_position": ep["state"][:, 7:],
+            "observation.state.cartesian_position": cart_state,
+            "action": ep["action"],
+            "action.joint_position": ep["action"][:, :7],
+            "action.gripper_position": ep["action"][:, 7:],
+            "action.joint_velocity": ((ep["action"][:, :7] - ep["state"][:, :7]) * FPS).astype(np.float32),
+            "action.cartesian_position": cart_action,
+            "timestamp": (np.arange(n) / FPS).astype(np.float32),
+            "frame_index": np.arange(n, dtype=np.int64),
+            "episode_index": np.full(n, e, dtype=np.int64),
+            "index": np.arange(global_index, global_index + n, dtype=np.int64),
+            "task_index": np.full(n, tasks.index(instructions[0]), dtype=np.int64),
+            "is_episode_successful": np.full(n, success),
+        }
+        for k, key in enumerate(("language_instruction", "language_instruction_2", "language_instruction_3")):
+            columns[key] = np.array([instructions[k]] * n, dtype=object)
+        frames = {cam: _render(ep["state"], ep["goal_id"], c) for c, cam in enumerate(DROID_CAMERAS)}
+        row = {"episode_index": e, "tasks": [instructions[0]], "length": n, "episode_id": episode_id}
+        per_episode.append((columns, frames, row))
+        global_index += n
 
-    def episode_id_of(e: int) -> str:
-        return f"{LABS[e % len(LABS)]}+{(e * 2654435761) % 16**8:08x}+2023-10-{1 + e % 28:02d}-{e % 24:02d}h-{e % 60:02d}m-{(7 * e) % 60:02d}s"
-
-    num_files = (num_episodes + episodes_per_file - 1) // episodes_per_file
-    for file_index in range(num_files):
-        file_eps = range(file_index * episodes_per_file, min(num_episodes, (file_index + 1) * episodes_per_file))
-        columns: dict[str, list] = {}
-        video_frames: dict[str, list[np.ndarray]] = {cam: [] for cam in DROID_CAMERAS}
-        video_cursor = 0
-        for e in file_eps:
-            ep, n = episodes[e], lengths[e]
-            obj, place = OBJECTS[ep["goal_id"]], PLACES[ep["goal_id"]]
-            instructions = [f"put the {obj} in {place}", f"move the {obj} to {place}", ""]
-            if rng.random() < 0.5:
-                instructions[2] = f"place {obj} into {place}"
-            if rng.random() < 0.2:
-                instructions[1] = ""
-            if instructions[0] not in tasks:
-                tasks.append(instructions[0])
-            success = bool(rng.random() < 0.8)
-            # A DROID-style relative path; the keep-ranges file drops the idle first and last steps of
-            # long episodes and leaves every fifth episode out (such episodes are dropped by the filter).
-            rel_paths[episode_id_of(e)] = f"{LABS[e % len(LABS)]}/{'success' if success else 'failure'}/2023-10-{1 + e % 28:02d}/ep{e:05d}"
-            episode_id = episode_id_of(e)
-            cart_state, cart_action = _cartesian(ep["state"]), _cartesian(ep["action"])
-            per_frame = {
-                "observation.state": ep["state"],
-                "observation.state.joint_position": ep["state"][:, :7],
-                "observation.state.gripper_position": ep["state"][:, 7:],
-                "observation.state.cartesian_position": cart_state,
-                "action": ep["action"],
-                "action.joint_position": ep["action"][:, :7],
-                "action.gripper_position": ep["action"][:, 7:],
-                "action.joint_velocity": ((ep["action"][:, :7] - ep["state"][:, :7]) * FPS).astype(np.float32),
-                "action.cartesian_position": cart_action,
-            }
-            for key, value in per_frame.items():
-                columns.setdefault(key, []).append(value)
-            scalars = {
-                "timestamp": (np.arange(n) / FPS).astype(np.float32),
-                "frame_index": np.arange(n, dtype=np.int64),
-                "episode_index": np.full(n, e, dtype=np.int64),
-                "index": np.arange(global_index, global_index + n, dtype=np.int64),
-                "task_index": np.full(n, tasks.index(instructions[0]), dtype=np.int64),
-                "is_episode_successful": np.full(n, success),
-            }
-            for key, value in scalars.items():
-                columns.setdefault(key, []).append(value)
-            for k, key in enumerate(("language_instruction", "language_instruction_2", "language_instruction_3")):
-                columns.setdefault(key, []).append(np.array([instructions[k]] * n, dtype=object))
-            row = {
-                "episode_index": e, "tasks": [instructions[0]], "length": n, "episode_id": episode_id,
-                "data/chunk_index": 0, "data/file_index": file_index,
-                "dataset_from_index": global_index, "dataset_to_index": global_index + n,
-                "meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0,
-            }
-            for c, cam in enumerate(DROID_CAMERAS):
-                video_frames[cam].append(_render(ep["state"], ep["goal_id"], c))
-                row[f"videos/{cam}/chunk_index"] = 0
-                row[f"videos/{cam}/file_index"] = file_index
-                row[f"videos/{cam}/from_timestamp"] = video_cursor / FPS
-                row[f"videos/{cam}/to_timestamp"] = (video_cursor + n) / FPS
-            video_cursor += n
-            global_index += n
-            episode_rows.append(row)
-        arrays = {}
-        for key, parts in columns.items():
-            value = np.concatenate(parts)
-            if value.ndim == 2:
-                arrays[key] = _float_list(value)
-            elif value.dtype == object:
-                arrays[key] = pa.array(value.tolist(), pa.string())
-            else:
-                arrays[key] = pa.array(value)
-        path = tmp / DATA_PATH.format(chunk_index=0, file_index=file_index)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(pa.table(arrays), path)
-        for cam in DROID_CAMERAS:
-            _encode(tmp / VIDEO_PATH.format(video_key=cam, chunk_index=0, file_index=file_index),
-                    np.concatenate(video_frames[cam]))
-
-    meta = tmp / "meta"
-    (meta / "episodes" / "chunk-000").mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(episode_rows), meta / "episodes" / "chunk-000" / "file-000.parquet")
-    pq.write_table(pa.table({"task_index": list(range(len(tasks))), "task": tasks}), meta / "tasks.parquet")
-    state = np.concatenate([e["state"] for e in episodes])
-    action = np.concatenate([e["action"] for e in episodes])
-    stats = {"observation.state": _stats(state), "action": _stats(action)}
-    (meta / "stats.json").write_text(json.dumps(stats, indent=2))
+    if format == "v3.0":
+        _write_v3(tmp, per_episode, tasks, episodes_per_file, gop)
+    else:
+        _write_v2(tmp, per_episode, tasks, gop)
     keep = {}
     for e, n in enumerate(lengths):
         if e % 5 == 4:
             continue
-        rel = rel_paths[episode_id_of(e)]
-        keep[episode_key(rel)] = [[1, n - 1]] if n > 12 else [[0, n]]
+        keep[episode_key(rel_paths[_episode_id(e)])] = [[1, n - 1]] if n > 12 else [[0, n]]
     (tmp / "keep_ranges_1_0_1.json").write_text(json.dumps(keep, indent=1))
     (tmp / "episode_id_to_path.json").write_text(json.dumps(rel_paths, indent=1))
-    (meta / "info.json").write_text(json.dumps(_info(num_episodes, global_index, len(tasks), episodes_per_file), indent=2))
+    info = _info(format, num_episodes, global_index, len(tasks), episodes_per_file)
+    (tmp / "meta" / "info.json").write_text(json.dumps(info, indent=2))
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)
     return out
 
 
-def _info(num_episodes: int, num_frames: int, num_tasks: int, episodes_per_file: int) -> dict:
+def _episode_id(e: int) -> str:
+    return f"{LABS[e % len(LABS)]}+{(e * 2654435761) % 16**8:08x}+2023-10-{1 + e % 28:02d}-{e % 24:02d}h-{e % 60:02d}m-{(7 * e) % 60:02d}s"
+
+
+def _table(columns: dict[str, np.ndarray]) -> pa.Table:
+    arrays = {}
+    for key, value in columns.items():
+        if value.ndim == 2:
+            arrays[key] = _float_list(value)
+        elif value.dtype == object:
+            arrays[key] = pa.array(value.tolist(), pa.string())
+        else:
+            arrays[key] = pa.array(value)
+    return pa.table(arrays)
+
+
+def _write_v3(tmp: Path, per_episode: list, tasks: list[str], episodes_per_file: int, gop: int) -> None:
+    rows = []
+    for file_index in range(0, len(per_episode), episodes_per_file):
+        group = per_episode[file_index : file_index + episodes_per_file]
+        f = file_index // episodes_per_file
+        cursor = 0
+        for columns, _, row in group:
+            n = row["length"]
+            start = int(columns["index"][0])
+            row = {**row, "data/chunk_index": 0, "data/file_index": f, "dataset_from_index": start,
+                   "dataset_to_index": start + n, "meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0}
+            for cam in DROID_CAMERAS:
+                row.update({f"videos/{cam}/chunk_index": 0, f"videos/{cam}/file_index": f,
+                            f"videos/{cam}/from_timestamp": cursor / FPS, f"videos/{cam}/to_timestamp": (cursor + n) / FPS})
+            cursor += n
+            rows.append(row)
+        merged = {k: np.concatenate([c[k] for c, _, _ in group]) for k in group[0][0]}
+        path = tmp / DATA_PATH.format(chunk_index=0, file_index=f)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(_table(merged), path)
+        for cam in DROID_CAMERAS:
+            _encode(tmp / VIDEO_PATH.format(video_key=cam, chunk_index=0, file_index=f),
+                    np.concatenate([frames[cam] for _, frames, _ in group]), gop)
+    meta = tmp / "meta"
+    (meta / "episodes" / "chunk-000").mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), meta / "episodes" / "chunk-000" / "file-000.parquet")
+    pq.write_table(pa.table({"task_index": list(range(len(tasks))), "task": tasks}), meta / "tasks.parquet")
+    state = np.concatenate([c["observation.state"] for c, _, _ in per_episode])
+    action = np.concatenate([c["action"] for c, _, _ in per_episode])
+    stats = {"observation.state": _stats(state), "action": _stats(action)}
+    (meta / "stats.json").write_text(json.dumps(stats, indent=2))
+
+
+def _write_v2(tmp: Path, per_episode: list, tasks: list[str], gop: int) -> None:
+    meta = tmp / "meta"
+    meta.mkdir(parents=True, exist_ok=True)
+    episode_lines, stats_lines = [], []
+    for columns, frames, row in per_episode:
+        e = row["episode_index"]
+        path = tmp / V2_DATA_PATH.format(episode_chunk=0, episode_index=e)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(_table(columns), path)
+        for cam in DROID_CAMERAS:
+            _encode(tmp / V2_VIDEO_PATH.format(episode_chunk=0, video_key=cam, episode_index=e), frames[cam], gop)
+        episode_lines.append(json.dumps(row))
+        # v2.1 per-episode stats carry no quantiles.
+        ep_stats = {k: {s: v for s, v in _stats(columns[k]).items() if s not in ("q01", "q99")}
+                    for k in ("observation.state", "action")}
+        stats_lines.append(json.dumps({"episode_index": e, "stats": ep_stats}))
+    (meta / "episodes.jsonl").write_text("\n".join(episode_lines) + "\n")
+    (meta / "episodes_stats.jsonl").write_text("\n".join(stats_lines) + "\n")
+    (meta / "tasks.jsonl").write_text("".join(json.dumps({"task_index": i, "task": t}) + "\n" for i, t in enumerate(tasks)))
+
+
+def _info(format: str, num_episodes: int, num_frames: int, num_tasks: int, episodes_per_file: int) -> dict:
     def vec(n: int, names: list[str]) -> dict:
         return {"dtype": "float32", "shape": [n], "names": names}
 
@@ -259,20 +292,20 @@ def _info(num_episodes: int, num_frames: int, num_tasks: int, episodes_per_file:
         "index": {"dtype": "int64", "shape": [1], "names": None},
         "task_index": {"dtype": "int64", "shape": [1], "names": None},
     })
-    return {
-        "codebase_version": "v3.0", "robot_type": "franka", "fps": FPS,
-        "total_episodes": num_episodes, "total_frames": num_frames, "total_tasks": num_tasks,
-        "chunks_size": 1000, "files_size_in_mb": 100, "data_files_size_in_mb": 100, "video_files_size_in_mb": 500,
-        "splits": {"train": f"0:{num_episodes}"}, "data_path": DATA_PATH, "video_path": VIDEO_PATH,
-        "features": features,
-    }
+    common = {"robot_type": "franka", "fps": FPS, "total_episodes": num_episodes, "total_frames": num_frames,
+              "total_tasks": num_tasks, "chunks_size": 1000, "splits": {"train": f"0:{num_episodes}"}}
+    if format == "v2.1":
+        return {"codebase_version": "v2.1", **common, "total_chunks": 1, "total_videos": 3 * num_episodes,
+                "data_path": V2_DATA_PATH, "video_path": V2_VIDEO_PATH, "features": features}
+    return {"codebase_version": "v3.0", **common, "files_size_in_mb": 100, "data_files_size_in_mb": 100,
+            "video_files_size_in_mb": 500, "data_path": DATA_PATH, "video_path": VIDEO_PATH, "features": features}
 
 
 def ensure_sample_dataset(cfg) -> None:  # noqa: ANN001 - a DataConfig
-    """Write the sample dataset on first use when ``data.root`` is null; a no-op otherwise."""
-    if cfg.root is not None:
+    """Write the sample dataset on first use when a dataset's root is null; a no-op otherwise."""
+    if cfg.root is not None and all(m.root is not None for m in cfg.mixture.values()):
         return
-    root = cfg.resolved_root
+    root = cfg.sample_root()
     if (root / "meta" / "info.json").is_file():
         return
     try:
@@ -290,10 +323,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--episodes-per-file", type=int, default=1000,
                         help="episodes packed into one parquet / mp4 file (LeRobot v3.0 packs many)")
+    parser.add_argument("--format", choices=FORMATS, default="v3.0", help="LeRobot layout (default v3.0)")
     args = parser.parse_args(argv)
     if args.episodes < 1:
         parser.error(f"--episodes={args.episodes} must be >= 1")
-    path = write_droid_sample(args.out, args.episodes, seed=args.seed, episodes_per_file=args.episodes_per_file)
+    path = write_droid_sample(args.out, args.episodes, seed=args.seed, episodes_per_file=args.episodes_per_file,
+                              format=args.format)
     print(f"wrote {args.episodes} episodes to {path}")
 
 

@@ -189,20 +189,28 @@ class FlowMatchingVLA(Policy):
         impl = resolve_attention(cfg.attention_implementation)
         self.gradient_checkpointing = cfg.gradient_checkpointing
         self.vision = VisionEncoder(cfg, impl)
-        self.camera_embedding = nn.Parameter(torch.zeros(cfg.num_cameras, cfg.width))
+        # One embedding per (history frame, camera): images arrive as [B, n_obs_history * cams, ...].
+        self.camera_embedding = nn.Parameter(torch.zeros(cfg.n_obs_history * cfg.num_cameras, cfg.width))
         self.text_embed = nn.Embedding(VOCAB_SIZE, cfg.width)
-        self.state_proj = nn.Linear(cfg.state_dim, cfg.width)
+        self.state_proj = nn.Linear(cfg.n_obs_history * cfg.state_dim, cfg.width)
+        if cfg.dynamics:
+            # Dynamics samples (data.mode=joint/forward_dynamics/inverse_dynamics) add one prefix token:
+            # the mode's embedding plus its conditioning (the action chunk, or the future state).
+            self.mode_embedding = nn.Embedding(3, cfg.width)
+            self.cond_actions = nn.Linear(cfg.action_horizon * cfg.action_dim, cfg.width)
+            self.cond_future_state = nn.Linear(cfg.state_dim, cfg.width)
         self.layers = nn.ModuleList(VLALayer(cfg, impl, prefix_output=i < cfg.depth - 1) for i in range(cfg.depth))
         self.expert_in = ActionTimeEmbedding(cfg.action_dim, cfg.expert_width)
         self.expert_out_norm = nn.RMSNorm(cfg.expert_width)
         self.expert_out = nn.Linear(cfg.expert_width, cfg.action_dim)
-        # Normalization statistics are buffers: they travel with the weights into checkpoints and
-        # exports, and they stay fp32 whatever the compute dtype.
+        # Normalization (x - offset) / scale, from the data's stats in the mode data.*_normalization
+        # chose. Buffers: they travel with the weights into checkpoints and exports, and stay fp32
+        # whatever the compute dtype.
         for prefix, dim in (("state", cfg.state_dim), ("action", cfg.action_dim)):
-            mean = torch.zeros(dim) if stats is None else stats[f"{prefix}_mean"].float().reshape(dim)
-            std = torch.ones(dim) if stats is None else stats[f"{prefix}_std"].float().reshape(dim)
-            self.register_buffer(f"{prefix}_mean", mean.clone())
-            self.register_buffer(f"{prefix}_std", std.clamp_min(1e-4).clone())
+            offset = torch.zeros(dim) if stats is None else stats[f"{prefix}_offset"].float().reshape(dim)
+            scale = torch.ones(dim) if stats is None else stats[f"{prefix}_scale"].float().reshape(dim)
+            self.register_buffer(f"{prefix}_offset", offset.clone())
+            self.register_buffer(f"{prefix}_scale", scale.clamp_min(1e-4).clone())
         self.apply(self._init)
         if cfg.freeze_vision_encoder or cfg.train_expert_only:
             self.vision.requires_grad_(False)
@@ -242,9 +250,12 @@ class FlowMatchingVLA(Policy):
         img = self.vision(images)
         per_cam = img.shape[1] // cams
         img = img + self.camera_embedding[:cams].repeat_interleave(per_cam, dim=0)
-        state = (batch["state"].float() - self.state_mean) / self.state_std
+        state = self.normalize_states(batch["state"]).reshape(b, -1)
         parts = [img, self.state_proj(state)[:, None, :].to(img.dtype)]
         keep = [batch["image_mask"].repeat_interleave(per_cam, dim=1), torch.ones(b, 1, dtype=torch.bool, device=images.device)]
+        if self.cfg.dynamics:
+            parts.append(self._dynamics_token(batch).to(img.dtype))
+            keep.append(torch.ones(b, 1, dtype=torch.bool, device=images.device))
         # Instruction tokens are optional: a data source without instructions sends no "text"
         # field. Whether the text tower runs is agreed across ranks from host-side knowledge
         # (field presence, no GPU sync), with a check that every rank's batch has the same fields.
@@ -266,12 +277,43 @@ class FlowMatchingVLA(Policy):
         return self.expert_out(self.expert_out_norm(suffix))
 
     def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
-        return (actions.float() - self.action_mean) / self.action_std
+        return (actions.float() - self.action_offset) / self.action_scale
+
+    def normalize_states(self, states: torch.Tensor) -> torch.Tensor:
+        return (states.float() - self.state_offset) / self.state_scale
+
+    def _dynamics_token(self, batch: dict) -> torch.Tensor:
+        """Mode embedding + conditioning: forward dynamics sees the action chunk, inverse dynamics the
+        future state; both projections run on every sample (zeroed where unused), so every parameter
+        takes part in every step whatever the batch's mix of modes."""
+        b = batch["actions"].shape[0]
+        mode = batch.get("mode")
+        if mode is None:  # data.mode=policy: every sample is a policy sample
+            mode = torch.zeros(b, dtype=torch.long, device=batch["actions"].device)
+        fwd = (mode == 1).float()[:, None]
+        inv = (mode == 2).float()[:, None]
+        actions = self.normalize_actions(batch["actions"]) * batch["action_mask"][:, :, None].float()
+        future = batch.get("future_states")
+        future = self.normalize_states(future[:, -1]) if future is not None else torch.zeros_like(self.state_offset).expand(b, -1)
+        token = (self.mode_embedding(mode) + self.cond_actions(actions.reshape(b, -1)) * fwd
+                 + self.cond_future_state(future) * inv)
+        return token[:, None, :]
+
+    def _targets(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the flow is trained to produce: the action chunk, or for forward dynamics the future states."""
+        actions = self.normalize_actions(batch["actions"])
+        mask = batch["action_mask"]
+        if self.cfg.dynamics and "mode" in batch:
+            fwd = batch["mode"] == 1
+            states = self.normalize_states(batch["future_states"])
+            actions = torch.where(fwd[:, None, None], states, actions)
+            mask = torch.where(fwd[:, None], batch["future_mask"], mask)
+        return actions, mask
 
     def forward(self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None) -> dict:
         """Flow-matching loss. Noise and time come from the batch (``noise``, ``time_u``: drawn per
         sample by the data pipeline), from the arguments, or from the global RNG, in that order."""
-        actions = self.normalize_actions(batch["actions"])
+        actions, action_mask = self._targets(batch)
         b = actions.shape[0]
         if noise is None:
             noise = batch["noise"].float() if "noise" in batch else torch.randn_like(actions)
@@ -284,7 +326,7 @@ class FlowMatchingVLA(Policy):
         target = noise - actions
         prefix, keep = self._prefix(batch)
         pred = self._velocity(prefix, keep, x_t, t).float()
-        mask = batch["action_mask"][:, :, None].expand_as(pred).float()
+        mask = action_mask[:, :, None].expand_as(pred).float()
         err = (pred - target).square() * mask
         mse_sum = err.sum(dim=(1, 2))
         mse_count = mask.sum(dim=(1, 2))
@@ -306,4 +348,4 @@ class FlowMatchingVLA(Policy):
         for i in range(steps):
             t = torch.full((b,), 1.0 - i / steps, device=x.device)
             x = x - self._velocity(prefix, keep, x, t).float() / steps
-        return x * self.action_std + self.action_mean
+        return x * self.action_scale + self.action_offset

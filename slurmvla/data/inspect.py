@@ -1,0 +1,79 @@
+"""Print what the configured data yields, as JSON, without training.
+
+    python -m slurmvla.data.inspect [the same overrides as slurmvla.train]
+    python -m slurmvla.data.inspect data.root=/data/droid data.keep_ranges.path=... data.keep_ranges.episode_id_to_path=...
+
+Per dataset: format version, episodes and frames in total, episodes and frames kept by the filters,
+episodes whose keep-ranges key could not be built, samples per epoch under each keep-ranges
+semantics (``frame`` / ``window``), train / validation episodes; for the mixture: the sampling
+weights and the samples each dataset contributes per epoch. Run it before spending GPU hours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+from slurmvla.config import Config, check_override_keys, to_config
+from slurmvla.data.droid import DroidSource, dataset_specs
+from slurmvla.data.mixture import Mixture
+from slurmvla.data.synthetic import ensure_sample_dataset
+
+
+def compose(overrides: list[str]) -> Config:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from slurmvla.train import config_dir
+
+    groups = sorted(p.name for p in config_dir().iterdir() if p.is_dir())
+    check_override_keys(overrides, groups)
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+        return to_config(hydra_compose("config", overrides=overrides))
+
+
+def summarize(cfg: Config) -> dict:
+    ensure_sample_dataset(cfg.data)
+    p = cfg.policy
+    mixture = Mixture(cfg.data, p.image_size, p.action_horizon, p.max_text_len, cfg.trainer.seed)
+    datasets = mixture.summary()
+    for i, spec in enumerate(dataset_specs(cfg.data)):
+        entry = datasets[spec.name]
+        entry["keep_ranges"] = spec.keep_ranges.path
+        if spec.keep_ranges.path is None:
+            continue
+        # Samples per epoch under each semantics (the configured one is what training uses).
+        per_mode = {}
+        for semantics in ("frame", "window"):
+            other = dataclasses.replace(spec, keep_ranges=dataclasses.replace(spec.keep_ranges, semantics=semantics))
+            source = DroidSource(other, cfg.data, p.image_size, p.action_horizon, p.max_text_len, cfg.trainer.seed, i)
+            per_mode[semantics] = {"samples": source.index.num_samples, "train_samples": source.train_index.num_samples}
+        entry["samples_by_semantics"] = per_mode
+    return {
+        "datasets": datasets,
+        "mixture": {
+            "weights": {name: float(w) for name, w in zip(mixture.names, mixture.weights)},
+            "samples_per_epoch": mixture.samples_per_epoch,
+            "action_horizon": p.action_horizon,
+            "mode": cfg.data.mode,
+            "loader": cfg.data.loader,
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__)
+        return
+    try:
+        summary = summarize(compose(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(summary, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Data loaders over a :class:`~slurmvla.data.mixture.Mixture`: training (stream or map) and validation.
+
+The training loader's position is ``(epoch, batches consumed on this rank in the epoch)``; it is
+part of the checkpoint, and a resumed run on the same layout (loader, world size, workers,
+micro-batch) yields exactly the batches the uninterrupted run would have. On another layout the
+position carries over as the same fraction of the epoch, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader
+
+from slurmvla.config import DataConfig
+from slurmvla.data.mixture import EpisodeStream, EpochSampler, MapDataset, Mixture, ValidationDataset
+
+log = logging.getLogger("slurmvla")
+
+
+class TrainData:
+    def __init__(self, mixture: Mixture, cfg: DataConfig, batch_size: int, rank: int, world_size: int,
+                 seed: int, pin_memory: bool = False):
+        self.mixture, self.cfg, self.batch_size = mixture, cfg, batch_size
+        self.rank, self.world_size = rank, world_size
+        workers = cfg.num_workers
+        common = dict(batch_size=batch_size, num_workers=workers, pin_memory=pin_memory,
+                      prefetch_factor=4 if workers > 0 else None,
+                      # Its own generator: starting workers must not draw from the global RNG, or a
+                      # resumed run (which starts its workers at another step) would diverge.
+                      generator=torch.Generator().manual_seed(seed))
+        if cfg.loader == "stream":
+            self.stream = EpisodeStream(mixture, batch_size, rank, world_size, workers)
+            self.batches_per_epoch = self.stream.batches_per_epoch
+            # Workers start per epoch: they take the stream's position with them when they fork.
+            self.loader = DataLoader(self.stream, **common)
+        else:
+            self.dataset = MapDataset(mixture, cfg.episode_cache_size)
+            if len(self.dataset) // world_size < batch_size:
+                raise ValueError(
+                    f"the training data has {len(self.dataset)} samples per epoch: fewer than one micro-batch of "
+                    f"{batch_size} per rank for {world_size} ranks; lower trainer.global_batch_size"
+                )
+            self.sampler = EpochSampler(len(self.dataset), seed, rank, world_size)
+            self.batches_per_epoch = len(self.dataset) // world_size // batch_size
+            self.loader = DataLoader(self.dataset, sampler=self.sampler, drop_last=True,
+                                     persistent_workers=workers > 0, **common)
+
+    @property
+    def layout(self) -> dict:
+        return {"loader": self.cfg.loader, "world_size": self.world_size, "num_workers": self.cfg.num_workers,
+                "batch_size": self.batch_size, "batches_per_epoch": self.batches_per_epoch}
+
+    def iterate(self, epoch: int, batches: int) -> Iterator[dict]:
+        """The epoch's batches from position ``batches`` on."""
+        if self.cfg.loader == "stream":
+            self.stream.set_position(epoch, batches)
+        else:
+            self.sampler.set_position(epoch, batches * self.batch_size)
+        return iter(self.loader)
+
+    def resume_position(self, saved: dict) -> int:
+        """Batches into the epoch to resume at, from a checkpoint's data state."""
+        layout = saved.get("layout", {})
+        same = {k: layout.get(k) for k in ("loader", "world_size", "num_workers", "batch_size")} == \
+            {k: self.layout[k] for k in ("loader", "world_size", "num_workers", "batch_size")}
+        if same:
+            return int(saved["batches_in_epoch"])
+        fraction = saved["batches_in_epoch"] / max(1, layout.get("batches_per_epoch", 1))
+        position = min(self.batches_per_epoch, int(round(fraction * self.batches_per_epoch)))
+        log.warning("the data layout changed since the checkpoint (%s -> %s): resuming at the same fraction of the "
+                    "epoch (%.3f), not at the exact next sample", layout, self.layout, fraction)
+        return position
+
+
+def build_validation_loader(mixture: Mixture, cfg: DataConfig, batch_size: int, rank: int = 0,
+                            world_size: int = 1) -> DataLoader | None:
+    """Every validation sample once, in a fixed order, sharded into contiguous blocks across ranks
+    (no shuffle, no drop_last). None when the split is empty."""
+    dataset = ValidationDataset(mixture, cfg.episode_cache_size)
+    if len(dataset) == 0:
+        return None
+    per_rank = -(-len(dataset) // world_size)
+    indices = list(range(rank * per_rank, min(len(dataset), (rank + 1) * per_rank)))
+    return DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=batch_size, shuffle=False,
+                      drop_last=False, num_workers=min(cfg.num_workers, 1 if indices else 0))

@@ -1,0 +1,358 @@
+"""Weighted mixtures of DROID-format datasets, the epoch plan, and the three readers built on it.
+
+The **epoch plan** is a pure function of ``(seed, epoch)``: every dataset contributes a quota of
+samples proportional to its weight (the quotas sum to the mixture's train samples; a dataset whose
+quota exceeds its size repeats with a fresh episode order), its episodes are shuffled, and the
+pieces of all datasets are shuffled together into one sequence of episode pieces.
+
+- :class:`EpisodeStream` (the fast path): the plan's sample sequence is cut into equal contiguous
+  shards, one per (rank, dataloader worker). A worker loads each of its episode pieces once
+  (frames decoded forward) and interleaves ``interleave_episodes`` pieces at a time. Every shard has
+  the same number of whole batches, so every rank yields the same number per epoch; what does not
+  fit (fewer than ``num_shards * (batch + 1)`` samples per epoch) is left out. The position is one
+  number, batches consumed on this rank in this epoch, and a resumed stream yields exactly what
+  the uninterrupted one would have yielded next.
+- :class:`MapDataset` over the plan with :class:`EpochSampler`: random access in a global order
+  that does not depend on the world size (for debugging and engine parity checks; slower).
+- :class:`ValidationDataset`: every validation sample of every dataset in a fixed order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
+
+from slurmvla.config import DataConfig
+from slurmvla.data.droid import DroidSource, Episode, dataset_specs, seeded_int
+from slurmvla.data.index import SampleIndex
+
+log = logging.getLogger("slurmvla")
+
+
+def _rng(*parts: object) -> np.random.Generator:
+    return np.random.default_rng(seeded_int(*parts) % 2**63)
+
+
+@dataclass
+class Plan:
+    """One epoch's sequence of episode pieces; piece i holds samples ``k0 .. k0 + count`` of its episode."""
+
+    dataset: np.ndarray
+    episode: np.ndarray
+    repeat: np.ndarray
+    k0: np.ndarray
+    count: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.cum = np.concatenate([[0], np.cumsum(self.count)]).astype(np.int64)
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.cum[-1])
+
+    def locate(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Piece of each global sample position, and the sample's rank within its episode."""
+        piece = np.searchsorted(self.cum, g, side="right") - 1
+        return piece, self.k0[piece] + g - self.cum[piece]
+
+
+class Mixture:
+    """The datasets of ``data`` (the first plus ``data.mixture``), their weights and their plan."""
+
+    def __init__(self, cfg: DataConfig, image_size: int, action_horizon: int, max_text_len: int, seed: int):
+        self.cfg, self.seed = cfg, seed
+        self.sources = [DroidSource(spec, cfg, image_size, action_horizon, max_text_len, seed, i)
+                        for i, spec in enumerate(dataset_specs(cfg))]
+        dims = {(s.state_dim, s.action_dim) for s in self.sources}
+        if len(dims) > 1:
+            raise ValueError("the datasets of one mixture must share state and action dims (one policy reads them); "
+                             + ", ".join(f"{s.name}: state {s.state_dim}, action {s.action_dim}" for s in self.sources))
+        w = np.asarray([s.spec.weight for s in self.sources], dtype=np.float64)
+        self.weights = w / w.sum()
+        sizes = np.asarray([s.train_index.num_samples for s in self.sources])
+        # Quotas sum to the mixture's train samples; rounding leftovers go to the largest remainders.
+        exact = self.weights * sizes.sum()
+        quota = np.floor(exact).astype(np.int64)
+        quota[np.argsort(-(exact - quota), kind="stable")[: int(sizes.sum() - quota.sum())]] += 1
+        for s, q in zip(self.sources, quota):
+            if q > 0 and s.train_index.num_samples == 0:
+                raise ValueError(f"dataset {s.name!r} has weight {s.spec.weight} but no training samples "
+                                 f"(val_fraction={cfg.val_fraction}); counts: {s.index.counts}")
+        self.quota = quota
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.sources]
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return int(self.quota.sum())
+
+    def plan(self, epoch: int) -> Plan:
+        parts = []
+        for d, (source, quota) in enumerate(zip(self.sources, self.quota)):
+            index = source.train_index
+            episodes, counts = index.episodes, index.ep_count[index.episodes]
+            taken, repeat = 0, 0
+            while taken < quota:
+                order = _rng("episodes", self.seed, epoch, d, repeat).permutation(len(episodes))
+                c = counts[order]
+                # Whole episodes while the quota lasts; the last one is cut.
+                n = min(len(c), int(np.searchsorted(np.cumsum(c), quota - taken, side="left")) + 1)
+                c = c[:n].copy()
+                c[-1] -= max(0, int(c.sum()) - (quota - taken))
+                parts.append((np.full(n, d), episodes[order[:n]], np.full(n, repeat), np.zeros(n, np.int64), c))
+                taken += int(c.sum())
+                repeat += 1
+        if not parts:
+            return Plan(*(np.zeros(0, np.int64) for _ in range(5)))
+        cols = [np.concatenate([p[i] for p in parts]).astype(np.int64) for i in range(5)]
+        order = _rng("pieces", self.seed, epoch).permutation(len(cols[0]))
+        return Plan(*(c[order] for c in cols))
+
+    def normalization(self, state_mode: str, action_mode: str) -> dict[str, torch.Tensor]:
+        """Offset / scale per state and action dim from the datasets' stats, pooled across the mixture:
+        ``normalized = (x - offset) / scale``."""
+        out = {}
+        for prefix, keys, mode in (("state", self.cfg.state_keys, state_mode), ("action", self.cfg.action_keys, action_mode)):
+            dim = self.sources[0].state_dim if prefix == "state" else self.sources[0].action_dim
+            if mode == "identity":
+                offset, scale = np.zeros(dim), np.ones(dim)
+            else:
+                stats = pool_stats([s.raw_stats(keys) for s in self.sources])
+                need = {"mean_std": ("mean", "std"), "min_max": ("min", "max"), "quantile": ("q01", "q99")}[mode]
+                if not all(n in stats for n in need):
+                    raise ValueError(f"data.{prefix}_normalization={mode!r} needs {list(need)} stats for {keys}, "
+                                     f"which {self.names} do not all have; stats there: {sorted(stats)}; choose "
+                                     "mean_std, min_max or identity")
+                a, b = stats[need[0]], stats[need[1]]
+                offset, scale = (a, b) if mode == "mean_std" else ((a + b) / 2, (b - a) / 2)
+            out[f"{prefix}_offset"] = torch.as_tensor(offset, dtype=torch.float32)
+            out[f"{prefix}_scale"] = torch.as_tensor(np.maximum(scale, 1e-4), dtype=torch.float32)
+        return out
+
+    def summary(self) -> dict:
+        """Counts per dataset, for logs and ``python -m slurmvla.data.inspect``."""
+        out = {}
+        for s, w, q in zip(self.sources, self.weights, self.quota):
+            c = dict(s.index.counts)
+            out[s.name] = {
+                "root": str(s.meta.root), "format": s.meta.version, "weight": float(w), "samples_per_epoch": int(q),
+                **c, "train_episodes": int(len(s.train_index.episodes)), "val_episodes": int(len(s.val_index.episodes)),
+                "train_samples": s.train_index.num_samples, "val_samples": s.val_index.num_samples,
+            }
+        return out
+
+
+def pool_stats(stats: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Pool stats of several datasets: count-weighted mean / variance, elementwise min / max, and
+    the outermost q01 / q99 (a conservative range)."""
+    if len(stats) == 1:
+        return stats[0]
+    out = {}
+    counts = np.asarray([float(s["count"][0]) for s in stats])
+    w = counts / counts.sum()
+    if all("mean" in s and "std" in s for s in stats):
+        mean = sum(wi * s["mean"] for wi, s in zip(w, stats))
+        var = sum(wi * (s["std"] ** 2 + s["mean"] ** 2) for wi, s in zip(w, stats)) - mean**2
+        out.update(mean=mean, std=np.sqrt(np.maximum(var, 0.0)))
+    for name, fn in (("min", np.minimum), ("max", np.maximum), ("q01", np.minimum), ("q99", np.maximum)):
+        if all(name in s for s in stats):
+            out[name] = fn.reduce([s[name] for s in stats])
+    return out
+
+
+class _EpisodeCache:
+    """Loaded episode pieces of one worker, least recently used first out."""
+
+    def __init__(self, sources: list[DroidSource], size: int):
+        self.sources, self.size = sources, size
+        self.items: OrderedDict[tuple, Episode] = OrderedDict()
+
+    def get(self, dataset: int, episode: int) -> Episode:
+        key = (dataset, episode)
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key]
+        ep = self.sources[dataset].load_episode(episode)
+        self.items[key] = ep
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+        return ep
+
+
+class EpisodeStream(IterableDataset):
+    """The episode-shuffle stream of one rank (see the module docstring)."""
+
+    def __init__(self, mixture: Mixture, batch_size: int, rank: int, world_size: int, num_workers: int):
+        self.mixture, self.batch_size = mixture, batch_size
+        self.rank, self.world_size = rank, world_size
+        self.num_workers = max(1, num_workers)
+        self.num_shards = world_size * self.num_workers
+        per_shard = mixture.samples_per_epoch // self.num_shards
+        self.batches_per_shard = per_shard // batch_size
+        if self.batches_per_shard == 0:
+            raise ValueError(
+                f"the training data has {mixture.samples_per_epoch} samples per epoch: fewer than one micro-batch of "
+                f"{batch_size} for each of {world_size} ranks x {self.num_workers} dataloader workers; lower "
+                "trainer.global_batch_size or data.num_workers"
+            )
+        self.epoch, self.position = 0, 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Batches this rank yields per epoch (the same on every rank)."""
+        return self.batches_per_shard * self.num_workers
+
+    @property
+    def samples_left_out(self) -> int:
+        return self.mixture.samples_per_epoch - self.batches_per_epoch * self.batch_size * self.world_size
+
+    def set_position(self, epoch: int, batches: int) -> None:
+        if not 0 <= batches <= self.batches_per_epoch:
+            raise ValueError(f"stream position {batches} is outside the epoch's {self.batches_per_epoch} batches")
+        self.epoch, self.position = epoch, batches
+
+    def shard_order(self, epoch: int, shard: int) -> tuple[np.ndarray, ...]:
+        """``(dataset, episode, frame, repeat, piece)`` of every sample of one shard, in yield order.
+
+        The shard is a contiguous slice of the plan's sample sequence; its pieces are interleaved by
+        sorting on ``local piece + interleave * u``: at any point about ``interleave`` pieces are open.
+        """
+        plan = self.mixture.plan(epoch)
+        n = self.batches_per_shard * self.batch_size
+        start = shard * (plan.num_samples // self.num_shards)
+        piece, k = plan.locate(np.arange(start, start + n))
+        local = piece - piece[0]
+        u = _rng("interleave", self.mixture.seed, epoch, shard).random(n)
+        order = np.argsort(local + self.mixture.cfg.interleave_episodes * u, kind="stable")
+        piece, k = piece[order], k[order]
+        d, e = plan.dataset[piece], plan.episode[piece]
+        t = np.empty(n, dtype=np.int64)
+        for ds in np.unique(d):
+            m = d == ds
+            t[m] = self.mixture.sources[ds].train_index.frames_of(e[m], k[m])
+        return d, e, t, plan.repeat[piece], piece
+
+    def __iter__(self) -> Iterator[dict]:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        num_workers = info.num_workers if info is not None else 1
+        if num_workers != self.num_workers:
+            raise RuntimeError(f"the stream was built for {self.num_workers} workers, the loader runs {num_workers}")
+        # The loader takes batch b of this rank from worker b % W. After resuming at batch p, loader
+        # worker w first serves batch p + w: logical worker (p + w) % W, from its batch (p + w) // W.
+        logical = (self.position + worker) % self.num_workers
+        first_batch = (self.position + worker) // self.num_workers
+        shard = self.rank * self.num_workers + logical
+        d, e, t, rep, piece = self.shard_order(self.epoch, shard)
+        skip = first_batch * self.batch_size
+        d, e, t, rep, piece = d[skip:], e[skip:], t[skip:], rep[skip:], piece[skip:]
+        # A piece is loaded once, with just the frames its samples need, and dropped after its last sample.
+        remaining: dict[int, int] = {}
+        span: dict[int, list[int]] = {}
+        for p, frame in zip(piece.tolist(), t.tolist()):
+            remaining[p] = remaining.get(p, 0) + 1
+            lo_hi = span.setdefault(p, [frame, frame])
+            lo_hi[0], lo_hi[1] = min(lo_hi[0], frame), max(lo_hi[1], frame)
+        open_pieces: dict[int, Episode] = {}
+        for ds, ep, frame, r, p in zip(d.tolist(), e.tolist(), t.tolist(), rep.tolist(), piece.tolist()):
+            loaded = open_pieces.get(p)
+            if loaded is None:
+                loaded = open_pieces[p] = self.mixture.sources[ds].load_episode(ep, *span[p])
+            yield self.mixture.sources[ds].sample(loaded, frame, self.epoch, r)
+            remaining[p] -= 1
+            if remaining[p] == 0:
+                del open_pieces[p]
+
+
+class MapDataset(Dataset):
+    """Random access to the plan's samples by ``(global position, epoch)`` keys."""
+
+    def __init__(self, mixture: Mixture, cache_size: int):
+        self.mixture = mixture
+        self.cache_size = cache_size
+        self._plans: dict[int, Plan] = {}
+        self._cache: _EpisodeCache | None = None
+
+    def __len__(self) -> int:
+        return self.mixture.samples_per_epoch
+
+    def _plan(self, epoch: int) -> Plan:
+        if epoch not in self._plans:
+            self._plans = {epoch: self.mixture.plan(epoch)}
+        return self._plans[epoch]
+
+    def __getitem__(self, key: tuple[int, int]) -> dict:
+        g, epoch = key
+        plan = self._plan(epoch)
+        piece, k = plan.locate(np.asarray([g]))
+        d, e = int(plan.dataset[piece[0]]), int(plan.episode[piece[0]])
+        source = self.mixture.sources[d]
+        t = int(source.train_index.frames_of(np.asarray([e]), k)[0])
+        if self._cache is None:
+            self._cache = _EpisodeCache(self.mixture.sources, self.cache_size)
+        return source.sample(self._cache.get(d, e), t, epoch, int(plan.repeat[piece[0]]))
+
+
+class ValidationDataset(Dataset):
+    """Every validation sample of every dataset, in (dataset, episode, frame) order; fixed randomness."""
+
+    EPOCH = -1
+
+    def __init__(self, mixture: Mixture, cache_size: int):
+        self.mixture = mixture
+        self.cache_size = cache_size
+        rows = []
+        for d, s in enumerate(mixture.sources):
+            index: SampleIndex = s.val_index
+            counts = index.ep_count[index.episodes]
+            eps = np.repeat(index.episodes, counts)
+            k = np.arange(len(eps)) - np.repeat(np.cumsum(counts) - counts, counts)
+            rows.append(np.stack([np.full(len(eps), d), eps, index.frames_of(eps, k)], axis=1))
+        self.rows = np.concatenate(rows) if rows else np.zeros((0, 3), np.int64)
+        self._cache: _EpisodeCache | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        d, e, t = (int(v) for v in self.rows[i])
+        if self._cache is None:
+            self._cache = _EpisodeCache(self.mixture.sources, self.cache_size)
+        return self.mixture.sources[d].sample(self._cache.get(d, e), t, self.EPOCH)
+
+
+class EpochSampler(Sampler[tuple[int, int]]):
+    """Shuffled ``(index, epoch)`` keys for one rank; the order is a pure function of ``(seed, epoch, rank)``.
+
+    Every rank gets the same number of samples (the tail that does not divide evenly is left out
+    for the epoch), and ``set_position`` starts an epoch part-way.
+    """
+
+    def __init__(self, num_samples: int, seed: int, rank: int = 0, world_size: int = 1):
+        if num_samples < world_size:
+            raise ValueError(f"dataset has {num_samples} samples, fewer than world size {world_size}")
+        self.num_samples, self.seed, self.rank, self.world_size = num_samples, seed, rank, world_size
+        self.epoch = 0
+        self.start = 0
+
+    def set_position(self, epoch: int, start: int) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __len__(self) -> int:
+        return self.num_samples // self.world_size - self.start
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.num_samples, generator=g)
+        per_rank = self.num_samples // self.world_size
+        mine = order[self.rank :: self.world_size][:per_rank]
+        return iter([(i, self.epoch) for i in mine[self.start :].tolist()])
+

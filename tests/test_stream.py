@@ -1,0 +1,141 @@
+"""The episode-shuffle stream, mixtures and the validation split, against counts taken from the files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from slurmvla.data.loader import TrainData, build_validation_loader
+from slurmvla.data.mixture import EpisodeStream, Mixture
+
+
+def _mixture(cfg, seed=0):
+    return Mixture(cfg.data, 32, cfg.policy.action_horizon, 24, seed)
+
+
+def _episode_lengths(root):
+    table = pa.concat_tables([pq.read_table(p, columns=["episode_index"]) for p in sorted((root / "data").glob("**/*.parquet"))])
+    return np.bincount(np.asarray(table["episode_index"]))
+
+
+def _ids(batch):
+    return list(zip(batch["dataset_index"].tolist(), batch["episode_index"].tolist(), batch["frame_index"].tolist()))
+
+
+@pytest.mark.parametrize("world, workers, batch", [(1, 1, 8), (3, 2, 4), (2, 3, 5)])
+def test_shards_cover_the_epoch_once_and_evenly(make_cfg, sample_root, world, workers, batch):
+    mixture = _mixture(make_cfg())
+    lengths = _episode_lengths(sample_root)
+    everything = {(0, e, t) for e, n in enumerate(lengths) for t in range(n)}
+    seen, per_shard = [], []
+    for rank in range(world):
+        stream = EpisodeStream(mixture, batch, rank, world, workers)
+        for w in range(workers):
+            d, e, t, rep, _ = stream.shard_order(0, rank * workers + w)
+            per_shard.append(len(d))
+            seen += list(zip(d.tolist(), e.tolist(), t.tolist()))
+    assert len(set(per_shard)) == 1 and per_shard[0] % batch == 0, "every shard yields the same whole batches"
+    assert len(seen) == len(set(seen)), "no sample twice in an epoch across ranks x workers"
+    assert set(seen) <= everything
+    left_out = len(everything) - len(seen)
+    # The stated bound: fewer than num_shards * (batch + 1) samples per epoch.
+    assert left_out == stream.samples_left_out < world * workers * (batch + 1)
+
+
+def test_order_is_a_pure_function_of_seed_and_epoch(make_cfg):
+    cfg = make_cfg()
+    a = EpisodeStream(_mixture(cfg), 4, 1, 2, 2).shard_order(0, 3)
+    b = EpisodeStream(_mixture(cfg), 4, 1, 2, 2).shard_order(0, 3)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    c = EpisodeStream(_mixture(cfg), 4, 1, 2, 2).shard_order(1, 3)
+    assert not np.array_equal(a[2], c[2])
+    d = EpisodeStream(_mixture(cfg, seed=1), 4, 1, 2, 2).shard_order(0, 3)
+    assert not np.array_equal(a[2], d[2])
+
+
+def test_interleaving_decorrelates_neighbouring_samples(make_cfg):
+    def same_episode_neighbours(interleave):
+        cfg = make_cfg(f"data.interleave_episodes={interleave}")
+        d, e, t, rep, piece = EpisodeStream(_mixture(cfg), 8, 0, 1, 1).shard_order(0, 0)
+        batches = piece.reshape(-1, 8)
+        return float(np.mean(piece[1:] == piece[:-1])), float(np.mean([len(set(b)) for b in batches]))
+
+    sequential, sequential_distinct = same_episode_neighbours(1)
+    mixed, mixed_distinct = same_episode_neighbours(6)
+    assert sequential > 0.85 and mixed < 0.4, (sequential, mixed)
+    assert mixed_distinct >= 3 > sequential_distinct
+
+
+def test_resume_mid_epoch_yields_exactly_the_next_samples(make_cfg):
+    """Through a real DataLoader with 2 worker processes: resuming at batch p yields batches p, p+1, ..."""
+    cfg = make_cfg("data.num_workers=2")
+    data = TrainData(_mixture(cfg), cfg.data, 4, rank=1, world_size=2, seed=0)
+    full = list(data.iterate(epoch=2, batches=0))
+    assert len(full) == data.batches_per_epoch
+    for p in (1, 2, 5):
+        resumed = list(TrainData(_mixture(cfg), cfg.data, 4, rank=1, world_size=2, seed=0).iterate(2, p))
+        assert [_ids(b) for b in resumed] == [_ids(b) for b in full[p:]]
+        assert all(torch.equal(x["noise"], y["noise"]) and torch.equal(x["images"], y["images"])
+                   for x, y in zip(resumed, full[p:]))
+
+
+def test_every_rank_yields_the_same_number_of_batches(make_cfg):
+    cfg = make_cfg("data.num_workers=2")
+    counts = [len(list(TrainData(_mixture(cfg), cfg.data, 3, r, 3, 0).iterate(0, 0))) for r in range(3)]
+    assert len(set(counts)) == 1 and counts[0] > 0
+
+
+def test_mixture_weights_set_each_datasets_share(make_cfg, sample_root, sample_root_v21):
+    cfg = make_cfg(f"+data.mixture={{sim:{{root:'{sample_root_v21}',weight:3.0}}}}",
+                   "data.mixture.sim.control_mode=cartesian_velocity")
+    mixture = _mixture(cfg)
+    total = sum(_episode_lengths(sample_root)) + sum(_episode_lengths(sample_root_v21))
+    plan = mixture.plan(0)
+    per_dataset = np.bincount(plan.dataset, weights=plan.count).astype(int)
+    assert per_dataset.sum() == total
+    assert abs(per_dataset[0] - 0.25 * total) <= 1 and abs(per_dataset[1] - 0.75 * total) <= 1
+    # The smaller, up-weighted dataset repeats (with fresh randomness); the other is subsampled.
+    assert per_dataset[1] > sum(_episode_lengths(sample_root_v21)) and (plan.repeat[plan.dataset == 1] > 0).any()
+    assert (plan.repeat[plan.dataset == 0] == 0).all()
+    batch = next(iter(TrainData(mixture, cfg.data, 16, 0, 1, 0).iterate(0, 0)))
+    for i, name, mode in zip(batch["dataset_index"].tolist(), batch["dataset_name"], batch["control_mode"]):
+        assert (name, mode) == (["droid_sample", "sim"][i], ["joint_position", "cartesian_velocity"][i])
+
+
+def test_validation_split_is_by_episode_and_the_loader_reads_it_once(make_cfg, sample_root):
+    cfg = make_cfg("data.val_fraction=0.25", "data.split_seed=7")
+    mixture = _mixture(cfg)
+    source = mixture.sources[0]
+    train, val = set(source.train_index.episodes.tolist()), set(source.val_index.episodes.tolist())
+    assert len(val) == 3 and not train & val and train | val == set(range(12))
+    # The split depends on split_seed, not on the training seed.
+    assert set(_mixture(cfg, seed=5).sources[0].val_index.episodes.tolist()) == val
+    other = _mixture(make_cfg("data.val_fraction=0.25", "data.split_seed=8")).sources[0]
+    assert set(other.val_index.episodes.tolist()) != val
+    lengths = _episode_lengths(sample_root)
+    expected = [(0, e, t) for e in sorted(val) for t in range(lengths[e])]
+    loader = build_validation_loader(mixture, cfg.data, batch_size=5)
+    got = [i for b in loader for i in _ids(b)]
+    assert got == expected and len(expected) % 5 != 0, "ragged last batch kept"
+    again = [i for b in build_validation_loader(mixture, cfg.data, batch_size=5) for i in _ids(b)]
+    assert again == got
+    # Training never sees a validation episode.
+    d, e, t, _, _ = EpisodeStream(mixture, 4, 0, 1, 1).shard_order(0, 0)
+    assert not set(e.tolist()) & val
+    assert build_validation_loader(_mixture(make_cfg()), cfg.data, 5) is None
+
+
+def test_map_loader_order_does_not_depend_on_world_size(make_cfg):
+    cfg = make_cfg("data.loader=map")
+    mixture = _mixture(cfg)
+    one = next(iter(TrainData(mixture, cfg.data, 4, 0, 1, 0).iterate(0, 0)))
+    halves = [next(iter(TrainData(mixture, cfg.data, 2, r, 2, 0).iterate(0, 0))) for r in range(2)]
+    assert sorted(_ids(one)) == sorted(_ids(halves[0]) + _ids(halves[1]))
+
+
+def test_too_small_for_the_layout_is_a_clear_error(make_cfg):
+    with pytest.raises(ValueError, match="fewer than one micro-batch of 200 for each of 2 ranks x 2 dataloader workers"):
+        EpisodeStream(_mixture(make_cfg()), 200, 0, 2, 2)
