@@ -64,7 +64,7 @@ class RandomAccess(Dataset):
 
 
 class WorkerMemory:
-    """Peak RSS of the loader's worker processes, sampled every 50 ms."""
+    """Peak RSS of the loader's worker processes, sampled every 200 ms."""
 
     def __init__(self):
         self.peak: dict[int, int] = {}
@@ -79,7 +79,7 @@ class WorkerMemory:
                     self.peak[child.pid] = max(self.peak.get(child.pid, 0), child.memory_info().rss)
                 except psutil.Error:
                     pass
-            time.sleep(0.05)
+            time.sleep(0.2)
 
     def __enter__(self):
         self._thread.start()

@@ -103,7 +103,7 @@ def test_samples_match_the_parquet_rows(sample_root, make_cfg):
         assert torch.equal(s["actions"][: len(rows)], torch.from_numpy(action[rows]))
         assert torch.equal(s["actions"][len(rows):], torch.from_numpy(action[rows[-1]]).expand(8 - len(rows), -1))
         assert s["frame_index"].item() == i - np.flatnonzero(episode == episode[i])[0]
-        assert s["images"].shape == (3, 3, 32, 32) and s["images"].dtype == torch.uint8
+        assert s["images"].shape == (3, 32, 32, 3) and s["images"].dtype == torch.uint8
         text = detokenize(s["text"][s["text_mask"]])
         # Cut to max_text_len - 2 bytes (BOS and EOS).
         assert text and any(instructions[k][i] and instructions[k][i][:30] == text for k in range(3))

@@ -144,7 +144,7 @@ def test_missing_camera_fails_or_pads(make_cfg):
     assert "'observation.images.nope'" in str(e.value) and "observation.images.wrist_left" in str(e.value)
     source = _source(make_cfg(cams, "policy.num_cameras=2", "data.missing_cameras=pad"))
     s = source.sample(source.load_episode(0), 3, 0)
-    assert s["images"].shape == (2, 3, 32, 32) and s["image_mask"].tolist() == [True, False]
+    assert s["images"].shape == (2, 32, 32, 3) and s["image_mask"].tolist() == [True, False]
     assert s["images"][1].abs().sum() == 0 and s["images"][0].float().mean() > 10
 
 
@@ -155,7 +155,7 @@ def test_observation_history(make_cfg):
     for t in (0, 3, 10):
         s = hist.sample(ep_hist, t, 0)
         frames = [t - 4, t - 2, t]
-        assert s["state"].shape == (3, 8) and s["images"].shape == (9, 3, 32, 32)
+        assert s["state"].shape == (3, 8) and s["images"].shape == (9, 32, 32, 3)
         assert s["image_mask"].tolist() == [f >= 0 for f in frames for _ in range(3)]
         for k, f in enumerate(frames):
             ref = plain.sample(ep_plain, max(f, 0), 0)

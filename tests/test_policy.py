@@ -20,7 +20,7 @@ def make_batch(b: int = 4, cfg: PolicyConfig | None = None, seed: int = 0) -> di
     mask[1:2, 5:] = False
     mask[2:3, 1:] = False
     return {
-        "images": torch.randint(0, 256, (b, cfg.num_cameras, 3, cfg.image_size, cfg.image_size), generator=g, dtype=torch.uint8),
+        "images": torch.randint(0, 256, (b, cfg.num_cameras, cfg.image_size, cfg.image_size, 3), generator=g, dtype=torch.uint8),
         "image_mask": torch.ones(b, cfg.num_cameras, dtype=torch.bool),
         "state": torch.randn(b, cfg.state_dim, generator=g),
         "actions": torch.randn(b, cfg.action_horizon, cfg.action_dim, generator=g),

@@ -66,7 +66,7 @@ class Episode:
     state: np.ndarray  # [T, state_dim] float32
     action: np.ndarray  # [T, action_dim] float32
     instructions: list[list[str]]  # per frame, the non-empty candidates
-    frames: np.ndarray  # [n, num_cams, H, W, 3] uint8
+    frames: np.ndarray  # [n, num_cams, H, W, 3] uint8, frames first_frame .. first_frame + n
     first_frame: int
     present: np.ndarray  # [num_cams] bool: camera exists in the dataset
 
@@ -202,14 +202,15 @@ class DroidSource:
             instructions = [[meta.tasks.get(int(i), "")] for i in cols["task_index"].reshape(-1)]
         else:
             instructions = [[s for s in row if s] for row in zip(*(cols[k].reshape(-1) for k in self.instruction_keys))]
-        frames = np.zeros((hi - lo, len(cfg.cameras), self.image_size, self.image_size, 3), dtype=np.uint8)
+        frames = np.empty((hi - lo, len(cfg.cameras), self.image_size, self.image_size, 3), dtype=np.uint8)
         for c, cam in enumerate(cfg.cameras):
             if not self.present[c]:
+                frames[:, c] = 0
                 continue
             loc = self.videos[cam]
             t0 = float(loc.from_ts[pos]) + lo / meta.fps
-            decoded = decode_range(loc.paths[pos], t0, t0 + (hi - lo) / meta.fps, meta.fps, self.image_size)
-            frames[:, c] = decoded
+            # Decoded straight into this camera's slot: no second copy of the frames.
+            decode_range(loc.paths[pos], t0, t0 + (hi - lo) / meta.fps, meta.fps, self.image_size, out=frames[:, c])
         return Episode(pos, state, action, instructions, frames, lo, self.present)
 
     def _instruction(self, episode: Episode, t: int) -> str:
@@ -238,7 +239,8 @@ class DroidSource:
         key = seeded_int(self.seed, epoch, self.dataset_index, episode.pos, t, repeat)
         g = torch.Generator().manual_seed(key % 2**63)
         out = {
-            "images": torch.from_numpy(np.ascontiguousarray(images.reshape(-1, *images.shape[2:]).transpose(0, 3, 1, 2))),
+            # Channels-last as decoded; the policy permutes on the device.
+            "images": torch.from_numpy(images.reshape(-1, *images.shape[2:])),
             "image_mask": torch.from_numpy(image_mask.reshape(-1)),
             "state": torch.from_numpy(state[0] if len(state) == 1 else state),
             "actions": torch.from_numpy(actions),

@@ -8,26 +8,29 @@ import av
 import numpy as np
 
 
-def decode_range(path: str | Path, from_ts: float, to_ts: float, fps: float, size: int | None) -> np.ndarray:
+def decode_range(path: str | Path, from_ts: float, to_ts: float, fps: float, size: int | None,
+                 out: np.ndarray | None = None) -> np.ndarray:
     """Decode the frames with timestamps in ``[from_ts, to_ts)`` as uint8 ``[T, H, W, 3]``.
 
     One seek to the keyframe before ``from_ts``, then forward decoding: an episode costs one pass,
     never a seek per frame. Frames are resized to ``size`` x ``size`` during colour conversion.
+    ``out`` (``[T, size, size, 3]`` uint8, may be a strided view) receives the frames without a
+    second copy.
     """
     num_frames = int(round((to_ts - from_ts) * fps))
     if num_frames <= 0:
         raise ValueError(f"empty video range [{from_ts}, {to_ts}) in {path}")
-    out: np.ndarray | None = None
     filled = np.zeros(num_frames, dtype=bool)
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
         if from_ts > 0:
             container.seek(int(from_ts / stream.time_base), stream=stream, backward=True, any_frame=False)
+        time_base = float(stream.time_base)
         for frame in container.decode(stream):
             if frame.pts is None:
                 continue
-            k = int(round((float(frame.pts * stream.time_base) - from_ts) * fps))
+            k = int(round((frame.pts * time_base - from_ts) * fps))
             if k < 0:
                 continue
             if k >= num_frames:

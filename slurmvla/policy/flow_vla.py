@@ -98,9 +98,12 @@ class VisionEncoder(nn.Module):
         self.proj = nn.Linear(cfg.vision_width, cfg.width)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """``images``: uint8 ``[B, cams, 3, H, W]`` -> ``[B, cams * patches, width]``."""
+        """``images``: uint8 ``[B, cams, H, W, 3]`` (channels-last, as decoded) -> ``[B, cams * patches, width]``.
+
+        The layout change to channels-first happens here, on the device, where it costs nothing;
+        in the data workers it was a strided copy of every image."""
         b, c = images.shape[:2]
-        x = images.flatten(0, 1).float() / 127.5 - 1.0
+        x = images.flatten(0, 1).permute(0, 3, 1, 2).float() / 127.5 - 1.0
         x = self.patch(x).flatten(2).transpose(1, 2) + self.position_embedding
         for block in self.blocks:
             x = block(x)
