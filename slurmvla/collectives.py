@@ -61,3 +61,33 @@ def agree(flags: Mapping[str, bool], fields: Iterable[str] | None = None) -> dic
         detail = "; ".join(f"{f!r} only on ranks {ranks}" for f, ranks in partial.items())
         raise RuntimeError(f"batch fields differ between ranks (a rank-dependent branch would hang the job): {detail}")
     return {n: bool(v) for n, v in zip(names, out[: len(names)])}
+
+
+def gather_dict(values: Mapping[str, torch.Tensor], count: int) -> dict[str, torch.Tensor] | None:
+    """Gather per-sample values from every rank to rank 0 in **one** gather of the whole dict.
+
+    ``values`` maps names to 1-D tensors with the same length on one rank (padded entries allowed
+    past ``count``, the number of real samples). Everything travels as one float64 block
+    ``[num_keys + 1, length]`` whose first row carries ``count``, so the padding of a ragged last
+    batch is removed with the same count from every entry. Every rank must pass the same keys and
+    the same length (the validation loader pads ranks to equal batches). Integers below 2**53 are
+    exact. Returns the concatenation in rank order on rank 0, None elsewhere; runs on the CPU
+    control group (one collective per call on every rank).
+    """
+    names = sorted(values)
+    length = len(values[names[0]]) if names else 0
+    block = torch.zeros(len(names) + 1, length, dtype=torch.float64)
+    if length:
+        block[0, 0] = count
+    for i, n in enumerate(names):
+        block[i + 1] = values[n].detach().to("cpu", torch.float64).reshape(-1)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        blocks = [block]
+    else:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        blocks = [torch.empty_like(block) for _ in range(world)] if rank == 0 else None
+        dist.gather(block, blocks, dst=0, group=_control_group())
+        if rank != 0:
+            return None
+    kept = [b[:, : int(b[0, 0])] if b.shape[1] else b[:, :0] for b in blocks]
+    return {n: torch.cat([b[i + 1] for b in kept]) for i, n in enumerate(names)}

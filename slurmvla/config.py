@@ -287,6 +287,8 @@ class TrainerConfig:
     # How often the ranks agree on a pending preemption signal (one small all-reduce). SLURM signals
     # signal_delay seconds ahead of the kill, so a few steps of latency cost nothing.
     signal_check_every_steps: int = 5
+    # A validation pass over data.val_fraction's split every this many steps (and at the last); 0 disables.
+    val_every_steps: int = 0
 
     def __post_init__(self) -> None:
         _positive("trainer.max_steps", self.max_steps)
@@ -295,6 +297,7 @@ class TrainerConfig:
         _positive("trainer.max_grad_norm", self.max_grad_norm, allow_zero=True)
         _positive("trainer.log_every_steps", self.log_every_steps)
         _positive("trainer.signal_check_every_steps", self.signal_check_every_steps)
+        _positive("trainer.val_every_steps", self.val_every_steps, allow_zero=True)
         _choice("trainer.device", self.device, DEVICES)
 
     def micro_batch_size(self, world_size: int) -> int:

@@ -24,10 +24,11 @@ from tqdm import tqdm
 from slurmvla.checkpoint import CheckpointManager
 from slurmvla.collectives import agree
 from slurmvla.config import Config
-from slurmvla.data.loader import TrainData
+from slurmvla.data.loader import TrainData, build_validation_loader, to_device
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.synthetic import ensure_sample_dataset
 from slurmvla.engine import build_engine
+from slurmvla.eval import validate
 from slurmvla.engine.distributed import init_process_group, select_device, shutdown_process_group
 from slurmvla.engine.precision import check_fp32_master_state
 from slurmvla.launch import DistEnv
@@ -57,10 +58,6 @@ def check_data_matches_policy(cfg: Config, mixture: Mixture) -> None:
     for key, value, what, expected in checks:
         if value != expected:
             raise ValueError(f"{key}={value} does not match {what}={expected} in {source.meta.root}")
-
-
-def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 class Trainer:
@@ -107,6 +104,8 @@ class Trainer:
         check_data_matches_policy(cfg, self.mixture)
         self.data = TrainData(self.mixture, cfg.data, self.micro_batch_size, self.env.rank, self.env.world_size, seed,
                               pin_memory=self.device.type == "cuda")
+        self.val_loader = build_validation_loader(self.mixture, cfg.data, self.micro_batch_size, self.env.rank,
+                                                  self.env.world_size)
         if self.env.is_main:
             for name, c in self.mixture.summary().items():
                 log.info("data %s (%s): %d train / %d val episodes, %d samples per epoch, weight %.3f", name,
@@ -157,7 +156,7 @@ class Trainer:
                 self.epoch, self.batches_in_epoch, self._batches = self.epoch + 1, 0, None
                 continue
             self.batches_in_epoch += 1
-            return _to_device(batch, self.device)
+            return to_device(batch, self.device)
 
     # -- one optimizer step -----------------------------------------------------------------------
 
@@ -208,6 +207,8 @@ class Trainer:
                 bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}")
                 window = {"loss": 0.0, "grad_norm": 0.0, "steps": 0}
                 t0 = time.perf_counter()
+            if self._validation_due():
+                self.validate()
             if self.cfg.checkpoint.every_steps and self.step % self.cfg.checkpoint.every_steps == 0:
                 self.save()
             if self.step % tcfg.signal_check_every_steps == 0 and self._preemption_agreed():
@@ -219,6 +220,23 @@ class Trainer:
         if self.step >= tcfg.max_steps and self.env.is_main:
             (self.run_dir / FINISHED_MARKER).write_text(f"{self.step}\n")
         return last
+
+    def _validation_due(self) -> bool:
+        every = self.cfg.trainer.val_every_steps
+        return bool(every and self.val_loader is not None
+                    and (self.step % every == 0 or self.step == self.cfg.trainer.max_steps))
+
+    def validate(self) -> dict[str, float] | None:
+        """One pass over the validation split on every rank; rank 0 logs and returns the metrics."""
+        specs = self.mixture.sources
+        control_modes = sorted({s.spec.control_mode for s in specs})
+        metrics = validate(self.policy, self.val_loader, self.device, self.mixture.names, control_modes,
+                           list(self.mixture.weights), self.engine.autocast)
+        if metrics is not None:
+            self.logger.log(self.step, metrics)
+            log.info("step %d: val/loss %.4f over %d samples", self.step, metrics.get("val/loss", float("nan")),
+                     int(metrics["val/num_samples"]))
+        return metrics
 
     def _preemption_agreed(self) -> bool:
         """All ranks stop at the same step if any rank got the signal (then the caller saves)."""

@@ -34,6 +34,8 @@ def _worker(rank: int, world: int, port: int, fn, out_dir: str) -> None:
     except Exception as e:  # reported to the test, which asserts on it
         result = f"{type(e).__name__}: {e}"
     torch.save(result, f"{out_dir}/{rank}.pt")
+    # Without a barrier gloo ranks that leave early sometimes abort at exit.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -191,3 +191,20 @@ def test_larger_sizes_build(size):
         p = build_policy(cfg)
     n = sum(q.numel() for q in p.parameters())
     assert n > (20e6 if size == "small" else 300e6)
+
+
+def test_training_loss_is_bitwise_the_plain_masked_mse():
+    """The per-sample (sum, count) bookkeeping leaves the scalar loss bitwise equal to the plain
+    formula: masked squared error summed per sample, then over the batch, over all chunk elements."""
+    p = policy()
+    batch = make_batch()
+    noise, t = fixed_noise(batch)
+    captured = {}
+    p.expert_out.register_forward_hook(lambda m, i, o: captured.update(pred=o.detach()))
+    out = p(batch, noise=noise, t=t)
+    actions = (batch["actions"] - p.action_offset) / p.action_scale
+    target = noise - actions
+    mask = batch["action_mask"][:, :, None].float().expand_as(target)
+    plain = (((captured["pred"] - target) ** 2) * mask).sum(dim=(1, 2)).sum() / target.numel()
+    assert torch.equal(out["loss"], plain)
+    assert torch.equal(out["components"]["mse"][0].sum() / target.numel(), plain)

@@ -189,3 +189,15 @@ def test_step_time_benchmark_prints_its_ratio(sample_root):
     assert res.returncode == 0, res.stderr[-2000:]
     ratio = float(res.stdout.strip().splitlines()[-1].split(":")[-1])
     assert ratio > 0
+
+
+def test_validation_is_logged_by_group(make_cfg, tmp_path):
+    cfg = make_cfg("trainer.max_steps=4", "trainer.log_every_steps=2", "trainer.val_every_steps=2",
+                   "data.val_fraction=0.25", "checkpoint.every_steps=0")
+    train(cfg, tmp_path)
+    val = [r for r in records(tmp_path) if "val/loss" in r]
+    assert [r["step"] for r in val] == [2, 4]
+    for r in val:
+        assert r["val/loss"] == r["val/mse"] == r["val/by_dataset/droid_sample/mse"] == r["val/by_control_mode/joint_position/mse"]
+        assert r["val/num_samples"] > 0
+    assert val[0]["val/loss"] != val[1]["val/loss"]

@@ -20,6 +20,11 @@ from slurmvla.data.mixture import EpisodeStream, EpochSampler, MapDataset, Mixtu
 log = logging.getLogger("slurmvla")
 
 
+def to_device(batch: dict, device: torch.device) -> dict:
+    """Tensors to ``device`` (non-blocking from pinned memory); strings stay."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 class TrainData:
     def __init__(self, mixture: Mixture, cfg: DataConfig, batch_size: int, rank: int, world_size: int,
                  seed: int, pin_memory: bool = False):
@@ -75,14 +80,32 @@ class TrainData:
         return position
 
 
+class _Padded(torch.utils.data.Dataset):
+    """One rank's contiguous block of validation samples, padded (by repeating a sample) to the
+    same length on every rank, so every rank runs the same number of forward passes (FSDP and
+    ZeRO-3 gather parameters inside forward). ``num_real`` samples come first."""
+
+    def __init__(self, dataset: ValidationDataset, indices: list[int], length: int):
+        self.dataset, self.indices, self.length = dataset, indices, length
+        self.num_real = len(indices)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict:
+        return self.dataset[self.indices[min(i, self.num_real - 1)] if self.num_real else 0]
+
+
 def build_validation_loader(mixture: Mixture, cfg: DataConfig, batch_size: int, rank: int = 0,
                             world_size: int = 1) -> DataLoader | None:
-    """Every validation sample once, in a fixed order, sharded into contiguous blocks across ranks
-    (no shuffle, no drop_last). None when the split is empty."""
+    """Every validation sample of the mixture once, in a fixed order (no shuffle, no drop_last),
+    sharded across ranks in contiguous blocks (each rank decodes few episodes) and padded to equal
+    length; ``loader.dataset.num_real`` says how many of a rank's samples are real. None when the
+    split is empty."""
     dataset = ValidationDataset(mixture, cfg.episode_cache_size)
     if len(dataset) == 0:
         return None
     per_rank = -(-len(dataset) // world_size)
     indices = list(range(rank * per_rank, min(len(dataset), (rank + 1) * per_rank)))
-    return DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=batch_size, shuffle=False,
-                      drop_last=False, num_workers=min(cfg.num_workers, 1 if indices else 0))
+    return DataLoader(_Padded(dataset, indices, per_rank), batch_size=batch_size, shuffle=False, drop_last=False,
+                      num_workers=min(cfg.num_workers, 1))

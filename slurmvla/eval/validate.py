@@ -1,0 +1,82 @@
+"""One validation pass over the whole mixture, sharded across all ranks, reported per group.
+
+Every rank runs the same number of forward passes over its contiguous, equally padded block of
+validation samples (so FSDP / ZeRO-3 parameter gathers stay matched). The per-sample ``(sum,
+count)`` of each loss component and the sample's provenance go to rank 0 in one gather of a dict;
+rank 0 buckets them as Σsum / Σcount per group (never a mean of means), and the aggregate
+``val/<metric>`` weights each dataset's mean by its mixture weight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from slurmvla.collectives import gather_dict
+from slurmvla.data.loader import to_device
+
+MODES = ("policy", "forward_dynamics", "inverse_dynamics")
+
+
+@torch.no_grad()
+def validate(policy: torch.nn.Module, loader, device: torch.device, dataset_names: Sequence[str],
+             control_modes: Sequence[str], weights: Sequence[float],
+             autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> dict[str, float] | None:
+    """Metrics on rank 0 (``val/...`` keys), None on the other ranks. Call it on every rank."""
+    was_training = policy.training
+    policy.eval()
+    columns: dict[str, list[torch.Tensor]] = defaultdict(list)
+    try:
+        for batch in loader:
+            batch = to_device(batch, device)
+            with autocast():
+                out = policy(batch)
+            for name, (s, c) in out["components"].items():
+                columns[f"{name}/sum"].append(s.float().cpu())
+                columns[f"{name}/count"].append(c.float().cpu())
+            columns["dataset_index"].append(batch["dataset_index"].cpu())
+            columns["control_mode"].append(torch.tensor([control_modes.index(m) for m in batch["control_mode"]]))
+            if "mode" in batch:
+                columns["mode"].append(batch["mode"].cpu())
+    finally:
+        policy.train(was_training)
+    values = {k: torch.cat(v) for k, v in columns.items()}
+    gathered = gather_dict(values, loader.dataset.num_real)
+    if gathered is None:
+        return None
+    return bucket(gathered, dataset_names, control_modes, weights)
+
+
+def bucket(values: dict[str, torch.Tensor], dataset_names: Sequence[str], control_modes: Sequence[str],
+           weights: Sequence[float]) -> dict[str, float]:
+    """Σsum / Σcount per dataset, per control mode (and per sample mode where samples carry one);
+    groups with no counted element are left out (no NaN). ``val/<metric>``: the datasets' means
+    weighted by their mixture weights (renormalised over datasets present); ``val/loss``: the sum
+    of the components' aggregates."""
+    components = sorted({k.split("/")[0] for k in values if k.endswith("/sum")})
+    metrics: dict[str, float] = {"val/num_samples": float(len(values["dataset_index"]))}
+    groupings = [("by_dataset", values["dataset_index"], dataset_names),
+                 ("by_control_mode", values["control_mode"], control_modes)]
+    if "mode" in values:
+        groupings.append(("by_mode", values["mode"], MODES))
+    loss = 0.0
+    for comp in components:
+        s, c = values[f"{comp}/sum"], values[f"{comp}/count"]
+        for label, index, names in groupings:
+            for i, name in enumerate(names):
+                sel = index == i
+                total = float(c[sel].sum())
+                if total > 0:
+                    metrics[f"val/{label}/{name}/{comp}"] = float(s[sel].sum()) / total
+        present = [(w, metrics[f"val/by_dataset/{n}/{comp}"]) for n, w in zip(dataset_names, weights)
+                   if f"val/by_dataset/{n}/{comp}" in metrics]
+        if present:
+            norm = sum(w for w, _ in present)
+            metrics[f"val/{comp}"] = sum(w * m for w, m in present) / norm
+            loss += metrics[f"val/{comp}"]
+    if any(f"val/{comp}" in metrics for comp in components):
+        metrics["val/loss"] = loss
+    return metrics
