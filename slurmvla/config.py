@@ -342,6 +342,21 @@ class LoggingConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """python -m slurmvla.profile: steps run and not timed, then timed."""
+
+    warmup_steps: int = 3
+    steps: int = 10
+    # Dense peak of one accelerator in TFLOP/s for MFU (e.g. 989 for an H100 SXM in bf16); 0 = not reported.
+    peak_tflops: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("profile.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("profile.steps", self.steps)
+        _positive("profile.peak_tflops", self.peak_tflops, allow_zero=True)
+
+
+@dataclass
 class Config:
     engine: EngineConfig = MISSING
     policy: PolicyConfig = MISSING
@@ -351,6 +366,7 @@ class Config:
     trainer: TrainerConfig = MISSING
     checkpoint: CheckpointConfig = MISSING
     logging: LoggingConfig = MISSING
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     # bf16: bf16 compute with fp32 master weights and fp32 optimizer state, on every engine.
     precision: str = "fp32"
     name: str = "debug"

@@ -13,7 +13,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -58,6 +58,18 @@ def check_data_matches_policy(cfg: Config, mixture: Mixture) -> None:
     for key, value, what, expected in checks:
         if value != expected:
             raise ValueError(f"{key}={value} does not match {what}={expected} in {source.meta.root}")
+
+
+class PhaseMarks(Protocol):
+    def mark(self, phase: str) -> None: ...
+
+
+class _NoMarks:
+    def mark(self, phase: str) -> None:
+        pass
+
+
+_NO_MARKS = _NoMarks()
 
 
 class Trainer:
@@ -146,7 +158,8 @@ class Trainer:
 
     # -- data -------------------------------------------------------------------------------------
 
-    def _next_batch(self) -> dict[str, Any]:
+    def _next_batch(self, timer: PhaseMarks | None = None) -> dict[str, Any]:
+        timer = timer or _NO_MARKS
         while True:
             if self._batches is None:
                 self._batches = self.data.iterate(self.epoch, self.batches_in_epoch)
@@ -156,12 +169,18 @@ class Trainer:
                 self.epoch, self.batches_in_epoch, self._batches = self.epoch + 1, 0, None
                 continue
             self.batches_in_epoch += 1
-            return to_device(batch, self.device)
+            timer.mark("data wait")
+            batch = to_device(batch, self.device)
+            timer.mark("host->device")
+            return batch
 
     # -- one optimizer step -----------------------------------------------------------------------
 
-    def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """Forward/backward every micro-batch, clip, step. Returns device tensors (no host sync)."""
+    def train_step(self, micro_batches: list[dict[str, Any]], timer: PhaseMarks | None = None) -> dict[str, torch.Tensor]:
+        """Forward/backward every micro-batch, clip, step. Returns device tensors (no host sync).
+
+        ``timer`` (the profiler's) gets a mark at the end of each phase; nothing waits on it here."""
+        timer = timer or _NO_MARKS
         self.policy.train()
         n = len(micro_batches)
         loss_sum = torch.zeros((), device=self.device)
@@ -171,12 +190,24 @@ class Trainer:
             with sync:
                 with self.engine.autocast():
                     out = self.policy(batch)
+                timer.mark("forward")
                 self.engine.backward(out["loss"] / n)
+                timer.mark("backward")
             loss_sum += out["loss"].detach()
         grad_norm = self.engine.clip_grad_norm(self.cfg.trainer.max_grad_norm)
+        timer.mark("grad clip")
         self.engine.step()
+        timer.mark("optimizer step + zero-grad")
         self.scheduler.step()
+        timer.mark("scheduler")
         return {"loss": loss_sum / n, "grad_norm": grad_norm.detach()}
+
+    def run_step(self, timer: PhaseMarks | None = None) -> dict[str, torch.Tensor]:
+        """One optimizer step: take grad_accum_steps micro-batches, train on them, count the step."""
+        micro = [self._next_batch(timer) for _ in range(self.cfg.trainer.grad_accum_steps)]
+        metrics = self.train_step(micro, timer)
+        self.step += 1
+        return metrics
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -191,9 +222,7 @@ class Trainer:
         t0 = time.perf_counter()
         while self.step < end:
             lrs = {g.get("name", str(i)): g["lr"] for i, g in enumerate(self.optimizer.param_groups)}
-            micro = [self._next_batch() for _ in range(tcfg.grad_accum_steps)]
-            metrics = self.train_step(micro)
-            self.step += 1
+            metrics = self.run_step()
             if not self._numerics_checked:
                 check_fp32_master_state(self.optimizer)
                 self._numerics_checked = True

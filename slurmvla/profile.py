@@ -1,0 +1,264 @@
+"""Step profiler: where a training step's time goes, global throughput, peak memory, FLOPs and MFU.
+
+    python -m slurmvla.profile [train overrides] [--json OUT.json] [--plot OUT.png]
+    torchrun --nproc_per_node=2 -m slurmvla.profile engine=fsdp_full profile.steps=20
+    python -m slurmvla.profile policy=small --compare engine=single "engine=single precision=bf16"
+
+It builds the same Trainer as ``slurmvla.train`` (same config system), runs ``profile.warmup_steps``
+untimed optimizer steps, then ``profile.steps`` timed ones through the trainer's own step with a
+mark at the end of each phase: data wait, host->device, forward, backward, grad clip, optimizer
+step (+ zero-grad, which the engine does inside its step), scheduler. On GPU the marks are CUDA
+events on the compute stream; on CPU, wall-clock. Phases tile the step, so their shares add up to
+100% with no aggregate row. A step is an optimizer step: with gradient accumulation, forward and
+backward add up over its micro-batches and it counts ``trainer.global_batch_size`` samples.
+
+Throughput is global: every rank's mean step time is gathered and the slowest rank sets samples/s.
+Peak memory is reset at the warmup -> measured boundary and the worst rank reported (allocated and
+reserved on GPU; resident set size, sampled after every step, on CPU). Model FLOPs per sample are
+counted with torch's FlopCounterMode over one forward + backward of the policy on one sample (every
+matmul, convolution and attention, the backward pass included); MFU is achieved FLOP/s per device
+over ``profile.peak_tflops``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from slurmvla.collectives import gather_dict
+from slurmvla.config import Config
+
+log = logging.getLogger("slurmvla")
+
+PHASES = ("data wait", "host->device", "forward", "backward", "grad clip", "optimizer step + zero-grad", "scheduler")
+
+
+class PhaseTimer:
+    """Marks at phase ends; one step's durations per phase. Uses CUDA events on GPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.marks = [("start", self._now())]
+
+    def mark(self, phase: str) -> None:
+        self.marks.append((phase, self._now()))
+
+    def durations(self) -> dict[str, float]:
+        """Seconds per phase for the step just run (waits for the GPU once)."""
+        if self.cuda:
+            self.marks[-1][1].synchronize()
+        out = dict.fromkeys(PHASES, 0.0)
+        for (_, a), (phase, b) in zip(self.marks[:-1], self.marks[1:]):
+            out[phase] = out.get(phase, 0.0) + (a.elapsed_time(b) / 1e3 if self.cuda else b - a)
+        return out
+
+
+def count_flops_per_sample(cfg: Config, batch: dict) -> float:
+    """Forward + backward FLOPs of the reference policy on one sample (a fresh copy on the CPU)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from slurmvla.policy import build_policy
+
+    policy = build_policy(cfg.policy)
+    one = {k: (v[:1].to("cpu") if isinstance(v, torch.Tensor) else v[:1]) for k, v in batch.items()}
+    with FlopCounterMode(display=False) as counter:
+        policy(one)["loss"].backward()
+    return float(counter.get_total_flops())
+
+
+def profile_run(cfg: Config, run_dir: Path) -> dict:
+    """Profile one configuration on every rank; the report on rank 0 (None elsewhere)."""
+    from slurmvla.trainer import Trainer
+
+    trainer = Trainer(cfg, run_dir)
+    try:
+        return _measure(trainer)
+    finally:
+        trainer.close(keep_process_group=True)
+
+
+def _measure(trainer) -> dict | None:
+    cfg, device = trainer.cfg, trainer.device
+    for _ in range(cfg.profile.warmup_steps):
+        trainer.run_step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    proc = psutil.Process()
+    rss = proc.memory_info().rss
+    per_step: list[dict[str, float]] = []
+    timer = PhaseTimer(device)
+    batch = None
+    for _ in range(cfg.profile.steps):
+        timer.start()
+        trainer.run_step(timer)
+        per_step.append(timer.durations())
+        rss = max(rss, proc.memory_info().rss)
+    # A batch for counting FLOPs (taken after the timed steps so it costs them nothing).
+    batch = trainer._next_batch()
+    flops = count_flops_per_sample(cfg, batch)
+    mean = {p: sum(s[p] for s in per_step) / len(per_step) for p in per_step[0]}
+    step_s = sum(mean.values())
+    local = {"step_s": torch.tensor([step_s]), "rss": torch.tensor([float(rss)])}
+    if device.type == "cuda":
+        local["allocated"] = torch.tensor([float(torch.cuda.max_memory_allocated(device))])
+        local["reserved"] = torch.tensor([float(torch.cuda.max_memory_reserved(device))])
+    for p, v in mean.items():
+        local[f"phase/{p}"] = torch.tensor([v])
+    gathered = gather_dict(local, 1)
+    if gathered is None:
+        return None
+    world = trainer.env.world_size
+    slowest = float(gathered["step_s"].max())
+    samples_per_s = cfg.trainer.global_batch_size / slowest
+    report = {
+        "config": {"engine": cfg.engine.name, "precision": cfg.precision, "policy": cfg.policy.size,
+                   "world_size": world, "device": device.type, "global_batch_size": cfg.trainer.global_batch_size,
+                   "micro_batch_size": trainer.micro_batch_size, "grad_accum_steps": cfg.trainer.grad_accum_steps,
+                   "warmup_steps": cfg.profile.warmup_steps, "steps": cfg.profile.steps,
+                   "attention": cfg.policy.attention_implementation, "loader": cfg.data.loader},
+        # Rank 0's phase means; every rank's step time below.
+        "phases_s": {p: float(gathered[f"phase/{p}"][0]) for p in mean},
+        "step_s_per_rank": gathered["step_s"].tolist(),
+        "step_s": slowest,
+        "samples_per_s": samples_per_s,
+        "peak_rss_bytes": float(gathered["rss"].max()),
+        "flops_per_sample": flops,
+    }
+    if "allocated" in gathered:
+        report["peak_allocated_bytes"] = float(gathered["allocated"].max())
+        report["peak_reserved_bytes"] = float(gathered["reserved"].max())
+    if cfg.profile.peak_tflops > 0 and device.type == "cuda":
+        report["mfu"] = flops * samples_per_s / world / (cfg.profile.peak_tflops * 1e12)
+    return report
+
+
+def format_report(r: dict) -> str:
+    c = r["config"]
+    lines = [
+        f"engine={c['engine']} precision={c['precision']} policy={c['policy']} world={c['world_size']} "
+        f"device={c['device']} attention={c['attention']}; {c['steps']} optimizer steps after {c['warmup_steps']} "
+        f"warmup; global batch {c['global_batch_size']} (micro {c['micro_batch_size']} x accum "
+        f"{c['grad_accum_steps']} x {c['world_size']} ranks)",
+        f"{'phase (rank 0)':30s} {'ms/step':>9s} {'share':>7s}",
+    ]
+    step = sum(r["phases_s"].values())
+    for p, v in r["phases_s"].items():
+        lines.append(f"{p:30s} {v * 1e3:9.2f} {100 * v / step:6.1f}%")
+    lines.append(f"{'step':30s} {step * 1e3:9.2f} {100.0:6.1f}%")
+    per_rank = ", ".join(f"{s * 1e3:.2f}" for s in r["step_s_per_rank"])
+    lines.append(f"throughput: {r['samples_per_s']:.1f} samples/s, set by the slowest rank ({r['step_s'] * 1e3:.2f} "
+                 f"ms/step); mean step per rank (ms): [{per_rank}]")
+    if "peak_allocated_bytes" in r:
+        lines.append(f"peak memory (worst rank): {r['peak_allocated_bytes'] / 2**30:.2f} GiB allocated, "
+                     f"{r['peak_reserved_bytes'] / 2**30:.2f} GiB reserved")
+    lines.append(f"peak resident memory (worst rank): {r['peak_rss_bytes'] / 2**20:.0f} MiB")
+    lines.append(f"model FLOPs per sample (forward + backward, FlopCounterMode): {r['flops_per_sample'] / 1e9:.3f} GFLOP")
+    if "mfu" in r:
+        lines.append(f"MFU: {100 * r['mfu']:.1f}% of the configured peak")
+    if c["engine"].startswith("zero"):
+        lines.append("note: under DeepSpeed the gradient reduction and part of the optimizer work run inside "
+                     "backward; compare phase totals across engines only as a whole step")
+    return "\n".join(lines)
+
+
+def format_comparison(reports: list[dict], labels: list[str]) -> str:
+    base = reports[0]
+    mem = "peak_allocated_bytes" if "peak_allocated_bytes" in base else "peak_rss_bytes"
+    lines = [f"{'config':40s} {'samples/s':>10s} {'ratio':>6s} {'step ms':>9s} {'ratio':>6s} {'peak MiB':>9s} {'ratio':>6s}"]
+    for label, r in zip(labels, reports):
+        lines.append(f"{label[:40]:40s} {r['samples_per_s']:10.1f} {r['samples_per_s'] / base['samples_per_s']:6.2f} "
+                     f"{r['step_s'] * 1e3:9.2f} {r['step_s'] / base['step_s']:6.2f} {r[mem] / 2**20:9.0f} "
+                     f"{r[mem] / base[mem]:6.2f}")
+    lines.append(f"peak memory: {'allocated (GPU)' if mem == 'peak_allocated_bytes' else 'resident set (CPU)'}; ratios "
+                 "to the first config")
+    return "\n".join(lines)
+
+
+def plot(reports: list[dict], labels: list[str], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit("--plot needs matplotlib: pip install 'slurmvla[profile]'") from e
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.6 * len(reports)))
+    for i, r in enumerate(reports):
+        left = 0.0
+        for j, (p, v) in enumerate(r["phases_s"].items()):
+            ax.barh(i, v * 1e3, left=left, color=plt.cm.tab10(j), label=p if i == 0 else None)
+            left += v * 1e3
+    ax.set_yticks(range(len(reports)), labels)
+    ax.set_xlabel("ms per optimizer step (rank 0)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="train overrides (key=value), shared by every compared config")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--plot", type=Path, help="write the phase breakdown as a PNG")
+    parser.add_argument("--compare", nargs="+", metavar="OVERRIDES",
+                        help="profile several configs side by side; each argument is a quoted set of overrides")
+    args = parser.parse_args(argv)
+
+    from slurmvla.data.inspect import compose
+    from slurmvla.engine.distributed import shutdown_process_group
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    base = [*args.overrides, "logging.wandb.mode=disabled", "trainer.progress_bar=false", "checkpoint.resume=false",
+            "checkpoint.every_steps=0", "trainer.val_every_steps=0"]
+    variants = args.compare or [""]
+    reports, labels = [], []
+    try:
+        for variant in variants:
+            cfg = compose([*base, *shlex.split(variant)])
+            steps = cfg.profile.warmup_steps + cfg.profile.steps + 1
+            cfg.trainer.max_steps = max(cfg.trainer.max_steps, steps)
+            with tempfile.TemporaryDirectory(prefix="slurmvla-profile-") as run_dir:
+                report = profile_run(cfg, Path(run_dir))
+            if report is not None:
+                print(format_report(report), flush=True)
+                print(flush=True)
+                reports.append(report)
+                labels.append(variant or " ".join(args.overrides) or "defaults")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        shutdown_process_group()
+    if not reports:
+        return  # not rank 0
+    if len(reports) > 1:
+        print(format_comparison(reports, labels))
+    if args.json:
+        args.json.write_text(json.dumps({"runs": [dict(r, label=lbl) for r, lbl in zip(reports, labels)]}, indent=2))
+    if args.plot:
+        plot(reports, labels, args.plot)
+
+
+if __name__ == "__main__":
+    main()

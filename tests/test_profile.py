@@ -1,0 +1,73 @@
+"""python -m slurmvla.profile: phases tile the step, samples are counted per optimizer step, the
+slowest rank sets the throughput, and FLOPs include the backward pass."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from slurmvla.policy import build_policy
+from slurmvla.profile import PHASES, count_flops_per_sample, main
+
+
+def _common(sample_root):
+    return [f"data.root={sample_root}", "data.num_workers=0", "profile.warmup_steps=1", "profile.steps=3",
+            "trainer.global_batch_size=8"]
+
+
+def test_phases_accumulation_compare_json_and_plot(sample_root, tmp_path, capsys):
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    main([*_common(sample_root), "--json", str(out), "--plot", str(png),
+          "--compare", "trainer.grad_accum_steps=1", "trainer.grad_accum_steps=2 precision=bf16"])
+    text = capsys.readouterr().out
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["label"] for r in runs] == ["trainer.grad_accum_steps=1", "trainer.grad_accum_steps=2 precision=bf16"]
+    for r in runs:
+        assert list(r["phases_s"]) == list(PHASES) and all(v >= 0 for v in r["phases_s"].values())
+        # The phases tile the step: their sum is the step, and the table's shares add up to 100%.
+        assert sum(r["phases_s"].values()) == pytest.approx(r["step_s"], rel=1e-6)
+        # Throughput counts the global batch per optimizer step, whatever the accumulation.
+        assert r["samples_per_s"] * r["step_s"] == pytest.approx(8)
+    assert runs[1]["config"]["micro_batch_size"] == 4 and runs[1]["config"]["grad_accum_steps"] == 2
+    shares = [float(line.split()[-1].rstrip("%")) for line in text.splitlines()
+              if line.split() and " ".join(line.split()[:-2]) in PHASES]
+    assert len(shares) == 2 * len(PHASES) and sum(shares[: len(PHASES)]) == pytest.approx(100, abs=0.5)
+    assert "samples/s" in text and "ratio" in text  # the side-by-side table
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_flops_include_the_backward_pass(make_cfg):
+    """Forward + backward of a transformer is about three forwards (backward: two matmuls per forward one)."""
+    cfg = make_cfg()
+    g = torch.Generator().manual_seed(0)
+    p = cfg.policy
+    batch = {
+        "images": torch.randint(0, 256, (1, p.num_cameras, p.image_size, p.image_size, 3), generator=g, dtype=torch.uint8),
+        "image_mask": torch.ones(1, p.num_cameras, dtype=torch.bool), "state": torch.randn(1, p.state_dim),
+        "actions": torch.randn(1, p.action_horizon, p.action_dim), "action_mask": torch.ones(1, p.action_horizon, dtype=torch.bool),
+    }
+    total = count_flops_per_sample(cfg, batch)
+    with FlopCounterMode(display=False) as fwd, torch.no_grad():
+        build_policy(cfg.policy)(batch)
+    assert 2.5 < total / fwd.get_total_flops() < 3.2
+
+
+@pytest.mark.multiproc
+def test_two_ranks_report_each_rank_and_the_slowest(sample_root, tmp_path):
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "slurmvla.profile",
+           *_common(sample_root), "engine=ddp", "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["config"]["world_size"] == 2 and len(run["step_s_per_rank"]) == 2
+    assert run["step_s"] == max(run["step_s_per_rank"])
+    assert run["samples_per_s"] == pytest.approx(8 / run["step_s"])
+    assert res.stdout.count("mean step per rank") == 1, "one report, from rank 0"
