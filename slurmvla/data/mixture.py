@@ -234,11 +234,12 @@ class EpisodeStream(IterableDataset):
         order = np.argsort(local + self.mixture.cfg.interleave_episodes * u, kind="stable")
         piece, k = piece[order], k[order]
         d, e = plan.dataset[piece], plan.episode[piece]
-        t = np.empty(n, dtype=np.int64)
+        t = np.empty(n, dtype=np.int32)
         for ds in np.unique(d):
             m = d == ds
             t[m] = self.mixture.sources[ds].train_index.frames_of(e[m], k[m])
-        return d, e, t, plan.repeat[piece], piece
+        # int32: a shard of all of DROID on one worker stays at ~20 bytes per sample.
+        return d.astype(np.int32), e.astype(np.int32), t, plan.repeat[piece].astype(np.int32), piece
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
@@ -254,22 +255,29 @@ class EpisodeStream(IterableDataset):
         d, e, t, rep, piece = self.shard_order(self.epoch, shard)
         skip = first_batch * self.batch_size
         d, e, t, rep, piece = d[skip:], e[skip:], t[skip:], rep[skip:], piece[skip:]
-        # A piece is loaded once, with just the frames its samples need, and dropped after its last sample.
-        remaining: dict[int, int] = {}
-        span: dict[int, list[int]] = {}
-        for p, frame in zip(piece.tolist(), t.tolist()):
-            remaining[p] = remaining.get(p, 0) + 1
-            lo_hi = span.setdefault(p, [frame, frame])
-            lo_hi[0], lo_hi[1] = min(lo_hi[0], frame), max(lo_hi[1], frame)
+        if len(piece) == 0:
+            return
+        # A piece is loaded once, with just the frames its samples need, and dropped after its
+        # last sample. Per-piece bookkeeping is vectorised; per-sample values are walked in chunks
+        # (never a Python object per sample of the whole shard).
+        local = piece - piece.min()
+        remaining = np.bincount(local)
+        first = np.full(len(remaining), np.iinfo(np.int64).max)
+        last = np.full(len(remaining), -1)
+        np.minimum.at(first, local, t)
+        np.maximum.at(last, local, t)
         open_pieces: dict[int, Episode] = {}
-        for ds, ep, frame, r, p in zip(d.tolist(), e.tolist(), t.tolist(), rep.tolist(), piece.tolist()):
-            loaded = open_pieces.get(p)
-            if loaded is None:
-                loaded = open_pieces[p] = self.mixture.sources[ds].load_episode(ep, *span[p])
-            yield self.mixture.sources[ds].sample(loaded, frame, self.epoch, r)
-            remaining[p] -= 1
-            if remaining[p] == 0:
-                del open_pieces[p]
+        for lo in range(0, len(piece), 4096):
+            chunk = zip(d[lo : lo + 4096].tolist(), e[lo : lo + 4096].tolist(), t[lo : lo + 4096].tolist(),
+                        rep[lo : lo + 4096].tolist(), local[lo : lo + 4096].tolist())
+            for ds, ep, frame, r, p in chunk:
+                loaded = open_pieces.get(p)
+                if loaded is None:
+                    loaded = open_pieces[p] = self.mixture.sources[ds].load_episode(ep, int(first[p]), int(last[p]))
+                yield self.mixture.sources[ds].sample(loaded, frame, self.epoch, r)
+                remaining[p] -= 1
+                if remaining[p] == 0:
+                    del open_pieces[p]
 
 
 class MapDataset(Dataset):
