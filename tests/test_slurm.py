@@ -51,8 +51,11 @@ def cluster(tmp_path_factory):
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _overrides(root, steps: int, every: int) -> list[str]:
-    return [f"data.root={root}", "logging.wandb.mode=disabled", "trainer.progress_bar=false", "data.num_workers=0",
+def _overrides(root, steps: int, every: int, loader: str = "map") -> list[str]:
+    # The map loader by default: its order does not depend on the world size, so a two-node run can
+    # be compared with one process. The droid job below runs the stream.
+    return [f"data.root={root}", f"data.loader={loader}", "logging.wandb.mode=disabled", "trainer.progress_bar=false",
+            "data.num_workers=0",
             "trainer.global_batch_size=8", f"trainer.max_steps={steps}", f"checkpoint.every_steps={every}",
             "trainer.log_every_steps=2", "trainer.signal_check_every_steps=1"]
 
@@ -107,7 +110,7 @@ def test_sbatch_droid_with_keep_ranges_and_quoted_tail_overrides(cluster, sample
         # A quoted value with spaces, and text that a shell would execute if the string were eval'd.
         "EXTRA_TAIL_OVERRIDES": f"'name=droid on two nodes' \"logging.wandb.project='p $(touch {marker})'\" trainer.max_steps=4",
     }
-    args = ["policy=tiny", "engine=ddp", "precision=fp32", *_overrides(sample_root, 100, 2)]
+    args = ["policy=tiny", "engine=ddp", "precision=fp32", *_overrides(sample_root, 100, 2, loader="stream")]
     t0 = time.monotonic()
     job = sbatch(cluster, "sbatch/droid.sh", args, tmp_path, extra)
     first_step = None
@@ -122,7 +125,7 @@ def test_sbatch_droid_with_keep_ranges_and_quoted_tail_overrides(cluster, sample
     assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step_00000002", "step_00000004"]
     resolved = (run / "config.resolved.yaml").read_text()
     assert "name: droid on two nodes" in resolved and f"$(touch {marker})" in resolved and not marker.exists()
-    assert "keep_ranges_1_0_1.json" in resolved and "keep-ranges (frame): kept" in (run / "train.log").read_text()
+    assert "keep_ranges_1_0_1.json" in resolved and "keep-ranges (frame) kept" in (run / "train.log").read_text()
     meta = json.loads((run / "checkpoints" / "step_00000004" / "meta.json").read_text())
     assert meta["world_size"] == 2
     print(f"sbatch droid: submit -> first logged step (2) {first_step:.1f}s, -> finished {time.monotonic() - t0:.1f}s")
