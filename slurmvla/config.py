@@ -200,6 +200,9 @@ class DataConfig:
     num_workers: int = 2
     # Decoded episodes kept per dataloader worker by the map-style and validation readers.
     episode_cache_size: int = 64
+    # Decoded episodes a stream worker keeps across epochs (0: decode every epoch). Worth it only
+    # when a worker's share of the data fits in memory (the sample dataset); DROID's does not.
+    stream_cache_episodes: int = 0
 
     def __post_init__(self) -> None:
         _positive("data.num_workers", self.num_workers, allow_zero=True)
@@ -208,6 +211,7 @@ class DataConfig:
         _positive("data.n_obs_history", self.n_obs_history)
         _positive("data.history_interval", self.history_interval)
         _positive("data.interleave_episodes", self.interleave_episodes)
+        _positive("data.stream_cache_episodes", self.stream_cache_episodes, allow_zero=True)
         _choice("data.loader", self.loader, DATA_LOADERS)
         _choice("data.mode", self.mode, DATA_MODES)
         _choice("data.missing_cameras", self.missing_cameras, MISSING_CAMERA_CHOICES)

@@ -139,3 +139,19 @@ def test_map_loader_order_does_not_depend_on_world_size(make_cfg):
 def test_too_small_for_the_layout_is_a_clear_error(make_cfg):
     with pytest.raises(ValueError, match="fewer than one micro-batch of 200 for each of 2 ranks x 2 dataloader workers"):
         EpisodeStream(_mixture(make_cfg()), 200, 0, 2, 2)
+
+
+def test_persistent_workers_follow_the_position_and_kept_episodes_change_nothing(make_cfg):
+    """Workers outlive the epoch and read (epoch, position) from shared memory; episodes they keep
+    decoded across epochs give exactly what decoding afresh gives."""
+    kept_cfg = make_cfg("data.num_workers=2", "data.stream_cache_episodes=64")
+    fresh_cfg = make_cfg("data.num_workers=2", "data.stream_cache_episodes=0")
+    kept = TrainData(_mixture(kept_cfg), kept_cfg.data, 4, 0, 1, seed=0)
+    fresh = TrainData(_mixture(fresh_cfg), fresh_cfg.data, 4, 0, 1, seed=0)
+    a = [list(kept.iterate(epoch, p)) for epoch, p in ((0, 0), (1, 0), (1, 3))]
+    b = [list(fresh.iterate(epoch, p)) for epoch, p in ((0, 0), (1, 0), (1, 3))]
+    assert [_ids(x) for x in a[0]] != [_ids(x) for x in a[1]], "a new epoch, a new order"
+    assert [_ids(x) for x in a[2]] == [_ids(x) for x in a[1][3:]]
+    for xs, ys in zip(a, b):
+        assert [_ids(x) for x in xs] == [_ids(y) for y in ys]
+        assert all(torch.equal(x["images"], y["images"]) and torch.equal(x["noise"], y["noise"]) for x, y in zip(xs, ys))

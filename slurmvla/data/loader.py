@@ -39,8 +39,8 @@ class TrainData:
         if cfg.loader == "stream":
             self.stream = EpisodeStream(mixture, batch_size, rank, world_size, workers)
             self.batches_per_epoch = self.stream.batches_per_epoch
-            # Workers start per epoch: they take the stream's position with them when they fork.
-            self.loader = DataLoader(self.stream, **common)
+            # Persistent workers read the position from shared memory at each epoch's start.
+            self.loader = DataLoader(self.stream, persistent_workers=workers > 0, **common)
         else:
             self.dataset = MapDataset(mixture, cfg.episode_cache_size)
             if len(self.dataset) // world_size < batch_size:

@@ -203,7 +203,18 @@ class EpisodeStream(IterableDataset):
                 f"{batch_size} for each of {world_size} ranks x {self.num_workers} dataloader workers; lower "
                 "trainer.global_batch_size or data.num_workers"
             )
-        self.epoch, self.position = 0, 0
+        # (epoch, position) in shared memory: persistent workers read it at the start of every
+        # epoch, so they can keep decoded episodes (data.stream_cache_episodes) across epochs.
+        self._where = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self._kept: OrderedDict[tuple[int, int], Episode] = OrderedDict()
+
+    @property
+    def epoch(self) -> int:
+        return int(self._where[0])
+
+    @property
+    def position(self) -> int:
+        return int(self._where[1])
 
     @property
     def batches_per_epoch(self) -> int:
@@ -217,7 +228,7 @@ class EpisodeStream(IterableDataset):
     def set_position(self, epoch: int, batches: int) -> None:
         if not 0 <= batches <= self.batches_per_epoch:
             raise ValueError(f"stream position {batches} is outside the epoch's {self.batches_per_epoch} batches")
-        self.epoch, self.position = epoch, batches
+        self._where[0], self._where[1] = epoch, batches
 
     def shard_order(self, epoch: int, shard: int) -> tuple[np.ndarray, ...]:
         """``(dataset, episode, frame, repeat, piece)`` of every sample of one shard, in yield order.
@@ -249,10 +260,11 @@ class EpisodeStream(IterableDataset):
             raise RuntimeError(f"the stream was built for {self.num_workers} workers, the loader runs {num_workers}")
         # The loader takes batch b of this rank from worker b % W. After resuming at batch p, loader
         # worker w first serves batch p + w: logical worker (p + w) % W, from its batch (p + w) // W.
-        logical = (self.position + worker) % self.num_workers
-        first_batch = (self.position + worker) // self.num_workers
+        epoch, position = self.epoch, self.position
+        logical = (position + worker) % self.num_workers
+        first_batch = (position + worker) // self.num_workers
         shard = self.rank * self.num_workers + logical
-        d, e, t, rep, piece = self.shard_order(self.epoch, shard)
+        d, e, t, rep, piece = self.shard_order(epoch, shard)
         skip = first_batch * self.batch_size
         d, e, t, rep, piece = d[skip:], e[skip:], t[skip:], rep[skip:], piece[skip:]
         if len(piece) == 0:
@@ -273,11 +285,30 @@ class EpisodeStream(IterableDataset):
             for ds, ep, frame, r, p in chunk:
                 loaded = open_pieces.get(p)
                 if loaded is None:
-                    loaded = open_pieces[p] = self.mixture.sources[ds].load_episode(ep, int(first[p]), int(last[p]))
-                yield self.mixture.sources[ds].sample(loaded, frame, self.epoch, r)
+                    loaded = open_pieces[p] = self._load(ds, ep, int(first[p]), int(last[p]))
+                yield self.mixture.sources[ds].sample(loaded, frame, epoch, r)
                 remaining[p] -= 1
                 if remaining[p] == 0:
                     del open_pieces[p]
+
+
+    def _load(self, dataset: int, episode: int, first: int, last: int) -> Episode:
+        """A piece's frames: from this worker's kept episodes when one covers them, else decoded."""
+        size = self.mixture.cfg.stream_cache_episodes
+        source = self.mixture.sources[dataset]
+        key = (dataset, episode)
+        kept = self._kept.get(key)
+        lo = max(0, first + int(source.history_offsets()[0]))
+        if kept is not None and kept.first_frame <= lo and kept.first_frame + len(kept.frames) > last:
+            self._kept.move_to_end(key)
+            return kept
+        if size <= 0:
+            return source.load_episode(episode, first, last)
+        # Kept whole, so any later piece of the episode finds its frames.
+        loaded = self._kept[key] = source.load_episode(episode)
+        while len(self._kept) > size:
+            self._kept.popitem(last=False)
+        return loaded
 
 
 class MapDataset(Dataset):
