@@ -431,6 +431,26 @@ def check_override_keys(overrides: list[str], groups: list[str]) -> None:
             node = type(default) if dataclasses.is_dataclass(default) else _FIELD_TYPES.get((node, part))
 
 
+def config_dir() -> Path:
+    """conf/ inside an installed wheel, else the repository's top-level conf/ (editable install)."""
+    packaged = Path(__file__).resolve().parent / "conf"
+    return packaged if (packaged / "config.yaml").is_file() else Path(__file__).resolve().parents[1] / "conf"
+
+
+def config_groups() -> list[str]:
+    return sorted(p.name for p in config_dir().iterdir() if p.is_dir())
+
+
+def compose(overrides: list[str]) -> Config:
+    """The typed config a run with these overrides would get (keys checked first, every rule run)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    check_override_keys(overrides, config_groups())
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+        return to_config(hydra_compose("config", overrides=overrides))
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="slurmvla_schema", node=Config)

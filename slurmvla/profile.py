@@ -35,7 +35,7 @@ import psutil
 import torch
 
 from slurmvla.collectives import gather_dict
-from slurmvla.config import Config
+from slurmvla.config import Config, compose
 
 log = logging.getLogger("slurmvla")
 
@@ -107,7 +107,6 @@ def _measure(trainer) -> dict | None:
     rss = proc.memory_info().rss
     per_step: list[dict[str, float]] = []
     timer = PhaseTimer(device)
-    batch = None
     for _ in range(cfg.profile.steps):
         timer.start()
         trainer.run_step(timer)
@@ -225,7 +224,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="profile several configs side by side; each argument is a quoted set of overrides")
     args = parser.parse_args(argv)
 
-    from slurmvla.data.inspect import compose
     from slurmvla.engine.distributed import shutdown_process_group
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

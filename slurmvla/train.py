@@ -8,20 +8,15 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from slurmvla.config import check_override_keys, to_config
+from slurmvla.config import check_override_keys, config_dir, config_groups, to_config
 from slurmvla.launch.preempt import REQUEUE_EXIT_CODE
 
-
-def config_dir() -> Path:
-    """conf/ inside an installed wheel, else the repository's top-level conf/ (editable install)."""
-    packaged = Path(__file__).resolve().parent / "conf"
-    return packaged if (packaged / "config.yaml").is_file() else Path(__file__).resolve().parents[1] / "conf"
+__all__ = ["cli", "config_dir", "main"]
 
 
 @hydra.main(version_base=None, config_path=str(config_dir()), config_name="config")
@@ -67,9 +62,8 @@ def cli() -> None:
     """Entry point: a misspelled key fails here with the valid keys listed, before Hydra starts;
     ``--dry-run`` prints what would be run or submitted and runs nothing."""
     overrides = [a for a in sys.argv[1:] if not a.startswith("-")]
-    groups = sorted(p.name for p in config_dir().iterdir() if p.is_dir())
     try:
-        check_override_keys(overrides, groups)
+        check_override_keys(overrides, config_groups())
         if "--dry-run" in sys.argv:
             dry_run(overrides)
             return

@@ -18,7 +18,6 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from omegaconf import OmegaConf
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from slurmvla.checkpoint import CheckpointManager
@@ -28,9 +27,9 @@ from slurmvla.data.loader import TrainData, build_validation_loader, to_device
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.synthetic import ensure_sample_dataset
 from slurmvla.engine import build_engine
-from slurmvla.eval import validate
 from slurmvla.engine.distributed import init_process_group, select_device, shutdown_process_group
 from slurmvla.engine.precision import check_fp32_master_state
+from slurmvla.eval import validate
 from slurmvla.launch import DistEnv
 from slurmvla.launch.preempt import FINISHED_MARKER, PreemptionFlag
 from slurmvla.launch.runtime import apply_process_defaults, write_snapshot

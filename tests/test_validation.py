@@ -63,8 +63,8 @@ def _validate_on_rank(rank, cfg, world):
 
 @pytest.fixture(scope="module")
 def mixed_cfg(sample_root, sample_root_v21):
-    from tests.conftest import compose_cfg
     from slurmvla.config import to_config
+    from tests.conftest import compose_cfg
 
     return to_config(compose_cfg([
         f"data.root={sample_root}", "data.num_workers=0", "data.val_fraction=0.3", "data.weight=2.0",

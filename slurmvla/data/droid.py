@@ -96,6 +96,8 @@ class DroidSource:
                 raise ValueError(f"feature {cam!r} in {meta.root} is not a video feature; video features: "
                                  f"{meta.video_keys}")
         self.present = np.asarray([c in meta.features for c in cfg.cameras])
+        # Frame offsets of the observation history, oldest first, the current frame last.
+        self.history_offsets = -cfg.history_interval * np.arange(cfg.n_obs_history - 1, -1, -1)
         self.instruction_keys = [k for k in cfg.instruction_keys if k in meta.features]
         self.use_task = not self.instruction_keys and "task_index" in meta.features and bool(meta.tasks)
         if not self.instruction_keys and not self.use_task:
@@ -181,10 +183,6 @@ class DroidSource:
     def name(self) -> str:
         return self.spec.name
 
-    def history_offsets(self) -> np.ndarray:
-        n, step = self.cfg.n_obs_history, self.cfg.history_interval
-        return -step * np.arange(n - 1, -1, -1)
-
     def load_episode(self, pos: int, first: int | None = None, last: int | None = None) -> Episode:
         """Columns of episode ``pos`` and its frames for sample start frames ``first..last`` (inclusive),
         with the history they need, decoded forward in one pass per camera."""
@@ -192,7 +190,7 @@ class DroidSource:
         length = int(meta.episodes["length"][pos])
         first = 0 if first is None else first
         last = length - 1 if last is None else last
-        lo = max(0, first + int(self.history_offsets()[0]))
+        lo = max(0, first + int(self.history_offsets[0]))
         hi = last + 1
         cols = meta.read_episode(pos, [*cfg.state_keys, *cfg.action_keys, *self.instruction_keys,
                                        *(["task_index"] if self.use_task else [])])
@@ -229,7 +227,7 @@ class DroidSource:
         valid = chunk < length
         # Past the episode end the last value repeats; the mask keeps it out of the loss.
         actions = episode.action[np.minimum(chunk, length - 1)]
-        hist = t + self.history_offsets()
+        hist = t + self.history_offsets
         hist_ok = hist >= 0
         hist = np.maximum(hist, 0)
         images = episode.frames[hist - episode.first_frame]  # [n_hist, cams, H, W, 3]

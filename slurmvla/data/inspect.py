@@ -15,22 +15,10 @@ import dataclasses
 import json
 import sys
 
-from slurmvla.config import Config, check_override_keys, to_config
+from slurmvla.config import Config, compose
 from slurmvla.data.droid import DroidSource, dataset_specs
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.synthetic import ensure_sample_dataset
-
-
-def compose(overrides: list[str]) -> Config:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from slurmvla.train import config_dir
-
-    groups = sorted(p.name for p in config_dir().iterdir() if p.is_dir())
-    check_override_keys(overrides, groups)
-    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-        return to_config(hydra_compose("config", overrides=overrides))
 
 
 def summarize(cfg: Config) -> dict:

@@ -41,12 +41,12 @@ def _rng(*parts: object) -> np.random.Generator:
 
 @dataclass
 class Plan:
-    """One epoch's sequence of episode pieces; piece i holds samples ``k0 .. k0 + count`` of its episode."""
+    """One epoch's sequence of episode pieces; piece i holds the first ``count`` samples of its episode
+    (whole episodes, except where a dataset's quota ends)."""
 
     dataset: np.ndarray
     episode: np.ndarray
     repeat: np.ndarray
-    k0: np.ndarray
     count: np.ndarray
 
     def __post_init__(self) -> None:
@@ -59,7 +59,7 @@ class Plan:
     def locate(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Piece of each global sample position, and the sample's rank within its episode."""
         piece = np.searchsorted(self.cum, g, side="right") - 1
-        return piece, self.k0[piece] + g - self.cum[piece]
+        return piece, g - self.cum[piece]
 
 
 class Mixture:
@@ -107,12 +107,12 @@ class Mixture:
                 n = min(len(c), int(np.searchsorted(np.cumsum(c), quota - taken, side="left")) + 1)
                 c = c[:n].copy()
                 c[-1] -= max(0, int(c.sum()) - (quota - taken))
-                parts.append((np.full(n, d), episodes[order[:n]], np.full(n, repeat), np.zeros(n, np.int64), c))
+                parts.append((np.full(n, d), episodes[order[:n]], np.full(n, repeat), c))
                 taken += int(c.sum())
                 repeat += 1
         if not parts:
-            return Plan(*(np.zeros(0, np.int64) for _ in range(5)))
-        cols = [np.concatenate([p[i] for p in parts]).astype(np.int64) for i in range(5)]
+            return Plan(*(np.zeros(0, np.int64) for _ in range(4)))
+        cols = [np.concatenate([p[i] for p in parts]).astype(np.int64) for i in range(4)]
         order = _rng("pieces", self.seed, epoch).permutation(len(cols[0]))
         return Plan(*(c[order] for c in cols))
 
@@ -169,7 +169,7 @@ def pool_stats(stats: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 
 class _EpisodeCache:
-    """Loaded episode pieces of one worker, least recently used first out."""
+    """Whole decoded episodes of one worker, least recently used first out."""
 
     def __init__(self, sources: list[DroidSource], size: int):
         self.sources, self.size = sources, size
@@ -206,7 +206,7 @@ class EpisodeStream(IterableDataset):
         # (epoch, position) in shared memory: persistent workers read it at the start of every
         # epoch, so they can keep decoded episodes (data.stream_cache_episodes) across epochs.
         self._where = torch.zeros(2, dtype=torch.int64).share_memory_()
-        self._kept: OrderedDict[tuple[int, int], Episode] = OrderedDict()
+        self._kept = _EpisodeCache(mixture.sources, mixture.cfg.stream_cache_episodes)
 
     @property
     def epoch(self) -> int:
@@ -291,24 +291,11 @@ class EpisodeStream(IterableDataset):
                 if remaining[p] == 0:
                     del open_pieces[p]
 
-
     def _load(self, dataset: int, episode: int, first: int, last: int) -> Episode:
-        """A piece's frames: from this worker's kept episodes when one covers them, else decoded."""
-        size = self.mixture.cfg.stream_cache_episodes
-        source = self.mixture.sources[dataset]
-        key = (dataset, episode)
-        kept = self._kept.get(key)
-        lo = max(0, first + int(source.history_offsets()[0]))
-        if kept is not None and kept.first_frame <= lo and kept.first_frame + len(kept.frames) > last:
-            self._kept.move_to_end(key)
-            return kept
-        if size <= 0:
-            return source.load_episode(episode, first, last)
-        # Kept whole, so any later piece of the episode finds its frames.
-        loaded = self._kept[key] = source.load_episode(episode)
-        while len(self._kept) > size:
-            self._kept.popitem(last=False)
-        return loaded
+        """A piece's frames: just those its samples need, or the whole episode kept across epochs."""
+        if self._kept.size > 0:
+            return self._kept.get(dataset, episode)
+        return self.mixture.sources[dataset].load_episode(episode, first, last)
 
 
 class MapDataset(Dataset):

@@ -16,9 +16,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from slurmvla.collectives import gather_dict
+from slurmvla.data.droid import MODES
 from slurmvla.data.loader import to_device
-
-MODES = ("policy", "forward_dynamics", "inverse_dynamics")
 
 
 @torch.no_grad()
