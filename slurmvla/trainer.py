@@ -256,10 +256,7 @@ class Trainer:
 
     def validate(self) -> dict[str, float] | None:
         """One pass over the validation split on every rank; rank 0 logs and returns the metrics."""
-        specs = self.mixture.sources
-        control_modes = sorted({s.spec.control_mode for s in specs})
-        metrics = validate(self.policy, self.val_loader, self.device, self.mixture.names, control_modes,
-                           list(self.mixture.weights), self.engine.autocast)
+        metrics = validate(self.policy, self.val_loader, self.device, self.mixture, self.engine.autocast)
         if metrics is not None:
             self.logger.log(self.step, metrics)
             log.info("step %d: val/loss %.4f over %d samples", self.step, metrics.get("val/loss", float("nan")),

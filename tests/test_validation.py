@@ -57,8 +57,7 @@ def _policy(cfg):
 def _validate_on_rank(rank, cfg, world):
     mixture = Mixture(cfg.data, cfg.policy.image_size, cfg.policy.action_horizon, cfg.policy.max_text_len, 0)
     loader = build_validation_loader(mixture, cfg.data, 4, rank, world)
-    modes = sorted({s.spec.control_mode for s in mixture.sources})
-    return validate(_policy(cfg), loader, torch.device("cpu"), mixture.names, modes, list(mixture.weights))
+    return validate(_policy(cfg), loader, torch.device("cpu"), mixture)
 
 
 @pytest.fixture(scope="module")

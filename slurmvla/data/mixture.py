@@ -91,6 +91,11 @@ class Mixture:
         return [s.name for s in self.sources]
 
     @property
+    def control_modes(self) -> list[str]:
+        """The mixture's distinct control modes, sorted: validation's group order."""
+        return sorted({s.spec.control_mode for s in self.sources})
+
+    @property
     def samples_per_epoch(self) -> int:
         return int(self.quota.sum())
 

@@ -18,13 +18,16 @@ import torch
 from slurmvla.collectives import gather_dict
 from slurmvla.data.droid import MODES
 from slurmvla.data.loader import to_device
+from slurmvla.data.mixture import Mixture
 
 
 @torch.no_grad()
-def validate(policy: torch.nn.Module, loader, device: torch.device, dataset_names: Sequence[str],
-             control_modes: Sequence[str], weights: Sequence[float],
+def validate(policy: torch.nn.Module, loader, device: torch.device, mixture: Mixture,
              autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> dict[str, float] | None:
-    """Metrics on rank 0 (``val/...`` keys), None on the other ranks. Call it on every rank."""
+    """Metrics on rank 0 (``val/...`` keys), None on the other ranks. Call it on every rank.
+
+    Per-batch values stay on the device until the pass ends (one copy to the host, no sync per batch)."""
+    control_modes = mixture.control_modes
     was_training = policy.training
     policy.eval()
     columns: dict[str, list[torch.Tensor]] = defaultdict(list)
@@ -34,19 +37,20 @@ def validate(policy: torch.nn.Module, loader, device: torch.device, dataset_name
             with autocast():
                 out = policy(batch)
             for name, (s, c) in out["components"].items():
-                columns[f"{name}/sum"].append(s.float().cpu())
-                columns[f"{name}/count"].append(c.float().cpu())
-            columns["dataset_index"].append(batch["dataset_index"].cpu())
-            columns["control_mode"].append(torch.tensor([control_modes.index(m) for m in batch["control_mode"]]))
+                columns[f"{name}/sum"].append(s.float())
+                columns[f"{name}/count"].append(c.float())
+            columns["dataset_index"].append(batch["dataset_index"])
+            columns["control_mode"].append(torch.tensor([control_modes.index(m) for m in batch["control_mode"]],
+                                                        device=device))
             if "mode" in batch:
-                columns["mode"].append(batch["mode"].cpu())
+                columns["mode"].append(batch["mode"])
     finally:
         policy.train(was_training)
     values = {k: torch.cat(v) for k, v in columns.items()}
     gathered = gather_dict(values, loader.dataset.num_real)
     if gathered is None:
         return None
-    return bucket(gathered, dataset_names, control_modes, weights)
+    return bucket(gathered, mixture.names, control_modes, list(mixture.weights))
 
 
 def bucket(values: dict[str, torch.Tensor], dataset_names: Sequence[str], control_modes: Sequence[str],
