@@ -18,6 +18,7 @@ import tempfile
 import time
 import tracemalloc
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -81,13 +82,12 @@ def main() -> None:
         keys = stage("episode ids -> keys", lambda: keep_range_keys(ids, mapping), results)
         index = stage("build sample index", lambda: build_index(lengths, None, keys, ranges, args.horizon, "frame"), results)
 
-        # The plan and a shard's order, through the real Mixture / EpisodeStream code on this index.
+        # The plan and a shard's order, through the real Mixture / EpisodeStream code on this index
+        # (a Mixture without its reader: only the index, the weights and the quota are used).
         mixture = Mixture.__new__(Mixture)
         mixture.cfg, mixture.seed = DataConfig(interleave_episodes=8), 0
-        source = type("IndexOnly", (), {})()
-        source.train_index, source.name = index, "droid"
-        mixture.sources, mixture.weights = [source], np.ones(1)
-        mixture.quota = np.asarray([index.num_samples])
+        mixture.sources = [SimpleNamespace(train_index=index, name="droid")]
+        mixture.weights, mixture.quota = np.ones(1), np.asarray([index.num_samples])
         plan = stage("plan one epoch", lambda: mixture.plan(0), results)
         stream = EpisodeStream(mixture, batch_size=32, rank=17, world_size=64, num_workers=8)
         stage("one shard's order (64 ranks x 8 workers)", lambda: stream.shard_order(0, 17 * 8 + 3), results)
