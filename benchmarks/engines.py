@@ -19,22 +19,20 @@ import sys
 import tempfile
 import time
 
-ALL = ["ddp", "fsdp_full", "fsdp_grad_op", "hsdp", "zero1", "zero2", "zero3"]
+from slurmvla.registry import ENGINES
+
+ALL = [e for e in ENGINES if e != "single"]
 
 
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from hydra import compose, initialize_config_dir
 
-    from slurmvla.config import to_config
-    from slurmvla.train import config_dir
+    from slurmvla.compose import compose
     from slurmvla.trainer import Trainer
 
-    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-        cfg = to_config(compose("config", overrides=[
-            "logging.wandb.mode=disabled", "trainer.progress_bar=false", "checkpoint.resume=false",
-            "data.num_workers=0", f"engine={args.engine}", *args.overrides]))
+    cfg = compose(["logging.wandb.mode=disabled", "trainer.progress_bar=false", "checkpoint.resume=false",
+                   "data.num_workers=0", f"engine={args.engine}", *args.overrides])
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(cfg, run_dir)
         batches = [trainer._next_batch() for _ in range(cfg.trainer.grad_accum_steps)]

@@ -19,11 +19,9 @@ import tempfile
 import time
 
 import torch
-from hydra import compose, initialize_config_dir
 
-from slurmvla.config import to_config
+from slurmvla.compose import compose
 from slurmvla.optim import build_adamw
-from slurmvla.train import config_dir
 from slurmvla.trainer import Trainer
 
 
@@ -48,10 +46,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-        raw = compose("config", overrides=["logging.wandb.mode=disabled", "trainer.progress_bar=false",
-                                           "checkpoint.resume=false", "data.num_workers=0", *args.overrides])
-    cfg = to_config(raw)
+    cfg = compose(["logging.wandb.mode=disabled", "trainer.progress_bar=false", "checkpoint.resume=false",
+                   "data.num_workers=0", *args.overrides])
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(cfg, run_dir)
         batch = trainer._next_batch()

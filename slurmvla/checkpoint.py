@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slurmvla.registry import ENGINES
+
 TRAINER_FILE = "trainer_state.pt"
 RANK_FILE = "rank_{rank:05d}.pt"
 META_FILE = "meta.json"
@@ -110,7 +112,7 @@ class CheckpointManager:
                 f"checkpoint {path} was written by engine={meta['engine']!r}, this run uses engine={engine.name!r}; "
                 "resume with the same engine, or export it (python -m slurmvla.export) and start from the weights"
             )
-        if meta["world_size"] != engine.env.world_size and not engine.resumes_at_any_world_size:
+        if meta["world_size"] != engine.env.world_size and not ENGINES.get(engine.name).resumes_at_any_world_size:
             raise ValueError(
                 f"checkpoint {path} was written at world size {meta['world_size']}, this run has "
                 f"{engine.env.world_size}; engine={engine.name!r} resumes at the same world size only"
@@ -125,11 +127,9 @@ class CheckpointManager:
 
 
 def load_model_file(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The full fp32 policy state of a checkpoint, whatever engine wrote it."""
-    from slurmvla.engine import load_full_model_state
-
+    """The full fp32 policy state of a checkpoint, whatever engine wrote it, in one process."""
     meta = json.loads((checkpoint / META_FILE).read_text())
-    return load_full_model_state(checkpoint, meta["engine"])
+    return ENGINES.get(meta["engine"]).load_full_state(checkpoint)
 
 
 def _barrier() -> None:

@@ -1,37 +1,35 @@
-"""Structured-config schemas for every Hydra config group.
+"""Structured-config schemas for every Hydra config group, and their validation rules.
 
-The schemas are registered in Hydra's ConfigStore and sit under ``conf/config.yaml`` as its first
-default, so every YAML file and command-line override is merged into a typed node: a misspelled key
-or a value of the wrong type fails at composition time with Hydra's message naming the key.
-Cross-field rules live in ``__post_init__`` and run when :func:`to_config` turns the composed
-DictConfig into these dataclasses; they raise ``ValueError`` naming the value and the valid choices.
+``slurmvla.compose`` registers ``Config`` in Hydra's ConfigStore, where it sits under
+``conf/config.yaml`` as its first default, so every YAML file and command-line override is merged
+into a typed node: a misspelled key or a value of the wrong type fails at composition time with
+Hydra's message naming the key. Cross-field rules live in ``__post_init__`` and run when the
+composed DictConfig becomes these dataclasses; they raise ``ValueError`` naming the value and the
+valid choices. Names of engines, policies, schedules and data modes come from
+``slurmvla.registry``. Nothing here touches the filesystem: a saved config re-validates on any
+machine, and files are checked where they are opened.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING
 
-ENGINES = ("single", "ddp", "fsdp_full", "fsdp_grad_op", "hsdp", "zero1", "zero2", "zero3")
-# Activation checkpointing is refused where it is known to corrupt gradients.
-GRADIENT_CHECKPOINTING_ENGINES = tuple(e for e in ENGINES if e != "zero3")
+from slurmvla.data.features import DROID_CAMERAS, DROID_INSTRUCTION_KEYS
+from slurmvla.registry import DATA_MODES, ENGINES, POLICIES, SCHEDULERS
+
+log = logging.getLogger("slurmvla")
+
 PRECISIONS = ("fp32", "bf16")
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 # Known names that may be unavailable on a machine; they warn once and fall back to sdpa.
 ATTENTION_FALLBACKS = ("fa2", "flash_attention_2")
-SCHEDULERS = ("cosine", "constant", "warmup_constant", "frozen_backbone")
 WANDB_MODES = ("offline", "online", "disabled")
 DEVICES = ("auto", "cpu", "cuda")
-DROID_CAMERAS = (
-    "observation.images.exterior_1_left",
-    "observation.images.exterior_2_left",
-    "observation.images.wrist_left",
-)
-DROID_INSTRUCTION_KEYS = ("language_instruction", "language_instruction_2", "language_instruction_3")
 
 
 def _choice(name: str, value: Any, choices: tuple) -> None:
@@ -59,7 +57,7 @@ class EngineConfig:
     shard_degree: int = 0
 
     def __post_init__(self) -> None:
-        _choice("engine.name", self.name, ENGINES)
+        ENGINES.check(self.name)
         _choice("engine.backend", self.backend, ("auto", "nccl", "gloo"))
         _choice("engine.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
         _positive("engine.timeout_s", self.timeout_s)
@@ -87,8 +85,8 @@ class PolicyConfig:
     state_dim: int = 8
     action_dim: int = 8
     action_horizon: int = 8
-    # Observation frames per sample; must equal data.n_obs_history (checked at start-up).
-    n_obs_history: int = 1
+    # Observation frames per sample; must equal data.num_obs_history (checked at start-up).
+    num_obs_history: int = 1
     # A conditioning token and a mode embedding for data.mode=joint / forward_dynamics / inverse_dynamics.
     dynamics: bool = False
     num_inference_steps: int = 10
@@ -98,7 +96,7 @@ class PolicyConfig:
     train_expert_only: bool = False
 
     def __post_init__(self) -> None:
-        _choice("policy.name", self.name, ("flow_vla",))
+        POLICIES.check(self.name)
         _choice(
             "policy.attention_implementation",
             self.attention_implementation,
@@ -106,7 +104,7 @@ class PolicyConfig:
         )
         for key in ("image_size", "patch_size", "num_cameras", "vision_width", "vision_depth", "vision_heads",
                     "width", "depth", "num_heads", "head_dim", "expert_width", "max_text_len", "state_dim",
-                    "action_dim", "action_horizon", "num_inference_steps", "n_obs_history"):
+                    "action_dim", "action_horizon", "num_inference_steps", "num_obs_history"):
             _positive(f"policy.{key}", getattr(self, key))
         if self.image_size % self.patch_size:
             raise ValueError(
@@ -132,14 +130,9 @@ class KeepRangesConfig:
 
     def __post_init__(self) -> None:
         _choice("data.keep_ranges.semantics", self.semantics, ("frame", "window"))
-        for name in ("path", "episode_id_to_path"):
-            value = getattr(self, name)
-            if value is not None and not Path(value).expanduser().is_file():
-                raise ValueError(f"data.keep_ranges.{name}={value!r} does not exist (or is not a file)")
 
 
 DATA_LOADERS = ("stream", "map")
-DATA_MODES = ("policy", "joint", "forward_dynamics", "inverse_dynamics")
 NORMALIZATIONS = ("mean_std", "min_max", "quantile", "identity")
 MISSING_CAMERA_CHOICES = ("fail", "pad")
 
@@ -186,7 +179,7 @@ class DataConfig:
     # per sample; each sample says which in its "mode" field.
     mode: str = "policy"
     # Observation frames per sample (the current one last), history_interval frames apart.
-    n_obs_history: int = 1
+    num_obs_history: int = 1
     history_interval: int = 1
     # stream: episode-shuffle stream (the fast path: each episode decoded once, sequentially).
     # map: per-sample access in a global order that does not depend on the world size (debugging,
@@ -208,7 +201,7 @@ class DataConfig:
         _positive("data.num_workers", self.num_workers, allow_zero=True)
         _positive("data.sample_episodes", self.sample_episodes)
         _positive("data.weight", self.weight)
-        _positive("data.n_obs_history", self.n_obs_history)
+        _positive("data.num_obs_history", self.num_obs_history)
         _positive("data.history_interval", self.history_interval)
         _positive("data.interleave_episodes", self.interleave_episodes)
         _positive("data.stream_cache_episodes", self.stream_cache_episodes, allow_zero=True)
@@ -270,7 +263,7 @@ class SchedulerConfig:
     frozen_backbone_steps: int = 0
 
     def __post_init__(self) -> None:
-        _choice("scheduler.name", self.name, SCHEDULERS)
+        SCHEDULERS.check(self.name)
         _positive("scheduler.warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("scheduler.frozen_backbone_steps", self.frozen_backbone_steps, allow_zero=True)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -377,16 +370,17 @@ class Config:
 
     def __post_init__(self) -> None:
         _choice("precision", self.precision, PRECISIONS)
-        if self.policy.gradient_checkpointing and self.engine.name not in GRADIENT_CHECKPOINTING_ENGINES:
+        if self.policy.gradient_checkpointing and not ENGINES.get(self.engine.name).activation_checkpointing:
             raise ValueError(
                 f"policy.gradient_checkpointing=true is refused with engine={self.engine.name!r}: torch activation "
                 "checkpointing under ZeRO-3 re-gathers partitioned parameters in the recomputation and is known to "
-                f"corrupt gradients; use it with one of {list(GRADIENT_CHECKPOINTING_ENGINES)}, or turn it off"
+                f"corrupt gradients; use it with one of {list(ENGINES.names(activation_checkpointing=True))}, or "
+                "turn it off"
             )
-        if self.policy.n_obs_history != self.data.n_obs_history:
+        if self.policy.num_obs_history != self.data.num_obs_history:
             raise ValueError(
-                f"policy.n_obs_history={self.policy.n_obs_history} does not match data.n_obs_history="
-                f"{self.data.n_obs_history}: the policy would read the wrong frames; set both to the same value"
+                f"policy.num_obs_history={self.policy.num_obs_history} does not match data.num_obs_history="
+                f"{self.data.num_obs_history}: the policy would read the wrong frames; set both to the same value"
             )
         if self.data.mode != "policy" and not self.policy.dynamics:
             raise ValueError(
@@ -400,75 +394,6 @@ class Config:
                 "data.mode='policy' or 'inverse_dynamics'"
             )
         if self.trainer.log_every_steps > self.trainer.max_steps:
+            log.warning("trainer.log_every_steps=%d is more than trainer.max_steps=%d: logging every %d steps instead",
+                        self.trainer.log_every_steps, self.trainer.max_steps, self.trainer.max_steps)
             self.trainer.log_every_steps = self.trainer.max_steps
-
-
-def check_override_keys(overrides: list[str], groups: list[str]) -> None:
-    """Fail on a misspelled key with the keys that exist there (Hydra names only the bad one).
-
-    ``groups`` are the config group names (``engine=ddp`` selects an option, it is no key path).
-    Overrides of Hydra itself, additions (``+``), deletions (``~``) and package syntax (``@``) pass.
-    """
-    import dataclasses
-
-    for item in overrides:
-        key = item.split("=", 1)[0]
-        if "=" not in item or key.startswith(("hydra", "+", "~")) or "@" in key or key in groups:
-            continue
-        node: Any = Config
-        walked: list[str] = []
-        for part in key.split("."):
-            fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else None
-            if fields is None:
-                break
-            if part not in fields:
-                where = ".".join(walked) or "the top level"
-                raise ValueError(f"unknown config key {key!r}: {where} has no {part!r}; valid keys there: "
-                                 f"{sorted(fields)}")
-            walked.append(part)
-            default = fields[part].default_factory() if fields[part].default_factory is not dataclasses.MISSING \
-                else fields[part].default
-            node = type(default) if dataclasses.is_dataclass(default) else _FIELD_TYPES.get((node, part))
-
-
-def config_dir() -> Path:
-    """conf/ inside an installed wheel, else the repository's top-level conf/ (editable install)."""
-    packaged = Path(__file__).resolve().parent / "conf"
-    return packaged if (packaged / "config.yaml").is_file() else Path(__file__).resolve().parents[1] / "conf"
-
-
-def config_groups() -> list[str]:
-    return sorted(p.name for p in config_dir().iterdir() if p.is_dir())
-
-
-def compose(overrides: list[str]) -> Config:
-    """The typed config a run with these overrides would get (keys checked first, every rule run)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    check_override_keys(overrides, config_groups())
-    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-        return to_config(hydra_compose("config", overrides=overrides))
-
-
-def register_configs() -> None:
-    cs = ConfigStore.instance()
-    cs.store(name="slurmvla_schema", node=Config)
-
-
-def to_config(cfg: DictConfig) -> Config:
-    """Resolve a composed DictConfig into the typed dataclasses, running every validation rule."""
-    # Hydra's own node, when present, is not part of the schema.
-    container = OmegaConf.to_container(cfg, resolve=True)
-    container.pop("hydra", None)
-    typed = OmegaConf.merge(OmegaConf.structured(Config), container)
-    return OmegaConf.to_object(typed)
-
-
-# Dataclass-typed fields whose defaults are MISSING in Config: where check_override_keys descends.
-_FIELD_TYPES = {(Config, "engine"): EngineConfig, (Config, "policy"): PolicyConfig, (Config, "data"): DataConfig,
-                (Config, "optim"): OptimConfig, (Config, "scheduler"): SchedulerConfig,
-                (Config, "trainer"): TrainerConfig, (Config, "checkpoint"): CheckpointConfig,
-                (Config, "logging"): LoggingConfig}
-
-register_configs()

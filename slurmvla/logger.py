@@ -44,10 +44,6 @@ class MetricLogger:
                 dir=str(self.run_dir), config=self.config, tags=list(self.wandb_cfg.tags),
             )
 
-    @property
-    def wandb_run_id(self) -> str | None:
-        return None if self._wandb is None else self._wandb.id
-
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return

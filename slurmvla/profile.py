@@ -35,7 +35,9 @@ import psutil
 import torch
 
 from slurmvla.collectives import gather_dict
-from slurmvla.config import Config, compose
+from slurmvla.compose import compose
+from slurmvla.config import Config
+from slurmvla.registry import ENGINES
 
 log = logging.getLogger("slurmvla")
 
@@ -174,9 +176,9 @@ def format_report(r: dict) -> str:
     lines.append(f"model FLOPs per sample (forward + backward, FlopCounterMode): {r['flops_per_sample'] / 1e9:.3f} GFLOP")
     if "mfu" in r:
         lines.append(f"MFU: {100 * r['mfu']:.1f}% of the configured peak")
-    if c["engine"].startswith("zero"):
-        lines.append("note: under DeepSpeed the gradient reduction and part of the optimizer work run inside "
-                     "backward; compare phase totals across engines only as a whole step")
+    note = ENGINES.get(c["engine"]).profile_note
+    if note:
+        lines.append(f"note: {note}")
     return "\n".join(lines)
 
 

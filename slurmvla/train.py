@@ -13,7 +13,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from slurmvla.config import check_override_keys, config_dir, config_groups, to_config
+from slurmvla.compose import check_override_keys, config_dir, config_groups, to_config
 from slurmvla.launch.preempt import REQUEUE_EXIT_CODE
 
 __all__ = ["cli", "config_dir", "main"]

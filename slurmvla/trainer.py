@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import random
 import time
 from pathlib import Path
@@ -30,12 +29,12 @@ from slurmvla.engine import build_engine
 from slurmvla.engine.distributed import init_process_group, select_device, shutdown_process_group
 from slurmvla.engine.precision import check_fp32_master_state
 from slurmvla.eval import validate
-from slurmvla.launch import DistEnv
+from slurmvla.launch import DistEnv, SlurmJob
 from slurmvla.launch.preempt import FINISHED_MARKER, PreemptionFlag
 from slurmvla.launch.runtime import apply_process_defaults, write_snapshot
 from slurmvla.logger import MetricLogger
 from slurmvla.optim import build_scheduler
-from slurmvla.policy import build_policy
+from slurmvla.policy import policy_class
 
 log = logging.getLogger("slurmvla")
 
@@ -44,19 +43,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def check_data_matches_policy(cfg: Config, mixture: Mixture) -> None:
-    """Shapes the policy was built for must be the data's, or training silently learns garbage."""
-    p, source = cfg.policy, mixture.sources[0]
-    checks = [
-        ("policy.num_cameras", p.num_cameras, "len(data.cameras)", len(cfg.data.cameras)),
-        ("policy.state_dim", p.state_dim, f"the dim of {list(cfg.data.state_keys)}", source.state_dim),
-        ("policy.action_dim", p.action_dim, f"the dim of {list(cfg.data.action_keys)}", source.action_dim),
-    ]
-    for key, value, what, expected in checks:
-        if value != expected:
-            raise ValueError(f"{key}={value} does not match {what}={expected} in {source.meta.root}")
 
 
 class PhaseMarks(Protocol):
@@ -111,8 +97,10 @@ class Trainer:
             ensure_sample_dataset(cfg.data)
         if self.env.is_distributed:
             torch.distributed.barrier()
-        self.mixture = Mixture(cfg.data, cfg.policy.image_size, cfg.policy.action_horizon, cfg.policy.max_text_len, seed)
-        check_data_matches_policy(cfg, self.mixture)
+        # The policy says what its samples look like, and checks what the data yields, before it is built.
+        self.policy_class = policy_class(cfg.policy)
+        self.mixture = Mixture(cfg.data, self.policy_class.sample_spec(cfg.policy), seed)
+        self.policy_class.check_data(cfg.policy, self.mixture.features)
         self.data = TrainData(self.mixture, cfg.data, self.micro_batch_size, self.env.rank, self.env.world_size, seed,
                               pin_memory=self.device.type == "cuda")
         self.val_loader = build_validation_loader(self.mixture, cfg.data, self.micro_batch_size, self.env.rank,
@@ -130,14 +118,12 @@ class Trainer:
         cfg = self.cfg
         # The same seed on every rank: every rank builds identical initial weights.
         seed_everything(cfg.trainer.seed)
-        policy = build_policy(cfg.policy, self.mixture.normalization(cfg.data.state_normalization,
-                                                                     cfg.data.action_normalization))
+        stats = self.mixture.normalization(cfg.data.state_normalization, cfg.data.action_normalization)
+        self.policy = self.policy_class(cfg.policy, stats)
         self.engine = build_engine(cfg, self.env, self.device, self.micro_batch_size)
-        self.engine.wrap(policy)
-        # Groups are read after wrapping: sharding engines replace the parameter objects.
-        groups = policy.param_groups(cfg.optim.weight_decay, cfg.optim.lr, cfg.optim.backbone_lr_scale)
-        self.optimizer = self.engine.build_optimizer(groups, cfg.optim)
-        self.policy = self.engine.model
+        # model: what forward calls (the policy, or a DDP / DeepSpeed wrapper of it); optimizer: the
+        # one that actually steps.
+        self.model, self.optimizer = self.engine.prepare(self.policy, cfg.optim)
         # Built on the optimizer the engine returned, i.e. the one that actually steps.
         self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, cfg.trainer.max_steps)
         self._numerics_checked = False
@@ -152,8 +138,7 @@ class Trainer:
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(config_dict))
-            restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-            write_snapshot(self.run_dir, dataclasses.asdict(self.env), restart)
+            write_snapshot(self.run_dir, dataclasses.asdict(self.env), SlurmJob.from_environ().restart_count)
 
     # -- data -------------------------------------------------------------------------------------
 
@@ -180,7 +165,7 @@ class Trainer:
 
         ``timer`` (the profiler's) gets a mark at the end of each phase; nothing waits on it here."""
         timer = timer or _NO_MARKS
-        self.policy.train()
+        self.model.train()
         n = len(micro_batches)
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
@@ -188,12 +173,12 @@ class Trainer:
             sync = contextlib.nullcontext() if i == n - 1 else self.engine.no_sync()
             with sync:
                 with self.engine.autocast():
-                    out = self.policy(batch)
+                    out = self.model(batch)
                 timer.mark("forward")
                 self.engine.backward(out["loss"] / n)
                 timer.mark("backward")
             loss_sum += out["loss"].detach()
-        grad_norm = self.engine.clip_grad_norm(self.cfg.trainer.max_grad_norm)
+        grad_norm = self.engine.clip_grad_norm()
         timer.mark("grad clip")
         self.engine.step()
         timer.mark("optimizer step + zero-grad")
@@ -256,7 +241,7 @@ class Trainer:
 
     def validate(self) -> dict[str, float] | None:
         """One pass over the validation split on every rank; rank 0 logs and returns the metrics."""
-        metrics = validate(self.policy, self.val_loader, self.device, self.mixture, self.engine.autocast)
+        metrics = validate(self.model, self.val_loader, self.device, self.mixture, self.engine.autocast)
         if metrics is not None:
             self.logger.log(self.step, metrics)
             log.info("step %d: val/loss %.4f over %d samples", self.step, metrics.get("val/loss", float("nan")),

@@ -1,13 +1,15 @@
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from slurmvla.config import Config, to_config
+from slurmvla.compose import compose
+from slurmvla.config import Config
+from slurmvla.data.spec import SampleSpec
 from slurmvla.data.synthetic import write_droid_sample
-from slurmvla.train import config_dir
+from slurmvla.policy import sample_spec
 
 
 @pytest.fixture(scope="session")
@@ -23,11 +25,6 @@ def sample_root_v21(tmp_path_factory) -> Path:
     return write_droid_sample(tmp_path_factory.mktemp("data") / "droid_v21", num_episodes=6, seed=2, format="v2.1")
 
 
-def compose_cfg(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-        return compose(config_name="config", overrides=overrides)
-
-
 @pytest.fixture
 def make_cfg(sample_root):
     """Compose the shipped config with test defaults, then apply ``overrides``."""
@@ -35,6 +32,14 @@ def make_cfg(sample_root):
     def make(*overrides: str) -> Config:
         base = [f"data.root={sample_root}", "data.num_workers=0", "logging.wandb.mode=disabled",
                 "trainer.progress_bar=false", "trainer.global_batch_size=8", "trainer.log_every_steps=5"]
-        return to_config(compose_cfg([*base, *overrides]))
+        return compose([*base, *overrides])
 
     return make
+
+
+def policy_spec(cfg: Config, image_size: int | None = None, horizon: int | None = None,
+                text_len: int | None = None) -> SampleSpec:
+    """The configured policy's sample spec, with the image size, action horizon or text length a test needs."""
+    changes = {k: v for k, v in (("image_size", image_size), ("action_horizon", horizon), ("max_text_len", text_len))
+               if v is not None}
+    return sample_spec(dataclasses.replace(cfg.policy, **changes))

@@ -15,11 +15,9 @@ import sys
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import save_file
 
-from slurmvla.config import to_config
-from slurmvla.train import config_dir
+from slurmvla.compose import compose
 from slurmvla.trainer import Trainer
 
 
@@ -27,8 +25,7 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(spec["out"])
     for run in spec["runs"]:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-            cfg = to_config(compose("config", overrides=[*spec["base"], *run.get("overrides", [])]))
+        cfg = compose([*spec["base"], *run.get("overrides", [])])
         trainer = Trainer(cfg, out / run.get("dir", run["name"]))
         try:
             metrics = trainer.fit(stop_at=run.get("stop_at"))

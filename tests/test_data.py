@@ -12,13 +12,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from slurmvla.config import DROID_CAMERAS
 from slurmvla.data.droid import DroidSource, dataset_specs
-from slurmvla.data.lerobot import LeRobotDataset
+from slurmvla.data.features import DROID_CAMERAS
+from slurmvla.data.lerobot import LeRobotMetadata
 from slurmvla.data.mixture import EpochSampler
 from slurmvla.data.synthetic import main as synthetic_main
-from slurmvla.data.tokenizer import detokenize, tokenize
 from slurmvla.data.video import decode_range
+from slurmvla.policy.tokenizer import detokenize, tokenize
+
+from .conftest import policy_spec
 
 
 def _frames_table(root):
@@ -46,7 +48,7 @@ def test_sample_has_droid_features_and_layout(sample_root):
 
 def test_video_ranges_match_a_straight_decode(sample_root):
     """decode_range (seek + forward) returns exactly the frames a full sequential decode has there."""
-    meta = LeRobotDataset(sample_root)
+    meta = LeRobotMetadata(sample_root)
     cam = DROID_CAMERAS[1]
     loc = meta.video_location(cam)
     path = loc.paths[-1]
@@ -64,7 +66,7 @@ def test_video_ranges_match_a_straight_decode(sample_root):
 
 
 def _source(cfg, image_size=32, horizon=8, max_text_len=32, seed=0):
-    return DroidSource(dataset_specs(cfg.data)[0], cfg.data, image_size, horizon, max_text_len, seed)
+    return DroidSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, image_size, horizon, max_text_len), seed)
 
 
 class _ByIndex:
@@ -156,7 +158,7 @@ def test_tokenizer_round_trip():
 
 def test_synthetic_cli(tmp_path, capsys):
     synthetic_main(["--out", str(tmp_path / "d"), "--episodes", "3"])
-    meta = LeRobotDataset(tmp_path / "d")
+    meta = LeRobotMetadata(tmp_path / "d")
     assert meta.num_episodes == 3 and "wrote 3 episodes" in capsys.readouterr().out
     with pytest.raises(FileExistsError):
         synthetic_main(["--out", str(tmp_path / "d"), "--episodes", "3"])

@@ -25,13 +25,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slurmvla.config import ENGINES, GRADIENT_CHECKPOINTING_ENGINES, EngineConfig, to_config
+from slurmvla.compose import compose
+from slurmvla.config import EngineConfig
 from slurmvla.engine.fsdp import hsdp_degrees
 from slurmvla.export import export
 from slurmvla.launch import DistEnv
+from slurmvla.registry import ENGINES
 from slurmvla.trainer import Trainer
-
-from .conftest import compose_cfg
 
 pytestmark = pytest.mark.multiproc
 DRIVER = Path(__file__).with_name("dist_driver.py")
@@ -80,7 +80,7 @@ def single_reference(sample_root, tmp_path_factory):
     """One process, same data, same global batch, same seed: the reference every strategy must match."""
     out = {}
     for name, extra in (("fp32", []), ("frozen", ["policy.train_expert_only=true"])):
-        cfg = to_config(compose_cfg([*base_overrides(sample_root), *extra]))
+        cfg = compose([*base_overrides(sample_root), *extra])
         trainer = Trainer(cfg, tmp_path_factory.mktemp(f"single_{name}"))
         trainer.fit()
         out[name] = trainer.engine.model_state_dict()
@@ -99,7 +99,7 @@ def test_strategy_matches_single_process(engine, sample_root, single_reference, 
         {"name": "bf16", "overrides": ["precision=bf16"]},
         {"name": "frozen", "overrides": ["policy.train_expert_only=true"]},
     ]
-    if engine in GRADIENT_CHECKPOINTING_ENGINES:
+    if engine in ENGINES.names(activation_checkpointing=True):
         runs.append({"name": "ckpt", "overrides": ["policy.gradient_checkpointing=true"]})
     out = run_driver(tmp_path, 2, [*base_overrides(sample_root), f"engine={engine}"], runs)
     ref = single_reference["fp32"]
@@ -175,7 +175,7 @@ def test_hsdp_degrees_must_multiply_to_the_world_size():
 
 def test_zero3_refuses_gradient_checkpointing():
     with pytest.raises(ValueError) as e:
-        to_config(compose_cfg(["engine=zero3", "policy.gradient_checkpointing=true"]))
+        compose(["engine=zero3", "policy.gradient_checkpointing=true"])
     assert "'zero3'" in str(e.value) and "fsdp_full" in str(e.value) and "zero2" in str(e.value)
 
 

@@ -16,8 +16,10 @@ from slurmvla.data.droid import DroidSource, dataset_specs
 from slurmvla.data.inspect import main as inspect_main
 from slurmvla.data.keep_ranges import episode_key
 from slurmvla.data.mixture import Mixture
-from slurmvla.data.tokenizer import detokenize
+from slurmvla.policy.tokenizer import detokenize
 from slurmvla.trainer import Trainer
+
+from .conftest import policy_spec
 
 CAM = "observation.images.top"
 LENGTHS = (5, 7)
@@ -82,7 +84,7 @@ def v21_root(tmp_path_factory):
 
 
 def _source(cfg, image_size=32, horizon=4):
-    return DroidSource(dataset_specs(cfg.data)[0], cfg.data, image_size, horizon, 32, 0)
+    return DroidSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, image_size, horizon, 32), 0)
 
 
 def test_v21_fixture_reads_back_exactly(make_cfg, v21_root):
@@ -106,7 +108,7 @@ def test_v21_fixture_reads_back_exactly(make_cfg, v21_root):
     assert np.allclose(raw["mean"], all_state.mean(0)) and np.allclose(raw["std"], all_state.std(0))
     assert raw["min"].tolist() == all_state.min(0).tolist() and raw["max"].tolist() == all_state.max(0).tolist()
     with pytest.raises(ValueError, match="data.action_normalization='quantile' needs \\['q01', 'q99'\\]"):
-        Mixture(cfg.data, 32, 4, 32, 0).normalization("mean_std", "quantile")
+        Mixture(cfg.data, policy_spec(cfg, 32, 4, 32), 0).normalization("mean_std", "quantile")
 
 
 def test_both_layouts_of_the_same_episodes_give_the_same_samples(make_cfg, tmp_path):
@@ -125,7 +127,7 @@ def test_both_layouts_of_the_same_episodes_give_the_same_samples(make_cfg, tmp_p
 
 def test_normalization_modes_use_the_dataset_stats(make_cfg, sample_root):
     stats = json.loads((sample_root / "meta" / "stats.json").read_text())["action"]
-    mixture = Mixture(make_cfg().data, 32, 8, 32, 0)
+    mixture = Mixture(make_cfg().data, policy_spec(make_cfg(), 32, 8, 32), 0)
     q = mixture.normalization("identity", "quantile")
     lo, hi = np.asarray(stats["q01"]), np.asarray(stats["q99"])
     assert np.allclose(q["action_offset"], (lo + hi) / 2, atol=1e-6)
@@ -150,7 +152,7 @@ def test_missing_camera_fails_or_pads(make_cfg):
 
 def test_observation_history(make_cfg):
     plain = _source(make_cfg())
-    hist = _source(make_cfg("data.n_obs_history=3", "data.history_interval=2", "policy.n_obs_history=3"))
+    hist = _source(make_cfg("data.num_obs_history=3", "data.history_interval=2", "policy.num_obs_history=3"))
     ep_plain, ep_hist = plain.load_episode(0), hist.load_episode(0)
     for t in (0, 3, 10):
         s = hist.sample(ep_hist, t, 0)
@@ -161,8 +163,8 @@ def test_observation_history(make_cfg):
             ref = plain.sample(ep_plain, max(f, 0), 0)
             assert torch.equal(s["state"][k], ref["state"])
             assert torch.equal(s["images"][3 * k : 3 * k + 3], ref["images"])
-    with pytest.raises(ValueError, match="policy.n_obs_history=1 does not match data.n_obs_history=2"):
-        make_cfg("data.n_obs_history=2")
+    with pytest.raises(ValueError, match="policy.num_obs_history=1 does not match data.num_obs_history=2"):
+        make_cfg("data.num_obs_history=2")
 
 
 def test_joint_mode_draws_all_three_and_carries_future_states(make_cfg):
@@ -179,7 +181,7 @@ def test_joint_mode_draws_all_three_and_carries_future_states(make_cfg):
     assert set(modes) == {0, 1, 2}
     # A pure function of the seed: another reader with the same seed draws the same modes, another seed not.
     for seed, same in ((0, True), (1, False)):
-        other = DroidSource(source.spec, source.cfg, 32, 8, 32, seed)
+        other = DroidSource(source.spec, source.cfg, source.sample_spec, seed)
         again = [int(other.sample(ep, t, 0)["mode"]) for t in range(n)]
         assert (again == modes) is same
     with pytest.raises(ValueError, match="data.mode='joint' yields dynamics samples, which need policy.dynamics=true"):
@@ -187,7 +189,7 @@ def test_joint_mode_draws_all_three_and_carries_future_states(make_cfg):
 
 
 def test_training_runs_with_history_and_joint_mode(make_cfg, tmp_path):
-    cfg = make_cfg("data.mode=joint", "policy.dynamics=true", "data.n_obs_history=2", "policy.n_obs_history=2",
+    cfg = make_cfg("data.mode=joint", "policy.dynamics=true", "data.num_obs_history=2", "policy.num_obs_history=2",
                    "trainer.max_steps=3", "checkpoint.every_steps=0")
     trainer = Trainer(cfg, tmp_path)
     metrics = trainer.fit()

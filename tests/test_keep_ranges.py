@@ -12,6 +12,8 @@ from slurmvla.data.droid import DroidSource, dataset_specs
 from slurmvla.data.index import build_index
 from slurmvla.data.keep_ranges import episode_key, load_keep_ranges
 
+from .conftest import policy_spec
+
 
 def _write(tmp_path, obj):
     p = tmp_path / "keep.json"
@@ -53,7 +55,7 @@ def test_dataset_keeps_exactly_the_ranges(make_cfg, sample_root, semantics):
     cfg = make_cfg(f"data.keep_ranges.path={sample_root / 'keep_ranges_1_0_1.json'}",
                    f"data.keep_ranges.episode_id_to_path={sample_root / 'episode_id_to_path.json'}",
                    f"data.keep_ranges.semantics={semantics}")
-    source = DroidSource(dataset_specs(cfg.data)[0], cfg.data, 32, horizon, 24, 0)
+    source = DroidSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, 32, horizon, 24), 0)
     index = source.index
     eps = np.repeat(index.episodes, index.ep_count[index.episodes])
     k = np.arange(len(eps)) - np.repeat(np.cumsum(index.ep_count[index.episodes]) - index.ep_count[index.episodes],
@@ -100,10 +102,13 @@ def test_edge_cases_by_hand(tmp_path):
 
 
 def test_missing_file_and_unkeyable_dataset_fail_clearly(make_cfg, sample_root, tmp_path):
+    # The config validates anywhere (a saved config re-validates on another machine); the file is
+    # checked where it is opened.
+    missing = make_cfg("data.keep_ranges.path=/nope.json")
     with pytest.raises(ValueError, match="data.keep_ranges.path='/nope.json' does not exist"):
-        make_cfg("data.keep_ranges.path=/nope.json")
+        DroidSource(dataset_specs(missing.data)[0], missing.data, policy_spec(missing, 32, 8, 24), 0)
     cfg = make_cfg(f"data.keep_ranges.path={sample_root / 'keep_ranges_1_0_1.json'}",
                    f"data.keep_ranges.episode_id_to_path={sample_root / 'episode_id_to_path.json'}",
                    "data.keep_ranges.episode_id_column=droid_id")
     with pytest.raises(ValueError, match="has no 'droid_id' column.*cannot be filtered"):
-        DroidSource(dataset_specs(cfg.data)[0], cfg.data, 32, 8, 24, 0)
+        DroidSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, 32, 8, 24), 0)

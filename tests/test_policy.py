@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from slurmvla.config import PolicyConfig
-from slurmvla.data.tokenizer import tokenize
 from slurmvla.policy import build_policy, flow_vla
+from slurmvla.policy.tokenizer import tokenize
 
 
 def make_batch(b: int = 4, cfg: PolicyConfig | None = None, seed: int = 0) -> dict:
@@ -186,11 +186,10 @@ def test_sample_actions_returns_unnormalized_chunks():
 
 @pytest.mark.parametrize("size", ["small", "base"])
 def test_larger_sizes_build(size):
-    from slurmvla.config import to_config
+    from slurmvla.compose import compose
 
-    from .conftest import compose_cfg
 
-    cfg = to_config(compose_cfg([f"policy={size}"])).policy
+    cfg = compose([f"policy={size}"]).policy
     with torch.device("meta"):
         p = build_policy(cfg)
     n = sum(q.numel() for q in p.parameters())

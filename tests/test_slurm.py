@@ -22,10 +22,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from slurmvla.config import to_config
+from slurmvla.compose import compose
 from slurmvla.trainer import Trainer
-
-from .conftest import compose_cfg
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
@@ -88,7 +86,7 @@ def sacct_state(env: dict, job: str) -> str:
 
 
 def single_process(root, steps: int, tmp: Path) -> dict:
-    cfg = to_config(compose_cfg(_overrides(root, steps, 0)))
+    cfg = compose(_overrides(root, steps, 0))
     trainer = Trainer(cfg, tmp)
     trainer.fit()
     weights = trainer.engine.model_state_dict()

@@ -11,9 +11,11 @@ import torch
 from slurmvla.data.loader import TrainData, build_validation_loader
 from slurmvla.data.mixture import EpisodeStream, Mixture
 
+from .conftest import policy_spec
+
 
 def _mixture(cfg, seed=0):
-    return Mixture(cfg.data, 32, cfg.policy.action_horizon, 24, seed)
+    return Mixture(cfg.data, policy_spec(cfg, image_size=32, text_len=24), seed)
 
 
 def _episode_lengths(root):

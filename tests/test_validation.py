@@ -16,6 +16,8 @@ from slurmvla.eval import bucket, validate
 from slurmvla.policy import build_policy
 from tests.test_collectives import run_spawned
 
+from .conftest import policy_spec
+
 
 def test_bucket_disaggregates_a_mixed_batch_by_hand():
     # Six samples: datasets a, b, a, c, b, a; control modes x, y, y, x, x, y. Dataset c counts nothing.
@@ -55,26 +57,25 @@ def _policy(cfg):
 
 
 def _validate_on_rank(rank, cfg, world):
-    mixture = Mixture(cfg.data, cfg.policy.image_size, cfg.policy.action_horizon, cfg.policy.max_text_len, 0)
+    mixture = Mixture(cfg.data, policy_spec(cfg), 0)
     loader = build_validation_loader(mixture, cfg.data, 4, rank, world)
     return validate(_policy(cfg), loader, torch.device("cpu"), mixture)
 
 
 @pytest.fixture(scope="module")
 def mixed_cfg(sample_root, sample_root_v21):
-    from slurmvla.config import to_config
-    from tests.conftest import compose_cfg
+    from slurmvla.compose import compose
 
-    return to_config(compose_cfg([
+    return compose([
         f"data.root={sample_root}", "data.num_workers=0", "data.val_fraction=0.3", "data.weight=2.0",
         f"+data.mixture={{sim:{{root:'{sample_root_v21}',control_mode:cartesian_velocity}}}}",
-        "logging.wandb.mode=disabled", "policy.image_size=32"]))
+        "logging.wandb.mode=disabled", "policy.image_size=32"])
 
 
 @pytest.mark.multiproc
 def test_the_same_metrics_on_1_2_and_3_ranks_as_sample_by_sample(mixed_cfg, tmp_path):
     cfg = mixed_cfg
-    mixture = Mixture(cfg.data, 32, cfg.policy.action_horizon, cfg.policy.max_text_len, 0)
+    mixture = Mixture(cfg.data, policy_spec(cfg, image_size=32), 0)
     dataset = ValidationDataset(mixture, 8)
     assert len(dataset) % 4 and len(dataset) % 3, "a ragged last batch and unequal rank shares"
     # Independent reference: every validation sample alone, summed per dataset and control mode.

@@ -25,13 +25,12 @@ import torch
 from slurmvla.config import DataConfig, KeepRangesConfig
 from slurmvla.data.index import SampleIndex, build_index, keep_range_keys
 from slurmvla.data.keep_ranges import load_keep_ranges
-from slurmvla.data.lerobot import LeRobotDataset
-from slurmvla.data.tokenizer import tokenize
+from slurmvla.data.lerobot import LeRobotMetadata
+from slurmvla.data.spec import DataFeatures, SampleSpec
 from slurmvla.data.video import decode_range
+from slurmvla.registry import JOINT_MODE, SAMPLE_MODES
 
 log = logging.getLogger("slurmvla")
-
-MODES = ("policy", "forward_dynamics", "inverse_dynamics")
 
 
 @dataclass(frozen=True)
@@ -53,6 +52,14 @@ def dataset_specs(cfg: DataConfig) -> list[DatasetSpec]:
     return [first, *rest]
 
 
+def _existing(key: str, path: str) -> Path:
+    """A configured file, checked where it is opened (a saved config must validate on any machine)."""
+    resolved = Path(path).expanduser()
+    if not resolved.is_file():
+        raise ValueError(f"{key}={path!r} does not exist (or is not a file)")
+    return resolved
+
+
 def seeded_int(*parts: object) -> int:
     """A 64-bit integer that depends only on ``parts`` (stable across processes and Python runs)."""
     return int.from_bytes(hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest(), "little")
@@ -72,12 +79,13 @@ class Episode:
 
 
 class DroidSource:
-    def __init__(self, spec: DatasetSpec, cfg: DataConfig, image_size: int, action_horizon: int,
-                 max_text_len: int, seed: int, dataset_index: int = 0):
-        self.spec, self.cfg = spec, cfg
-        self.image_size, self.action_horizon, self.max_text_len = image_size, action_horizon, max_text_len
+    def __init__(self, spec: DatasetSpec, cfg: DataConfig, sample_spec: SampleSpec, seed: int, dataset_index: int = 0):
+        """``spec``: which dataset; ``cfg``: what every dataset of the mixture shares; ``sample_spec``:
+        what the policy needs its samples to look like."""
+        self.spec, self.cfg, self.sample_spec = spec, cfg, sample_spec
+        self.image_size, self.action_horizon = sample_spec.image_size, sample_spec.action_horizon
         self.seed, self.dataset_index = seed, dataset_index
-        self.meta = meta = LeRobotDataset(spec.root)
+        self.meta = meta = LeRobotMetadata(spec.root)
         needed = "the policy (data.state_keys, data.action_keys)"
         meta.require_features([*cfg.state_keys, *cfg.action_keys], needed_by=needed)
         self.cameras = [c for c in cfg.cameras if c in meta.features]
@@ -97,7 +105,7 @@ class DroidSource:
                                  f"{meta.video_keys}")
         self.present = np.asarray([c in meta.features for c in cfg.cameras])
         # Frame offsets of the observation history, oldest first, the current frame last.
-        self.history_offsets = -cfg.history_interval * np.arange(cfg.n_obs_history - 1, -1, -1)
+        self.history_offsets = -cfg.history_interval * np.arange(sample_spec.num_obs_history - 1, -1, -1)
         self.instruction_keys = [k for k in cfg.instruction_keys if k in meta.features]
         self.use_task = not self.instruction_keys and "task_index" in meta.features and bool(meta.tasks)
         if not self.instruction_keys and not self.use_task:
@@ -124,6 +132,7 @@ class DroidSource:
         kr = spec.keep_ranges
         if kr.path is None:
             return build_index(lengths, mask)
+        ranges = load_keep_ranges(_existing("data.keep_ranges.path", kr.path))
         column = kr.relative_path_column or kr.episode_id_column
         values = meta.episode_strings(column)
         if values is None:
@@ -137,9 +146,9 @@ class DroidSource:
             if kr.episode_id_to_path is None:
                 raise ValueError("keep_ranges.episode_id_to_path is needed to turn episode ids into keep-ranges "
                                  "keys (or set keep_ranges.relative_path_column)")
-            mapping = json.loads(Path(kr.episode_id_to_path).expanduser().read_text())
+            mapping = json.loads(_existing("data.keep_ranges.episode_id_to_path", kr.episode_id_to_path).read_text())
         keys = keep_range_keys(values, mapping)
-        index = build_index(lengths, mask, keys, load_keep_ranges(kr.path), self.action_horizon, kr.semantics)
+        index = build_index(lengths, mask, keys, ranges, self.action_horizon, kr.semantics)
         c = index.counts
         log.info("%s: keep-ranges (%s) kept %d of %d episodes and %d of %d frames; %d episodes absent from the file, "
                  "%d without a key", spec.name, kr.semantics, c["episodes_kept"], c["episodes_selected"],
@@ -182,6 +191,11 @@ class DroidSource:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def features(self) -> DataFeatures:
+        cfg = self.cfg
+        return DataFeatures(str(self.meta.root), tuple(cfg.cameras), tuple(cfg.state_keys), self.state_dim,
+                            tuple(cfg.action_keys), self.action_dim)
 
     def load_episode(self, pos: int, first: int | None = None, last: int | None = None) -> Episode:
         """Columns of episode ``pos`` and its frames for sample start frames ``first..last`` (inclusive),
@@ -233,7 +247,7 @@ class DroidSource:
         images = episode.frames[hist - episode.first_frame]  # [n_hist, cams, H, W, 3]
         image_mask = hist_ok[:, None] & episode.present[None, :]
         state = episode.state[hist]
-        text, text_mask = tokenize(self._instruction(episode, t), self.max_text_len)
+        instruction = self._instruction(episode, t)
         key = seeded_int(self.seed, epoch, self.dataset_index, episode.pos, t, repeat)
         g = torch.Generator().manual_seed(key % 2**63)
         out = {
@@ -243,20 +257,21 @@ class DroidSource:
             "state": torch.from_numpy(state[0] if len(state) == 1 else state),
             "actions": torch.from_numpy(actions),
             "action_mask": torch.from_numpy(valid),
-            "text": text,
-            "text_mask": text_mask,
-            "noise": torch.randn(horizon, actions.shape[1], generator=g),
-            "time_u": torch.rand((), generator=g),
+            "instruction": instruction,
+            # The policy's own randomness (e.g. flow-matching noise and time), drawn in its order.
+            **self.sample_spec.draw(g),
             "dataset_index": torch.tensor(self.dataset_index),
             "episode_index": torch.tensor(int(self.meta.episodes["episode_index"][episode.pos])),
             "frame_index": torch.tensor(t),
             "dataset_name": self.name,
             "control_mode": self.spec.control_mode,
         }
-        if cfg.mode != "policy":
-            mode = cfg.mode if cfg.mode != "joint" else MODES[int(torch.randint(3, (), generator=g))]
+        if self.sample_spec.tokenizer is not None:
+            out["text"], out["text_mask"] = self.sample_spec.tokenizer(instruction)
+        if cfg.mode != SAMPLE_MODES[0]:
+            mode = cfg.mode if cfg.mode != JOINT_MODE else SAMPLE_MODES[int(torch.randint(len(SAMPLE_MODES), (), generator=g))]
             future = np.arange(t + 1, t + 1 + horizon)
-            out["mode"] = torch.tensor(MODES.index(mode))
+            out["mode"] = torch.tensor(SAMPLE_MODES.index(mode))
             out["future_states"] = torch.from_numpy(episode.state[np.minimum(future, length - 1)])
             out["future_mask"] = torch.from_numpy(future < length)
         return out

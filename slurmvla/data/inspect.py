@@ -15,16 +15,18 @@ import dataclasses
 import json
 import sys
 
-from slurmvla.config import Config, compose
+from slurmvla.compose import compose
+from slurmvla.config import Config
 from slurmvla.data.droid import DroidSource, dataset_specs
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.synthetic import ensure_sample_dataset
+from slurmvla.policy import sample_spec
 
 
 def summarize(cfg: Config) -> dict:
     ensure_sample_dataset(cfg.data)
-    p = cfg.policy
-    mixture = Mixture(cfg.data, p.image_size, p.action_horizon, p.max_text_len, cfg.trainer.seed)
+    samples = sample_spec(cfg.policy)
+    mixture = Mixture(cfg.data, samples, cfg.trainer.seed)
     datasets = mixture.summary()
     for i, spec in enumerate(dataset_specs(cfg.data)):
         entry = datasets[spec.name]
@@ -35,7 +37,7 @@ def summarize(cfg: Config) -> dict:
         per_mode = {}
         for semantics in ("frame", "window"):
             other = dataclasses.replace(spec, keep_ranges=dataclasses.replace(spec.keep_ranges, semantics=semantics))
-            source = DroidSource(other, cfg.data, p.image_size, p.action_horizon, p.max_text_len, cfg.trainer.seed, i)
+            source = DroidSource(other, cfg.data, samples, cfg.trainer.seed, i)
             per_mode[semantics] = {"samples": source.index.num_samples, "train_samples": source.train_index.num_samples}
         entry["samples_by_semantics"] = per_mode
     return {
@@ -43,7 +45,7 @@ def summarize(cfg: Config) -> dict:
         "mixture": {
             "weights": {name: float(w) for name, w in zip(mixture.names, mixture.weights)},
             "samples_per_epoch": mixture.samples_per_epoch,
-            "action_horizon": p.action_horizon,
+            "action_horizon": samples.action_horizon,
             "mode": cfg.data.mode,
             "loader": cfg.data.loader,
         },

@@ -49,7 +49,7 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-class LeRobotDataset:
+class LeRobotMetadata:
     """Metadata of one LeRobot dataset plus per-episode column access."""
 
     def __init__(self, root: str | Path):

@@ -31,6 +31,7 @@ from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 from slurmvla.config import DataConfig
 from slurmvla.data.droid import DroidSource, Episode, dataset_specs, seeded_int
 from slurmvla.data.index import SampleIndex
+from slurmvla.data.spec import DataFeatures, SampleSpec
 
 log = logging.getLogger("slurmvla")
 
@@ -65,10 +66,10 @@ class Plan:
 class Mixture:
     """The datasets of ``data`` (the first plus ``data.mixture``), their weights and their plan."""
 
-    def __init__(self, cfg: DataConfig, image_size: int, action_horizon: int, max_text_len: int, seed: int):
-        self.cfg, self.seed = cfg, seed
-        self.sources = [DroidSource(spec, cfg, image_size, action_horizon, max_text_len, seed, i)
-                        for i, spec in enumerate(dataset_specs(cfg))]
+    def __init__(self, cfg: DataConfig, sample_spec: SampleSpec, seed: int):
+        """``sample_spec``: what the policy needs its samples to look like (``Policy.sample_spec``)."""
+        self.cfg, self.sample_spec, self.seed = cfg, sample_spec, seed
+        self.sources = [DroidSource(spec, cfg, sample_spec, seed, i) for i, spec in enumerate(dataset_specs(cfg))]
         dims = {(s.state_dim, s.action_dim) for s in self.sources}
         if len(dims) > 1:
             raise ValueError("the datasets of one mixture must share state and action dims (one policy reads them); "
@@ -89,6 +90,11 @@ class Mixture:
     @property
     def names(self) -> list[str]:
         return [s.name for s in self.sources]
+
+    @property
+    def features(self) -> DataFeatures:
+        """What the mixture yields, for the policy's checks (every dataset shares the first's dims)."""
+        return self.sources[0].features()
 
     @property
     def control_modes(self) -> list[str]:

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from slurmvla.config import DROID_CAMERAS
+from slurmvla.data.features import DROID_CAMERAS
 from slurmvla.data.keep_ranges import episode_key
 
 FPS = 15

@@ -26,16 +26,12 @@ def _allreduce_in_fp32(process_group: dist.ProcessGroup, bucket: dist.GradBucket
 
 
 class DDPEngine(SingleEngine):
-    """The single engine's numerics (fp32 masters under bf16) with DDP's gradient all-reduce.
-
-    Checkpoints are the single engine's (rank 0 writes the replicated state), so a DDP run resumes
-    at any world size.
+    """The single engine with DDP's gradient all-reduce: the same numerics (fp32 masters under
+    bf16) and the same replicated checkpoints (rank 0 writes them), so a DDP run resumes at any
+    world size. Only the module the trainer calls and gradient synchronisation differ.
     """
 
-    name = "ddp"
-
     def wrap(self, policy: nn.Module) -> nn.Module:
-        policy = super().wrap(policy)
         self._ddp = DistributedDataParallel(
             policy,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -43,12 +39,8 @@ class DDPEngine(SingleEngine):
             forward_sync_buffers=False,
             gradient_as_bucket_view=True,
         )
-        if self.compute_dtype != torch.float32 and self.cfg.reduce_dtype == "fp32":
+        if self.weights.compute_dtype != torch.float32 and self.cfg.reduce_dtype == "fp32":
             self._ddp.register_comm_hook(dist.group.WORLD, _allreduce_in_fp32)
-        return self._ddp
-
-    @property
-    def model(self) -> nn.Module:
         return self._ddp
 
     @contextlib.contextmanager

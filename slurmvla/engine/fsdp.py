@@ -4,7 +4,9 @@ Parameters stay fp32 (sharded DTensors); under bf16 a MixedPrecisionPolicy casts
 and gradients are reduced in ``engine.reduce_dtype``, so the optimizer's parameters and state are
 fp32 by construction. Each of the policy's wrap units (one per layer) is its own FSDP unit, then
 the root. Checkpoints are torch.distributed.checkpoint (DCP) folders: every rank writes its shards,
-and a run resumes at another world size (DCP reshards on load).
+and a run resumes at another world size (DCP reshards on load). The variants differ only in the
+options their registry entries give: a 2-D (hybrid) mesh, and whether parameters are resharded
+after forward.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from slurmvla.config import EngineConfig, OptimConfig
-from slurmvla.engine.single import SingleEngine
+from slurmvla.engine.base import StepSettings, autocast, compute_dtype, read_param_groups
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
 
@@ -41,28 +43,38 @@ def hsdp_degrees(cfg: EngineConfig, env: DistEnv) -> tuple[int, int]:
     replicate = cfg.replicate_degree or max(1, env.world_size // shard)
     if replicate * shard != env.world_size:
         raise ValueError(
-            f"engine=hsdp needs engine.replicate_degree x engine.shard_degree = world size, but "
+            f"engine={cfg.name} needs engine.replicate_degree x engine.shard_degree = world size, but "
             f"replicate_degree={replicate} x shard_degree={shard} = {replicate * shard} != world size {env.world_size}"
             f" (ranks per node: {env.local_world_size}); set both degrees, or leave them 0 to shard within a node"
         )
     return replicate, shard
 
 
-class FSDPEngine(SingleEngine):
-    def __init__(self, cfg: EngineConfig, env: DistEnv, precision: str, device: torch.device):
-        super().__init__(cfg, env, precision, device)
+class FSDPEngine:
+    def __init__(self, cfg: EngineConfig, env: DistEnv, precision: str, device: torch.device, settings: StepSettings,
+                 hybrid: bool = False, reshard_after_forward: bool = True):
+        self.cfg, self.env, self.precision, self.device, self.settings = cfg, env, precision, device, settings
         self.name = cfg.name
-        self.reshard_after_forward = cfg.name != "fsdp_grad_op"
-        self.mesh = self._mesh()
+        self.compute_dtype = compute_dtype(precision)
+        self.reshard_after_forward = reshard_after_forward
+        self.mesh = self._mesh(hybrid)
+        self.module: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
 
-    def _mesh(self) -> DeviceMesh:
-        if self.cfg.name == "hsdp":
+    def _mesh(self, hybrid: bool) -> DeviceMesh:
+        if hybrid:
             # An explicit 2-D mesh: HSDP without one can silently skip the replicate all-reduce.
             replicate, shard = hsdp_degrees(self.cfg, self.env)
             return init_device_mesh(self.device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
         return init_device_mesh(self.device.type, (self.env.world_size,), mesh_dim_names=("shard",))
 
-    def wrap(self, policy: nn.Module) -> nn.Module:
+    def prepare(self, policy: nn.Module, optim: OptimConfig) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.shard(policy)
+        # Parameters are fp32 DTensors now: the optimizer's state is fp32 by construction.
+        self.optimizer = build_adamw(read_param_groups(policy, optim), optim, self.device)
+        return policy, self.optimizer
+
+    def shard(self, policy: nn.Module) -> None:
         units = policy.wrap_units()
         if not units:
             raise ValueError(f"engine={self.name!r} shards per wrap unit, but {type(policy).__name__}.wrap_units() is empty")
@@ -74,11 +86,14 @@ class FSDPEngine(SingleEngine):
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
         fully_shard(policy, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
         self.module = policy
-        return policy
 
-    def build_optimizer(self, param_groups, cfg: OptimConfig) -> torch.optim.Optimizer:  # noqa: ANN001
-        self.optimizer = build_adamw(param_groups, cfg, self.device)
-        return self.optimizer
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return autocast(self.device, self.compute_dtype)
+
+    # -- one optimizer step -----------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -88,10 +103,15 @@ class FSDPEngine(SingleEngine):
         finally:
             self.module.set_requires_gradient_sync(True)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self) -> torch.Tensor:
+        max_norm = self.settings.max_grad_norm
         params = [p for p in self.module.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -99,9 +119,6 @@ class FSDPEngine(SingleEngine):
         """Full fp32 state on rank 0 (a collective: every rank must call it); empty elsewhere."""
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-
-    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        set_model_state_dict(self.module, state, options=StateDictOptions(full_state_dict=True))
 
     def _sharded_state(self) -> dict:
         return {"model": get_model_state_dict(self.module),
@@ -123,7 +140,7 @@ def load_dcp_model(directory: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = FileSystemReader(str(directory / DCP_DIR))
+    reader = FileSystemReader(str(Path(directory) / DCP_DIR))
     metadata = reader.read_metadata()
     model = {
         key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)

@@ -1,5 +1,9 @@
 """fp32 master weights for engines whose live parameters are low precision (single, DDP).
 
+``MasterWeights`` is the piece those engines compose: it lowers the trainable parameters to the
+compute dtype (remembering their exact fp32 values), builds the optimizer that steps, clips, and
+reads and writes the full fp32 state.
+
 A model cast to bf16 before ``torch.optim.AdamW`` is built gets bf16 ``exp_avg`` / ``exp_avg_sq``
 and silently stops learning once updates fall below bf16's resolution. ``MasterWeightOptimizer``
 keeps fp32 copies of the live parameters, builds the real optimizer on those copies (so its state
@@ -15,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 
 class MasterWeightOptimizer(torch.optim.Optimizer):
@@ -78,12 +83,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._grads_ready = False
 
     @torch.no_grad()
-    def masters_from_live(self) -> None:
-        """Rebuild the masters from the live weights (after a device move, or a live-weight load)."""
-        for live, master in zip(self.live, self.masters):
-            master.copy_(live)
-
-    @torch.no_grad()
     def load_masters(self, values: list[torch.Tensor]) -> None:
         """Set masters (and live weights) from fp32 values: resume without bf16 rounding."""
         for live, master, value in zip(self.live, self.masters, values, strict=True):
@@ -98,6 +97,66 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         # torch replaces param_groups / state with new objects on load: share them again so a
         # scheduler holding this wrapper keeps steering the lr the inner optimizer uses.
         self._share_inner()
+
+
+class MasterWeights:
+    """Live parameters in ``compute_dtype``; under bf16 the optimizer steps fp32 masters of them.
+
+    Only trainable parameters go low precision (their masters live in the optimizer); frozen
+    parameters and buffers (normalization statistics) stay fp32."""
+
+    def __init__(self, compute_dtype: torch.dtype):
+        self.compute_dtype = compute_dtype
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.param_names: list[str] = []
+        self._fp32_init: dict[int, torch.Tensor] = {}
+
+    def lower(self, policy: nn.Module) -> None:
+        if self.compute_dtype == torch.float32:
+            return
+        for p in policy.parameters():
+            if p.requires_grad:
+                # Kept until the optimizer is built, to seed the masters with the exact fp32 values.
+                self._fp32_init[id(p)] = p.data
+                p.data = p.data.to(self.compute_dtype)
+
+    def build_optimizer(self, param_groups: list[dict[str, Any]],
+                        make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]) -> torch.optim.Optimizer:
+        self.param_names = [n for g in param_groups for n in g["param_names"]]
+        if self.compute_dtype == torch.float32:
+            self.optimizer = make(param_groups)
+        else:
+            self.optimizer = MasterWeightOptimizer(param_groups, make, initial=self._fp32_init)
+            self._fp32_init = {}
+        return self.optimizer
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        if isinstance(self.optimizer, MasterWeightOptimizer):
+            return self.optimizer.clip_grad_norm(max_norm)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+
+    def full_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The full fp32 state (masters where they exist), as CPU tensors."""
+        state = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype, copy=True)
+                 for k, v in module.state_dict().items()}
+        if isinstance(self.optimizer, MasterWeightOptimizer):
+            for name, master in zip(self.param_names, self.optimizer.masters):
+                state[name] = master.detach().to("cpu", copy=True)
+        return state
+
+    def load_full_state(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Set live weights (and masters, without bf16 rounding) from a full fp32 state."""
+        own = module.state_dict()
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the policy: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        with torch.no_grad():
+            for name, tensor in own.items():
+                tensor.copy_(state[name])
+        if isinstance(self.optimizer, MasterWeightOptimizer):
+            device = next(iter(self.optimizer.masters)).device if self.optimizer.masters else "cpu"
+            self.optimizer.load_masters([state[n].to(device) for n in self.param_names])
 
 
 def check_fp32_master_state(optimizer: torch.optim.Optimizer) -> None:

@@ -5,7 +5,8 @@ The policy is built at full shape (initialisers see real fan-in/out) and ZeRO pa
 under fp32 it trains in fp32. The optimizer handed back to the trainer is the torch AdamW that
 actually steps (DeepSpeed's wrapper is not a ``torch.optim.Optimizer``): the LR schedule mutates
 its ``param_groups``. DeepSpeed clips inside ``step()``; ``clip_grad_norm`` returns a tensor that
-the following ``step()`` fills with the global norm it measured.
+the following ``step()`` fills with the global norm it measured. The stage comes from the
+registry entry's options.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from slurmvla.config import EngineConfig, OptimConfig
-from slurmvla.engine.single import SingleEngine
+from slurmvla.engine.base import StepSettings, autocast, compute_dtype, read_param_groups
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
 
@@ -27,25 +28,27 @@ DS_DIR = "deepspeed"
 DS_TAG = "state"
 
 
-class DeepSpeedEngine(SingleEngine):
-    resumes_at_any_world_size = False
-
-    def __init__(self, cfg: EngineConfig, env: DistEnv, precision: str, device: torch.device,
-                 micro_batch_size: int, grad_accum_steps: int, max_grad_norm: float):
-        super().__init__(cfg, env, precision, device)
+class DeepSpeedEngine:
+    def __init__(self, cfg: EngineConfig, env: DistEnv, precision: str, device: torch.device, settings: StepSettings,
+                 stage: int):
+        self.cfg, self.env, self.precision, self.device, self.settings = cfg, env, precision, device, settings
         self.name = cfg.name
-        self.stage = int(cfg.name.removeprefix("zero"))
-        self.micro_batch_size, self.grad_accum_steps, self.max_grad_norm = micro_batch_size, grad_accum_steps, max_grad_norm
+        self.compute_dtype = compute_dtype(precision)
+        self.stage = stage
+        self.module: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
         self._accumulating = False
         self._grad_norm = torch.zeros((), device=device)
 
     def ds_config(self) -> dict[str, Any]:
         bf16 = self.compute_dtype == torch.bfloat16
+        s = self.settings
         return {
-            "train_micro_batch_size_per_gpu": self.micro_batch_size,
-            "gradient_accumulation_steps": self.grad_accum_steps,
-            "train_batch_size": self.micro_batch_size * self.grad_accum_steps * self.env.world_size,
-            "gradient_clipping": self.max_grad_norm,
+            "train_micro_batch_size_per_gpu": s.micro_batch_size,
+            "gradient_accumulation_steps": s.grad_accum_steps,
+            "train_batch_size": s.micro_batch_size * s.grad_accum_steps * self.env.world_size,
+            # DeepSpeed clips inside its step; <= 0 means no clipping there too.
+            "gradient_clipping": max(s.max_grad_norm, 0.0),
             "zero_optimization": {"stage": self.stage},
             "bf16": {"enabled": bf16},
             # Gradients are reduced in fp32 unless asked otherwise (bf16 sums lose bits).
@@ -56,24 +59,20 @@ class DeepSpeedEngine(SingleEngine):
             "wall_clock_breakdown": False,
         }
 
-    def wrap(self, policy: nn.Module) -> nn.Module:
+    def prepare(self, policy: nn.Module, optim: OptimConfig) -> tuple[nn.Module, torch.optim.Optimizer]:
+        import deepspeed
+
         # Full-shape and fp32 until deepspeed.initialize partitions (and, under bf16, casts) it.
         policy.to(self.device)
         self.module = policy
-        return policy
-
-    def build_optimizer(self, param_groups: list[dict[str, Any]], cfg: OptimConfig) -> torch.optim.Optimizer:
-        import deepspeed
-
-        base = build_adamw(param_groups, cfg, self.device)
-        self._ds, ds_optimizer, _, _ = deepspeed.initialize(model=self.module, optimizer=base, config=self.ds_config())
+        base = build_adamw(read_param_groups(policy, optim), optim, self.device)
+        self._ds, ds_optimizer, _, _ = deepspeed.initialize(model=policy, optimizer=base, config=self.ds_config())
         # The torch optimizer that steps on the fp32 partitions: the LR schedule acts on it.
         self.optimizer = ds_optimizer.optimizer
-        return self.optimizer
+        return self._ds, self.optimizer
 
-    @property
-    def model(self) -> nn.Module:
-        return self._ds
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return autocast(self.device, self.compute_dtype)
 
     # -- one optimizer step -----------------------------------------------------------------------
 
@@ -91,9 +90,8 @@ class DeepSpeedEngine(SingleEngine):
         finally:
             self._accumulating = False
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        if max_norm != self.max_grad_norm:
-            raise ValueError(f"max_norm={max_norm} differs from the gradient_clipping={self.max_grad_norm} DeepSpeed was built with")
+    def clip_grad_norm(self) -> torch.Tensor:
+        # DeepSpeed clips to settings.max_grad_norm inside step(), which fills this tensor.
         return self._grad_norm
 
     def step(self) -> None:

@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from slurmvla.collectives import gather_dict
-from slurmvla.data.droid import MODES
 from slurmvla.data.loader import to_device
 from slurmvla.data.mixture import Mixture
+from slurmvla.registry import SAMPLE_MODES
 
 
 @torch.no_grad()
@@ -64,7 +64,7 @@ def bucket(values: dict[str, torch.Tensor], dataset_names: Sequence[str], contro
     groupings = [("by_dataset", values["dataset_index"], dataset_names),
                  ("by_control_mode", values["control_mode"], control_modes)]
     if "mode" in values:
-        groupings.append(("by_mode", values["mode"], MODES))
+        groupings.append(("by_mode", values["mode"], SAMPLE_MODES))
     loss = 0.0
     for comp in components:
         s, c = values[f"{comp}/sum"], values[f"{comp}/count"]

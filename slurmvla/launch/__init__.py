@@ -1,5 +1,5 @@
 """Launch layer: who am I in the job (DistEnv), and how was I started. Imports no other layer."""
 
-from slurmvla.launch.distenv import DistEnv
+from slurmvla.launch.distenv import DistEnv, SlurmJob
 
-__all__ = ["DistEnv"]
+__all__ = ["DistEnv", "SlurmJob"]

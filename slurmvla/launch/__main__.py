@@ -14,8 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from slurmvla.launch.distenv import derive_master_port
-from slurmvla.launch.nodelist import expand_nodelist
+from slurmvla.launch.distenv import SlurmJob
 from slurmvla.launch.preempt import FINISHED_MARKER
 
 DEFAULT_MAX_RESTARTS = 3
@@ -38,24 +37,23 @@ def requeue_decision(run_dir: Path, exit_code: int, env: dict[str, str]) -> tupl
     """('finished' | 'requeue' | 'failed', exit code for the batch script)."""
     if (run_dir / FINISHED_MARKER).is_file():
         return "finished", 0
-    if "SLURM_JOB_ID" not in env:
+    job = SlurmJob.from_environ(env)
+    if not job.in_job:
         return "failed", exit_code or 1
-    restarts = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
     budget = int(env.get("SLURMVLA_MAX_RESTARTS", DEFAULT_MAX_RESTARTS))
-    if restarts >= budget:
+    if job.restart_count >= budget:
         return "failed", exit_code or 1
     return "requeue", 0
 
 
 def main(argv: list[str]) -> int:
     env = dict(os.environ)
+    job = SlurmJob.from_environ(env)
     cmd = argv[0] if argv else "help"
     if cmd == "master-addr":
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-        print(env.get("MASTER_ADDR") or (expand_nodelist(nodelist)[0] if nodelist else "127.0.0.1"))
+        print(env.get("MASTER_ADDR") or job.master_addr or "127.0.0.1")
     elif cmd == "master-port":
-        job = env.get("SLURM_JOB_ID")
-        print(env.get("MASTER_PORT") or (derive_master_port(job, env.get("SLURM_ARRAY_TASK_ID")) if job else 29500))
+        print(env.get("MASTER_PORT") or job.master_port or 29500)
     elif cmd == "nproc-per-node":
         print(nproc_per_node(env))
     elif cmd == "check-file":
@@ -66,10 +64,10 @@ def main(argv: list[str]) -> int:
     elif cmd == "requeue":
         run_dir, code = Path(argv[1]), int(argv[2])
         decision, rc = requeue_decision(run_dir, code, env)
-        restarts = env.get("SLURM_RESTART_COUNT", "0")
+        restarts = job.restart_count
         if decision == "requeue":
-            print(f"slurmvla: run not finished (exit {code}); requeueing job {env['SLURM_JOB_ID']} (restart {restarts})")
-            subprocess.run(["scontrol", "requeue", env["SLURM_JOB_ID"]], check=True)
+            print(f"slurmvla: run not finished (exit {code}); requeueing job {job.job_id} (restart {restarts})")
+            subprocess.run(["scontrol", "requeue", job.job_id], check=True)
         elif decision == "failed":
             print(f"slurmvla: run not finished (exit {code}) and not requeued (restarts so far: {restarts}, "
                   f"budget SLURMVLA_MAX_RESTARTS={env.get('SLURMVLA_MAX_RESTARTS', DEFAULT_MAX_RESTARTS)})", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""DistEnv: the one place that turns launcher variables into rank, world size and rendezvous.
+"""DistEnv: the one place that turns launcher variables into rank, world size and rendezvous;
+SlurmJob: the one reader of the SLURM job itself (ids, node list, restarts, the derived port).
 
 Each source is a table of variable names, read in one function, never parsed ad hoc elsewhere:
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from slurmvla.launch.nodelist import expand_nodelist
 
 # torchrun (and any launcher that follows its convention) exports these for every worker.
 TORCHRUN_VARS = {
@@ -34,9 +37,15 @@ SLURM_VARS = {
     "world_size": ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
     "node_rank": "SLURM_NODEID",
     "num_nodes": ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"),
+}
+
+# The job itself, the same for every task (SlurmJob). Step variables first for the node list.
+SLURM_JOB_VARS = {
+    "job_id": "SLURM_JOB_ID",
+    "array_job_id": "SLURM_ARRAY_JOB_ID",
+    "array_task_id": "SLURM_ARRAY_TASK_ID",
     "nodelist": ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"),
-    "job_id": ("SLURM_ARRAY_JOB_ID", "SLURM_JOB_ID"),
-    "array_task": "SLURM_ARRAY_TASK_ID",
+    "restart_count": "SLURM_RESTART_COUNT",
 }
 
 # Outside Linux's ephemeral range (32768-60999), so a derived port never collides with an
@@ -59,6 +68,52 @@ def _first(env: Mapping[str, str], names: str | tuple[str, ...]) -> tuple[str | 
         if value not in (None, ""):
             return name, value
     return None, None
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """The SLURM job this process belongs to, read once; every tool and the trainer ask it.
+
+    ``job_id`` is this allocation's own id (what ``scontrol requeue`` takes; an array task has its
+    own). The rendezvous port is derived from the array's job id plus the task id where there is
+    an array, else from the job id: one port per task, the same in every process of that task.
+    """
+
+    job_id: str | None = None
+    array_job_id: str | None = None
+    array_task_id: str | None = None
+    nodelist: str | None = None
+    restart_count: int = 0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> SlurmJob:
+        env = os.environ if environ is None else environ
+        values = {field: _first(env, names)[1] for field, names in SLURM_JOB_VARS.items()}
+        raw = values.pop("restart_count") or "0"
+        try:
+            restarts = int(raw)
+        except ValueError:
+            raise ValueError(f"SLURM_RESTART_COUNT={raw!r} is not an integer") from None
+        return cls(**values, restart_count=restarts)
+
+    @property
+    def in_job(self) -> bool:
+        return self.job_id is not None
+
+    @property
+    def hosts(self) -> list[str]:
+        return expand_nodelist(self.nodelist) if self.nodelist else []
+
+    @property
+    def master_addr(self) -> str | None:
+        """The first host of the node list (never the launch node's own address)."""
+        hosts = self.hosts
+        return hosts[0] if hosts else None
+
+    @property
+    def master_port(self) -> int | None:
+        key = self.array_job_id or self.job_id
+        return None if key is None else derive_master_port(key, self.array_task_id)
 
 
 @dataclass(frozen=True)
@@ -94,9 +149,9 @@ class DistEnv:
 
     @classmethod
     def _from_slurm(cls, env: Mapping[str, str], source: str) -> DistEnv:
-        def get(field: str, required: bool = True) -> str | None:
+        def get(field: str) -> str:
             name, value = _first(env, SLURM_VARS[field])
-            if value is None and required:
+            if value is None:
                 raise ValueError(f"{source}: {SLURM_VARS[field]} is not set (needed for {field})")
             return value
 
@@ -107,17 +162,18 @@ class DistEnv:
             except ValueError:
                 raise ValueError(f"{source}: {SLURM_VARS[field]}={raw!r} is not an integer (read as {field})") from None
 
-        from slurmvla.launch.nodelist import expand_nodelist
-
         world, nodes = as_int("world_size"), as_int("num_nodes")
         if world % nodes:
             raise ValueError(f"{source}: {world} tasks on {nodes} nodes is not the same number per node; "
                              "slurmvla needs --ntasks-per-node (or tasks_per_node) to be uniform")
-        hosts = expand_nodelist(get("nodelist"))
+        job = SlurmJob.from_environ(env)
+        for field in ("nodelist", "job_id"):
+            if getattr(job, field) is None:
+                raise ValueError(f"{source}: {SLURM_JOB_VARS[field]} is not set (needed for {field})")
+        hosts = job.hosts
         if len(hosts) != nodes:
-            raise ValueError(f"{source}: node list {get('nodelist')!r} has {len(hosts)} hosts for {nodes} nodes")
-        job_id = get("job_id")
-        port = env.get("MASTER_PORT") or derive_master_port(job_id, get("array_task", required=False))
+            raise ValueError(f"{source}: node list {job.nodelist!r} has {len(hosts)} hosts for {nodes} nodes")
+        port = env.get("MASTER_PORT") or job.master_port
         rank = as_int("rank")
         if not 0 <= rank < world:
             raise ValueError(f"{source}: rank {rank} is outside world size {world}")

@@ -54,6 +54,3 @@ class PreemptionFlag:
 
     def is_set(self) -> bool:
         return self._event.is_set()
-
-    def set(self) -> None:
-        self._event.set()

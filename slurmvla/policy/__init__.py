@@ -1,18 +1,26 @@
-"""Policies: the contract (``Policy``) and the reference flow-matching VLA."""
+"""Policies: the contract (``Policy``) and its implementations, named in ``slurmvla.registry.POLICIES``."""
 
 from __future__ import annotations
 
 import torch
 
 from slurmvla.config import PolicyConfig
+from slurmvla.data.spec import SampleSpec
 from slurmvla.policy.base import Policy
-from slurmvla.policy.flow_vla import FlowMatchingVLA
+from slurmvla.registry import POLICIES
+
+
+def policy_class(cfg: PolicyConfig) -> type[Policy]:
+    return POLICIES.get(cfg.name).load()
+
+
+def sample_spec(cfg: PolicyConfig) -> SampleSpec:
+    """What the configured policy needs its samples to look like (no model is built)."""
+    return policy_class(cfg).sample_spec(cfg)
 
 
 def build_policy(cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None = None) -> Policy:
-    if cfg.name == "flow_vla":
-        return FlowMatchingVLA(cfg, stats)
-    raise ValueError(f"policy.name={cfg.name!r} is not valid; choose one of ['flow_vla']")
+    return policy_class(cfg)(cfg, stats)
 
 
-__all__ = ["Policy", "FlowMatchingVLA", "build_policy"]
+__all__ = ["Policy", "build_policy", "policy_class", "sample_spec"]

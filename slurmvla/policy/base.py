@@ -8,6 +8,11 @@
 - ``wrap_units()`` names the modules a sharding engine wraps one by one (one per decoder layer).
 - ``param_groups(weight_decay)`` splits trainable parameters into backbone / action expert, each
   into decay / no-decay (biases, norms and every 1-D parameter get no weight decay).
+- ``sample_spec(cfg)`` (a classmethod: the data is built before the policy, whose normalization
+  comes from the data's statistics) says what its samples must look like: image size, action
+  horizon, observation history, tokenizer, and the training randomness the data pre-draws.
+- ``check_data(cfg, features)`` (a classmethod, run before the policy is built) raises a
+  ``ValueError`` naming the key and the data's value when the data does not fit the policy.
 """
 
 from __future__ import annotations
@@ -17,11 +22,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from slurmvla.config import PolicyConfig
+from slurmvla.data.spec import DataFeatures, SampleSpec
+
 LossComponents = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 class Policy(nn.Module):
-    """Base class: subclasses provide ``forward``, ``wrap_units`` and ``expert_modules``."""
+    """Base class: subclasses provide ``sample_spec``, ``check_data``, ``forward``, ``wrap_units`` and
+    ``expert_modules``."""
+
+    @classmethod
+    def sample_spec(cls, cfg: PolicyConfig) -> SampleSpec:
+        raise NotImplementedError
+
+    @classmethod
+    def check_data(cls, cfg: PolicyConfig, features: DataFeatures) -> None:
+        raise NotImplementedError
 
     def wrap_units(self) -> list[nn.Module]:
         raise NotImplementedError

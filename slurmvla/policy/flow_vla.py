@@ -26,8 +26,14 @@ from torch.utils.checkpoint import checkpoint
 
 from slurmvla.collectives import agree
 from slurmvla.config import ATTENTION_FALLBACKS, PolicyConfig
-from slurmvla.data.tokenizer import VOCAB_SIZE
+from slurmvla.data.spec import DataFeatures, Draw, SampleSpec
 from slurmvla.policy.base import Policy
+from slurmvla.policy.tokenizer import VOCAB_SIZE, ByteTokenizer
+from slurmvla.registry import SAMPLE_MODES
+
+# Sample modes (a sample's "mode" field indexes slurmvla.registry.SAMPLE_MODES).
+FORWARD_DYNAMICS = SAMPLE_MODES.index("forward_dynamics")
+INVERSE_DYNAMICS = SAMPLE_MODES.index("inverse_dynamics")
 
 _warned: set[str] = set()
 
@@ -192,14 +198,14 @@ class FlowMatchingVLA(Policy):
         impl = resolve_attention(cfg.attention_implementation)
         self.gradient_checkpointing = cfg.gradient_checkpointing
         self.vision = VisionEncoder(cfg, impl)
-        # One embedding per (history frame, camera): images arrive as [B, n_obs_history * cams, ...].
-        self.camera_embedding = nn.Parameter(torch.zeros(cfg.n_obs_history * cfg.num_cameras, cfg.width))
+        # One embedding per (history frame, camera): images arrive as [B, num_obs_history * cams, ...].
+        self.camera_embedding = nn.Parameter(torch.zeros(cfg.num_obs_history * cfg.num_cameras, cfg.width))
         self.text_embed = nn.Embedding(VOCAB_SIZE, cfg.width)
-        self.state_proj = nn.Linear(cfg.n_obs_history * cfg.state_dim, cfg.width)
+        self.state_proj = nn.Linear(cfg.num_obs_history * cfg.state_dim, cfg.width)
         if cfg.dynamics:
             # Dynamics samples (data.mode=joint/forward_dynamics/inverse_dynamics) add one prefix token:
             # the mode's embedding plus its conditioning (the action chunk, or the future state).
-            self.mode_embedding = nn.Embedding(3, cfg.width)
+            self.mode_embedding = nn.Embedding(len(SAMPLE_MODES), cfg.width)
             self.cond_actions = nn.Linear(cfg.action_horizon * cfg.action_dim, cfg.width)
             self.cond_future_state = nn.Linear(cfg.state_dim, cfg.width)
         self.layers = nn.ModuleList(VLALayer(cfg, impl, prefix_output=i < cfg.depth - 1) for i in range(cfg.depth))
@@ -235,6 +241,28 @@ class FlowMatchingVLA(Policy):
             nn.init.trunc_normal_(m.position_embedding, std=0.02)
 
     # -- contract ---------------------------------------------------------------------------------
+
+    @classmethod
+    def sample_spec(cls, cfg: PolicyConfig) -> SampleSpec:
+        # The flow-matching noise and time are drawn per sample by the data pipeline, so the training
+        # randomness is a pure function of (seed, epoch, sample) on any world size.
+        return SampleSpec(
+            image_size=cfg.image_size, action_horizon=cfg.action_horizon, num_obs_history=cfg.num_obs_history,
+            tokenizer=ByteTokenizer(cfg.max_text_len),
+            draws=(Draw("noise", "normal", (cfg.action_horizon, cfg.action_dim)), Draw("time_u", "uniform")),
+        )
+
+    @classmethod
+    def check_data(cls, cfg: PolicyConfig, features: DataFeatures) -> None:
+        """Shapes the policy is built for must be the data's, or training silently learns garbage."""
+        checks = [
+            ("policy.num_cameras", cfg.num_cameras, "len(data.cameras)", len(features.cameras)),
+            ("policy.state_dim", cfg.state_dim, f"the dim of {list(features.state_keys)}", features.state_dim),
+            ("policy.action_dim", cfg.action_dim, f"the dim of {list(features.action_keys)}", features.action_dim),
+        ]
+        for key, value, what, expected in checks:
+            if value != expected:
+                raise ValueError(f"{key}={value} does not match {what}={expected} in {features.root}")
 
     def wrap_units(self) -> list[nn.Module]:
         return [*self.vision.blocks, *self.layers]
@@ -293,8 +321,8 @@ class FlowMatchingVLA(Policy):
         mode = batch.get("mode")
         if mode is None:  # data.mode=policy: every sample is a policy sample
             mode = torch.zeros(b, dtype=torch.long, device=batch["actions"].device)
-        fwd = (mode == 1).float()[:, None]
-        inv = (mode == 2).float()[:, None]
+        fwd = (mode == FORWARD_DYNAMICS).float()[:, None]
+        inv = (mode == INVERSE_DYNAMICS).float()[:, None]
         actions = self.normalize_actions(batch["actions"]) * batch["action_mask"][:, :, None].float()
         future = batch.get("future_states")
         future = self.normalize_states(future[:, -1]) if future is not None else torch.zeros_like(self.state_offset).expand(b, -1)
@@ -307,7 +335,7 @@ class FlowMatchingVLA(Policy):
         actions = self.normalize_actions(batch["actions"])
         mask = batch["action_mask"]
         if self.cfg.dynamics and "mode" in batch:
-            fwd = batch["mode"] == 1
+            fwd = batch["mode"] == FORWARD_DYNAMICS
             states = self.normalize_states(batch["future_states"])
             actions = torch.where(fwd[:, None, None], states, actions)
             mask = torch.where(fwd[:, None], batch["future_mask"], mask)

@@ -1,6 +1,8 @@
-"""A byte-level tokenizer: no vocabulary file, no download, any UTF-8 instruction."""
+"""A byte-level tokenizer: no vocabulary file, no download, any UTF-8 instruction (the reference policy's)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -25,3 +27,13 @@ def tokenize(text: str, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
 def detokenize(ids: torch.Tensor) -> str:
     raw = bytes(int(i) - BYTE_OFFSET for i in ids.tolist() if int(i) >= BYTE_OFFSET)
     return raw.decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class ByteTokenizer:
+    """``tokenize`` at a fixed length, as a picklable callable (it travels into dataloader workers)."""
+
+    max_len: int
+
+    def __call__(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return tokenize(text, self.max_len)

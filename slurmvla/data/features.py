@@ -1,0 +1,11 @@
+"""Feature names of LeRobot's DROID 1.0.1 port: the defaults of ``data.*`` and what the sample writer writes.
+
+Constants only (no imports), so the config schemas can take their defaults from here.
+"""
+
+DROID_CAMERAS = (
+    "observation.images.exterior_1_left",
+    "observation.images.exterior_2_left",
+    "observation.images.wrist_left",
+)
+DROID_INSTRUCTION_KEYS = ("language_instruction", "language_instruction_2", "language_instruction_3")

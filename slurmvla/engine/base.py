@@ -1,0 +1,93 @@
+"""The engine contract: what the trainer, the checkpoint layer and the tools call, and nothing more.
+
+An engine owns placement, wrapping or sharding, the optimizer that steps, mixed precision and
+gradient synchronisation. Engines are named in ``slurmvla.registry.ENGINES`` with their
+capabilities; ``slurmvla.engine.build_engine`` is the one dispatch on the name. Implementations
+share behaviour by composition (``precision.MasterWeights``, :func:`autocast`), not by overriding
+one another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from slurmvla.config import OptimConfig
+from slurmvla.launch import DistEnv
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """How one optimizer step is made, fixed for the run: every engine gets them at construction."""
+
+    micro_batch_size: int
+    grad_accum_steps: int
+    # <= 0: measure the norm, never clip.
+    max_grad_norm: float
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str
+    precision: str
+    env: DistEnv
+    device: torch.device
+    settings: StepSettings
+
+    def prepare(self, policy: nn.Module, optim: OptimConfig) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Place, wrap or shard the policy and build its optimizer from the policy's parameter groups
+        (read after wrapping: sharding replaces the parameter objects). Returns the module to call
+        for forward (a DDP / DeepSpeed wrapper where there is one) and the optimizer that actually
+        steps (the one an LR schedule must act on). Called once."""
+        ...
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Around forward: the compute dtype (a no-op in fp32)."""
+        ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Around every micro-batch of an accumulation but the last: no gradient synchronisation."""
+        ...
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        """Clip to ``settings.max_grad_norm``; returns the global norm before clipping (no host sync)."""
+        ...
+
+    def step(self) -> None:
+        """Optimizer step, then zero the gradients."""
+        ...
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full fp32 policy state as CPU tensors (a collective where the state is sharded:
+        every rank calls it)."""
+        ...
+
+    def save(self, directory: Path) -> None:
+        """Write this rank's part of a checkpoint into ``directory`` (the checkpoint layer makes it atomic)."""
+        ...
+
+    def load(self, directory: Path) -> None:
+        """Restore what :meth:`save` wrote, weights and optimizer state."""
+        ...
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def read_param_groups(policy: nn.Module, optim: OptimConfig) -> list[dict]:
+    """The policy's parameter groups (backbone / expert x decay / no decay) with the configured lrs."""
+    return policy.param_groups(optim.weight_decay, optim.lr, optim.backbone_lr_scale)

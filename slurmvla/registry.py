@@ -1,0 +1,137 @@
+"""Registries: one table per kind of pluggable component, and what each entry can do.
+
+Config validation, the builders and the tools read these tables; nothing else lists the names.
+Adding an engine, a policy or a schedule is its own file (or function) plus one entry here. An
+entry names its implementation as ``"module:attribute"`` and imports it only when used, so
+validating a config never imports torch's distributed stack or DeepSpeed.
+
+This module is at the bottom of the import graph: it imports no other slurmvla module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Generic, TypeVar
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    # "package.module:attribute", imported by load().
+    target: str
+
+    def load(self) -> Any:
+        module, _, attribute = self.target.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
+@dataclass(frozen=True)
+class EngineEntry(Entry):
+    # Keyword arguments the engine class is built with (the variant: mesh shape, ZeRO stage, ...).
+    options: Mapping[str, Any] = field(default_factory=dict)
+    # False: one process only (a larger world is refused at start-up).
+    multi_process: bool = True
+    # Torch activation checkpointing is refused where it is known to corrupt gradients.
+    activation_checkpointing: bool = True
+    # Whether a checkpoint written at one world size resumes at another.
+    resumes_at_any_world_size: bool = True
+    # "module:function" reading the full fp32 model state of a checkpoint folder in one process.
+    full_state_loader: str = "slurmvla.engine.single:load_safetensors_model"
+    # An optional package the engine needs, and the extra that installs it.
+    requires: str | None = None
+    # Said under the profiler's phase table (where the engine's phases do not mean what they say).
+    profile_note: str | None = None
+
+    def load_full_state(self, checkpoint: Any) -> Any:
+        return Entry(self.name, self.full_state_loader).load()(checkpoint)
+
+
+@dataclass(frozen=True)
+class SchedulerEntry(Entry):
+    """``target``: ``f(cfg: SchedulerConfig, max_steps, group_names) -> [factor(step) per group]``."""
+
+
+@dataclass(frozen=True)
+class PolicyEntry(Entry):
+    """``target``: a ``slurmvla.policy.Policy`` subclass built as ``cls(cfg, stats)``."""
+
+
+E = TypeVar("E", bound=Entry)
+
+
+class Registry(Generic[E]):
+    """Name -> entry, in registration order. Iterating yields the names."""
+
+    def __init__(self, key: str):
+        self.key = key  # the config key that selects an entry, for error messages
+        self._entries: dict[str, E] = {}
+
+    def add(self, entry: E) -> E:
+        if entry.name in self._entries:
+            raise ValueError(f"{self.key}: {entry.name!r} is registered twice")
+        self._entries[entry.name] = entry
+        return entry
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def names(self, **capabilities: Any) -> tuple[str, ...]:
+        """The names whose entries have every given capability value, e.g. ``activation_checkpointing=True``."""
+        return tuple(n for n, e in self._entries.items() if all(getattr(e, k) == v for k, v in capabilities.items()))
+
+    def get(self, name: str) -> E:
+        """The entry, or a ValueError naming the value and the valid choices."""
+        entry = self._entries.get(name)
+        if entry is None:
+            raise ValueError(f"{self.key}={name!r} is not valid; choose one of {list(self._entries)}")
+        return entry
+
+    def check(self, name: str) -> None:
+        self.get(name)
+
+
+# -- engines -------------------------------------------------------------------------------------
+
+ENGINES: Registry[EngineEntry] = Registry("engine.name")
+ENGINES.add(EngineEntry("single", "slurmvla.engine.single:SingleEngine", multi_process=False))
+ENGINES.add(EngineEntry("ddp", "slurmvla.engine.ddp:DDPEngine"))
+for _name, _options in (("fsdp_full", {"hybrid": False, "reshard_after_forward": True}),
+                        ("fsdp_grad_op", {"hybrid": False, "reshard_after_forward": False}),
+                        ("hsdp", {"hybrid": True, "reshard_after_forward": True})):
+    ENGINES.add(EngineEntry(_name, "slurmvla.engine.fsdp:FSDPEngine", MappingProxyType(_options),
+                            full_state_loader="slurmvla.engine.fsdp:load_dcp_model"))
+for _stage in (1, 2, 3):
+    ENGINES.add(EngineEntry(
+        f"zero{_stage}", "slurmvla.engine.zero:DeepSpeedEngine", MappingProxyType({"stage": _stage}),
+        activation_checkpointing=_stage != 3, resumes_at_any_world_size=False,
+        full_state_loader="slurmvla.engine.zero:load_zero_model", requires="deepspeed",
+        profile_note="under DeepSpeed the gradient reduction and part of the optimizer work run inside backward; "
+                     "compare phase totals across engines only as a whole step"))
+
+# -- policies ------------------------------------------------------------------------------------
+
+POLICIES: Registry[PolicyEntry] = Registry("policy.name")
+POLICIES.add(PolicyEntry("flow_vla", "slurmvla.policy.flow_vla:FlowMatchingVLA"))
+
+# -- learning-rate schedules ---------------------------------------------------------------------
+
+SCHEDULERS: Registry[SchedulerEntry] = Registry("scheduler.name")
+for _name in ("cosine", "constant", "warmup_constant", "frozen_backbone"):
+    SCHEDULERS.add(SchedulerEntry(_name, f"slurmvla.optim:{_name}_schedule"))
+
+# -- data modes ----------------------------------------------------------------------------------
+
+# What one sample is; a sample's "mode" field is its index here.
+SAMPLE_MODES = ("policy", "forward_dynamics", "inverse_dynamics")
+# data.mode: every sample in one sample mode, or joint: a sample mode drawn per sample.
+JOINT_MODE = "joint"
+DATA_MODES = (SAMPLE_MODES[0], JOINT_MODE, *SAMPLE_MODES[1:])
