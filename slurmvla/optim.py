@@ -1,4 +1,4 @@
-"""Optimizers and learning-rate schedules (a bottom layer: imports only ``slurmvla.config``).
+"""Optimizers and learning-rate schedules (a bottom layer: imports only ``slurmvla.config`` and the registry).
 
 Schedules are multiplicative factors on each parameter group's base lr, computed from the step
 alone, so a resumed run needs nothing but the step to continue exactly.
@@ -14,6 +14,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from slurmvla.config import OptimConfig, SchedulerConfig
+from slurmvla.registry import SCHEDULERS
 
 
 def build_adamw(param_groups: list[dict[str, Any]], cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
@@ -43,35 +44,48 @@ def warmup_constant(step: int, warmup: int) -> float:
     return (step + 1) / warmup if step < warmup else 1.0
 
 
-def lr_factors(cfg: SchedulerConfig, max_steps: int, group_names: list[str]) -> list[Callable[[int], float]]:
+Factors = list[Callable[[int], float]]
+
+
+# -- schedules: one function per entry of slurmvla.registry.SCHEDULERS ---------------------------
+
+def cosine_schedule(cfg: SchedulerConfig, max_steps: int, group_names: list[str]) -> Factors:
+    fn = lambda s: warmup_cosine(s, cfg.warmup_steps, max_steps, cfg.min_lr_ratio)  # noqa: E731
+    return [fn for _ in group_names]
+
+
+def constant_schedule(cfg: SchedulerConfig, max_steps: int, group_names: list[str]) -> Factors:
+    return [lambda s: 1.0 for _ in group_names]
+
+
+def warmup_constant_schedule(cfg: SchedulerConfig, max_steps: int, group_names: list[str]) -> Factors:
+    fn = lambda s: warmup_constant(s, cfg.warmup_steps)  # noqa: E731
+    return [fn for _ in group_names]
+
+
+def frozen_backbone_schedule(cfg: SchedulerConfig, max_steps: int, group_names: list[str]) -> Factors:
+    k = cfg.frozen_backbone_steps
+    if k >= max_steps:
+        raise ValueError(
+            f"scheduler.frozen_backbone_steps={k} must be smaller than trainer.max_steps={max_steps}; "
+            "to never train the backbone use policy.train_expert_only=true"
+        )
+
+    def expert(s: int) -> float:
+        return warmup_cosine(s, cfg.warmup_steps, max_steps, cfg.min_lr_ratio)
+
+    def backbone(s: int) -> float:
+        # Frozen, then its own warmup, then the same cosine tail as the expert.
+        if s < k:
+            return 0.0
+        return min(warmup_constant(s - k, cfg.warmup_steps), expert(s))
+
+    return [backbone if name.startswith("backbone") else expert for name in group_names]
+
+
+def lr_factors(cfg: SchedulerConfig, max_steps: int, group_names: list[str]) -> Factors:
     """One factor function per parameter group, by the group's name (backbone_* / expert_*)."""
-    if cfg.name == "cosine":
-        fn = lambda s: warmup_cosine(s, cfg.warmup_steps, max_steps, cfg.min_lr_ratio)  # noqa: E731
-        return [fn for _ in group_names]
-    if cfg.name == "constant":
-        return [lambda s: 1.0 for _ in group_names]
-    if cfg.name == "warmup_constant":
-        fn = lambda s: warmup_constant(s, cfg.warmup_steps)  # noqa: E731
-        return [fn for _ in group_names]
-    if cfg.name == "frozen_backbone":
-        k = cfg.frozen_backbone_steps
-        if k >= max_steps:
-            raise ValueError(
-                f"scheduler.frozen_backbone_steps={k} must be smaller than trainer.max_steps={max_steps}; "
-                "to never train the backbone use policy.train_expert_only=true"
-            )
-
-        def expert(s: int) -> float:
-            return warmup_cosine(s, cfg.warmup_steps, max_steps, cfg.min_lr_ratio)
-
-        def backbone(s: int) -> float:
-            # Frozen, then its own warmup, then the same cosine tail as the expert.
-            if s < k:
-                return 0.0
-            return min(warmup_constant(s - k, cfg.warmup_steps), expert(s))
-
-        return [backbone if name.startswith("backbone") else expert for name in group_names]
-    raise ValueError(f"scheduler.name={cfg.name!r} is not valid")
+    return SCHEDULERS.get(cfg.name).load()(cfg, max_steps, group_names)
 
 
 def build_scheduler(cfg: SchedulerConfig, optimizer: torch.optim.Optimizer, max_steps: int) -> LambdaLR:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from fractions import Fraction
 
@@ -12,10 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from slurmvla.data.droid import DroidSource, dataset_specs
+from slurmvla.data.droid import DroidSource, dataset_specs, seeded_int
 from slurmvla.data.features import DROID_CAMERAS
 from slurmvla.data.lerobot import LeRobotMetadata
 from slurmvla.data.mixture import EpochSampler
+from slurmvla.data.spec import Draw
 from slurmvla.data.synthetic import main as synthetic_main
 from slurmvla.data.video import decode_range
 from slurmvla.policy.tokenizer import detokenize, tokenize
@@ -109,6 +111,8 @@ def test_samples_match_the_parquet_rows(sample_root, make_cfg):
         text = detokenize(s["text"][s["text_mask"]])
         # Cut to max_text_len - 2 bytes (BOS and EOS).
         assert text and any(instructions[k][i] and instructions[k][i][:30] == text for k in range(3))
+        # The raw string travels too (for a policy with its own tokenizer), uncut.
+        assert s["instruction"] in [instructions[k][i] for k in range(3)] and s["instruction"].startswith(text)
         assert s["dataset_name"] == "droid_sample" and s["control_mode"] == "joint_position"
 
 
@@ -147,6 +151,22 @@ def test_sample_randomness_depends_on_sample_and_epoch_only(make_cfg):
     assert torch.equal(a["noise"], b["noise"]) and torch.equal(a["time_u"], b["time_u"])
     assert not torch.equal(a["noise"], ds[(5, 1)]["noise"]) and not torch.equal(a["noise"], ds[(6, 0)]["noise"])
     assert a["noise"].shape == (8, 8) and 0 <= a["time_u"] < 1
+
+
+def test_the_policy_spec_decides_text_fields_and_pre_drawn_randomness(make_cfg):
+    """A policy without a tokenizer gets no token fields; its own draws arrive under its names, in order."""
+    cfg = make_cfg()
+    spec = dataclasses.replace(policy_spec(cfg, 32, 8, 32), tokenizer=None,
+                               draws=(Draw("eps", "normal", (2, 3)), Draw("u", "uniform", (4,))))
+    source = DroidSource(dataset_specs(cfg.data)[0], cfg.data, spec, 3)
+    ep = source.load_episode(0)
+    s = source.sample(ep, 5, 0)
+    assert "text" not in s and "text_mask" not in s and "noise" not in s and s["instruction"]
+    # Drawn from the per-sample generator, in the spec's order (an independent replay of the seed).
+    g = torch.Generator().manual_seed(seeded_int(3, 0, 0, 0, 5, 0) % 2**63)
+    assert torch.equal(s["eps"], torch.randn((2, 3), generator=g)) and torch.equal(s["u"], torch.rand((4,), generator=g))
+    with pytest.raises(ValueError, match="distribution='gamma' is not valid; choose one of"):
+        Draw("x", "gamma")
 
 
 def test_tokenizer_round_trip():

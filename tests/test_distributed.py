@@ -198,7 +198,7 @@ def test_sharding_without_wrap_units_is_an_error():
     engine = FSDPEngine.__new__(FSDPEngine)
     engine.name = "fsdp_full"
     with pytest.raises(ValueError, match=r"wrap_units\(\) is empty"):
-        engine.wrap(NoUnits())
+        engine.shard(NoUnits())
 
 
 def _torchrun_train(args: list[str], timeout: int = 300) -> subprocess.Popen:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from slurmvla.launch import DistEnv
-from slurmvla.launch.distenv import PORT_BASE, PORT_SPAN, derive_master_port
+from slurmvla.launch.distenv import PORT_BASE, PORT_SPAN, SlurmJob, derive_master_port
 from slurmvla.launch.nodelist import expand_nodelist
 from slurmvla.launch.overrides import split_overrides
 from slurmvla.launch.preempt import PreemptionFlag
@@ -86,6 +86,31 @@ def test_port_derivation_is_deterministic_and_outside_the_ephemeral_range():
     assert derive_master_port(77, 0) != derive_master_port(77, 1) == derive_master_port("77", "1")
     with pytest.raises(ValueError, match="not an integer"):
         derive_master_port("abc")
+
+
+def test_an_array_task_gets_one_port_and_one_master_everywhere():
+    """The sbatch path (python -m slurmvla.launch, in the batch step) and DistEnv (in each srun task)
+    read the same SlurmJob: one port per array task, from the array's job id, not the task's own."""
+    batch = {"SLURM_JOB_ID": "1007", "SLURM_ARRAY_JOB_ID": "1000", "SLURM_ARRAY_TASK_ID": "7",
+             "SLURM_JOB_NODELIST": "gpu[03-04]", "SLURM_NNODES": "2", "SLURM_RESTART_COUNT": "2"}
+    step = {**batch, "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_STEP_ID": "0",
+            "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "gpu[03-04]"}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
+
+    def cli(what: str) -> str:
+        return subprocess.run([sys.executable, "-m", "slurmvla.launch", what], env={**clean, **batch},
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    job = SlurmJob.from_environ(batch)
+    assert job.restart_count == 2 and job.job_id == "1007"
+    port = derive_master_port(1000, 7)
+    assert port != derive_master_port(1007, 7)
+    assert int(cli("master-port")) == job.master_port == DistEnv.from_environ(step).master_port == port
+    assert cli("master-addr") == job.master_addr == DistEnv.from_environ(step).master_addr == "gpu03"
+    # Another task of the same array: another port.
+    assert SlurmJob.from_environ({**batch, "SLURM_JOB_ID": "1008", "SLURM_ARRAY_TASK_ID": "8"}).master_port != port
+    with pytest.raises(ValueError, match="SLURM_RESTART_COUNT='x' is not an integer"):
+        SlurmJob.from_environ({"SLURM_RESTART_COUNT": "x"})
 
 
 def test_exports_never_overwrite_silently():
