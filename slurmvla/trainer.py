@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import random
 import time
@@ -317,4 +318,9 @@ class Trainer:
         self.logger.close()
         self._batches = None
         if not keep_process_group:
+            if self.env.is_distributed:
+                # The DDP / FSDP / DeepSpeed objects hold the process group's communicators: let them
+                # go before the group is destroyed, not at interpreter exit after it.
+                self.model = self.engine = self.optimizer = self.scheduler = None
+                gc.collect()
             shutdown_process_group(failed)

@@ -10,6 +10,7 @@ Starting processes and importing torch / DeepSpeed costs more than a tiny traini
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -42,6 +43,9 @@ def main() -> None:
                       "resumed_from": str(trainer.resumed_from) if trainer.resumed_from else None}
             (out / f"{run['name']}.json").write_text(json.dumps(report))
         trainer.close(keep_process_group=True)
+        # The engine's wrappers hold the process group: they go before it does.
+        del trainer
+        gc.collect()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
