@@ -28,11 +28,12 @@ import psutil
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-from slurmvla.config import DataConfig
+from slurmvla.config import DataConfig, PolicyConfig
 from slurmvla.data.loader import TrainData
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.synthetic import write_droid_sample
 from slurmvla.data.video import decode_range
+from slurmvla.policy import sample_spec
 
 
 class RandomAccess(Dataset):
@@ -139,7 +140,8 @@ def main() -> None:
         root = args.data or write_droid_sample(Path(tmp) / "droid", args.episodes, seed=0, episodes_per_file=8,
                                                max_length=120, gop=args.gop)
         cfg = DataConfig(root=str(root), num_workers=args.workers, interleave_episodes=8)
-        mixture = Mixture(cfg, args.image_size, 16, 48, seed=0)
+        spec = sample_spec(PolicyConfig(image_size=args.image_size, action_horizon=16, max_text_len=48))
+        mixture = Mixture(cfg, spec, seed=0)
         cams = len(mixture.sources[0].cameras)
         w = max(1, args.workers)
 

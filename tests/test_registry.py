@@ -10,7 +10,15 @@ from slurmvla.compose import compose
 from slurmvla.config import SchedulerConfig
 from slurmvla.engine import Engine
 from slurmvla.optim import build_scheduler
-from slurmvla.registry import DATA_MODES, ENGINES, POLICIES, SAMPLE_MODES, SCHEDULERS, EngineEntry, SchedulerEntry
+from slurmvla.registry import (
+    DATA_MODES,
+    ENGINES,
+    POLICIES,
+    SAMPLE_MODES,
+    SCHEDULERS,
+    EngineEntry,
+    SchedulerEntry,
+)
 from slurmvla.trainer import Trainer
 
 
