@@ -67,7 +67,11 @@ class EngineConfig:
 
 @dataclass
 class PolicyConfig:
+    # A registered policy (slurmvla.registry.POLICIES), or custom: the class policy.target names.
     name: str = "flow_vla"
+    # policy=custom: the import path of an nn.Module class, built as Class(policy_cfg, stats, **kwargs).
+    target: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
     size: str = "tiny"
     image_size: int = 64
     patch_size: int = 16
@@ -96,7 +100,13 @@ class PolicyConfig:
     train_expert_only: bool = False
 
     def __post_init__(self) -> None:
-        POLICIES.check(self.name)
+        entry = POLICIES.get(self.name)
+        if not entry.target and not self.target:
+            raise ValueError(f"policy.name={self.name!r} needs policy.target=package.module.Class (the policy's class); "
+                             f"or choose a built-in policy: {[n for n in POLICIES if POLICIES.get(n).target]}")
+        if entry.target and self.target:
+            raise ValueError(f"policy.target={self.target!r} is read only with policy=custom, not with "
+                             f"policy.name={self.name!r}; choose policy=custom or drop policy.target")
         _choice(
             "policy.attention_implementation",
             self.attention_implementation,

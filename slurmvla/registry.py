@@ -56,7 +56,8 @@ class SchedulerEntry(Entry):
 
 @dataclass(frozen=True)
 class PolicyEntry(Entry):
-    """``target``: a ``slurmvla.policy.Policy`` subclass built as ``cls(cfg, stats)``."""
+    """``target``: an ``nn.Module`` class built as ``cls(policy_cfg, stats, **policy.kwargs)``; empty:
+    the class is named by the config's ``policy.target`` (a user's own policy)."""
 
 
 E = TypeVar("E", bound=Entry)
@@ -121,6 +122,7 @@ for _stage in (1, 2, 3):
 
 POLICIES: Registry[PolicyEntry] = Registry("policy.name")
 POLICIES.add(PolicyEntry("flow_vla", "slurmvla.policy.flow_vla:FlowMatchingVLA"))
+POLICIES.add(PolicyEntry("custom", ""))
 
 # -- learning-rate schedules ---------------------------------------------------------------------
 

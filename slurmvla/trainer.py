@@ -36,6 +36,7 @@ from slurmvla.launch.runtime import apply_process_defaults, write_snapshot
 from slurmvla.logger import MetricLogger
 from slurmvla.optim import build_scheduler
 from slurmvla.policy import policy_class
+from slurmvla.policy.base import construct
 
 log = logging.getLogger("slurmvla")
 
@@ -120,7 +121,7 @@ class Trainer:
         # The same seed on every rank: every rank builds identical initial weights.
         seed_everything(cfg.trainer.seed)
         stats = self.mixture.normalization(cfg.data.state_normalization, cfg.data.action_normalization)
-        self.policy = self.policy_class(cfg.policy, stats)
+        self.policy = construct(self.policy_class, cfg.policy, stats)
         self.engine = build_engine(cfg, self.env, self.device, self.micro_batch_size)
         # model: what forward calls (the policy, or a DDP / DeepSpeed wrapper of it); optimizer: the
         # one that actually steps.

@@ -1,4 +1,5 @@
-"""Policies: the contract (``Policy``) and its implementations, named in ``slurmvla.registry.POLICIES``."""
+"""Policies: the contract (``Policy``), the built-in ones named in ``slurmvla.registry.POLICIES``, and
+a user's own (``policy=custom policy.target=package.module.Class``)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import torch
 
 from slurmvla.config import PolicyConfig
 from slurmvla.data.spec import SampleSpec
-from slurmvla.policy.base import Policy
+from slurmvla.policy.base import Policy, as_policy_class, construct, import_class
 from slurmvla.registry import POLICIES
 
 
 def policy_class(cfg: PolicyConfig) -> type[Policy]:
-    return POLICIES.get(cfg.name).load()
+    """The class ``policy.name`` (or, for ``custom``, ``policy.target``) names, with the contract's defaults."""
+    entry = POLICIES.get(cfg.name)
+    if entry.target:
+        return as_policy_class(entry.load(), where=f"policy.name={cfg.name}")
+    return as_policy_class(import_class(cfg.target), where=f"policy.target={cfg.target}")
 
 
 def sample_spec(cfg: PolicyConfig) -> SampleSpec:
@@ -20,7 +25,7 @@ def sample_spec(cfg: PolicyConfig) -> SampleSpec:
 
 
 def build_policy(cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None = None) -> Policy:
-    return policy_class(cfg)(cfg, stats)
+    return construct(policy_class(cfg), cfg, stats)
 
 
 __all__ = ["Policy", "build_policy", "policy_class", "sample_spec"]

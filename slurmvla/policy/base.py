@@ -1,22 +1,35 @@
-"""The Policy contract every engine, trainer and evaluator relies on.
+"""The Policy contract every engine, trainer, validator and checker relies on (docs/policies.md).
+
+A policy is a ``torch.nn.Module`` built as ``Class(policy_cfg, stats, **policy.kwargs)``:
 
 - ``policy(batch)`` (through ``__call__``, so FSDP's hooks run) returns a dict with the scalar
   ``loss`` and, under ``components``, a per-sample ``(sum, count)`` pair per loss component, so
   validation can split a mixed batch by provenance (Σsum / Σcount per group). The training loss
   must be a mean whose denominator depends only on the batch shape, so that a global batch's loss
   is exactly the mean of its shards' losses, on any world size and accumulation split.
-- ``wrap_units()`` names the modules a sharding engine wraps one by one (one per decoder layer).
-- ``param_groups(weight_decay)`` splits trainable parameters into backbone / action expert, each
-  into decay / no-decay (biases, norms and every 1-D parameter get no weight decay).
+- ``sample_actions(batch)`` returns the action chunk ``[B, action_horizon, action_dim]`` in the
+  dataset's units (inference: the server and the evaluator call only this).
+- ``stats`` holds ``state_offset`` / ``state_scale`` / ``action_offset`` / ``action_scale``
+  (``normalized = (x - offset) / scale``, from the data's statistics); keep them as buffers so they
+  travel with the weights.
+- ``wrap_units()`` names the modules a sharding engine wraps one by one (one per layer).
+- ``param_groups(weight_decay, lr, backbone_lr_scale)`` splits trainable parameters into backbone /
+  action expert (``expert_modules()``), each into decay / no-decay.
 - ``sample_spec(cfg)`` (a classmethod: the data is built before the policy, whose normalization
   comes from the data's statistics) says what its samples must look like: image size, action
   horizon, observation history, tokenizer, and the training randomness the data pre-draws.
 - ``check_data(cfg, features)`` (a classmethod, run before the policy is built) raises a
   ``ValueError`` naming the key and the data's value when the data does not fit the policy.
+
+``Policy`` holds slurmvla's defaults for everything but ``forward`` and ``sample_actions``. A class
+that does not derive from it gets the defaults for what it lacks (:func:`as_policy_class`), so the
+built-in policies and a user's are the same kind of thing.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from typing import Any
 
 import torch
@@ -24,28 +37,44 @@ from torch import nn
 
 from slurmvla.config import PolicyConfig
 from slurmvla.data.spec import DataFeatures, SampleSpec
+from slurmvla.policy.tokenizer import ByteTokenizer
 
 LossComponents = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 class Policy(nn.Module):
-    """Base class: subclasses provide ``sample_spec``, ``check_data``, ``forward``, ``wrap_units`` and
-    ``expert_modules``."""
+    """The contract's defaults; subclasses provide ``forward`` and ``sample_actions``."""
 
     @classmethod
     def sample_spec(cls, cfg: PolicyConfig) -> SampleSpec:
-        raise NotImplementedError
+        """Default: images at ``policy.image_size``, ``policy.action_horizon`` actions, the byte
+        tokenizer at ``policy.max_text_len``, no pre-drawn randomness."""
+        return SampleSpec(image_size=cfg.image_size, action_horizon=cfg.action_horizon,
+                          num_obs_history=cfg.num_obs_history, tokenizer=ByteTokenizer(cfg.max_text_len))
 
     @classmethod
     def check_data(cls, cfg: PolicyConfig, features: DataFeatures) -> None:
-        raise NotImplementedError
+        """Shapes the policy is built for must be the data's, or training silently learns garbage."""
+        checks = [
+            ("policy.num_cameras", cfg.num_cameras, "len(data.cameras)", len(features.cameras)),
+            ("policy.state_dim", cfg.state_dim, f"the dim of {list(features.state_keys)}", features.state_dim),
+            ("policy.action_dim", cfg.action_dim, f"the dim of {list(features.action_keys)}", features.action_dim),
+        ]
+        for key, value, what, expected in checks:
+            if value != expected:
+                raise ValueError(f"{key}={value} does not match {what}={expected} in {features.root}")
+
+    def sample_actions(self, batch: dict) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__qualname__} has no sample_actions(batch): inference needs it")
 
     def wrap_units(self) -> list[nn.Module]:
-        raise NotImplementedError
+        """Default: none (single and DDP need none; sharding engines refuse a policy without units)."""
+        return []
 
     def expert_modules(self) -> list[nn.Module]:
-        """Modules that form the action expert; every other parameter belongs to the backbone."""
-        raise NotImplementedError
+        """Modules that form the action expert; every other parameter belongs to the backbone.
+        Default: none (one backbone group, decay / no decay)."""
+        return []
 
     def param_groups(self, weight_decay: float, lr: float, backbone_lr_scale: float = 1.0) -> list[dict[str, Any]]:
         expert_ids = {id(p) for m in self.expert_modules() for p in m.parameters()}
@@ -68,3 +97,48 @@ class Policy(nn.Module):
             group["param_names"].append(name)
         order = ["backbone_decay", "backbone_no_decay", "expert_decay", "expert_no_decay"]
         return [groups[k] for k in order if k in groups]
+
+
+def as_policy_class(cls: Any, where: str = "policy.target") -> type[Policy]:
+    """A policy class with the contract's defaults for whatever it does not define itself.
+
+    A ``Policy`` subclass is returned as it is; any other ``nn.Module`` class gets a subclass of
+    ``(cls, Policy)``: its own methods win, the defaults fill the gaps, and its parameter names (so
+    its checkpoints) are unchanged."""
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"{where}: {cls!r} is not a torch.nn.Module class")
+    if issubclass(cls, Policy):
+        return cls
+    return type(cls.__name__, (cls, Policy), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                              "__doc__": cls.__doc__})
+
+
+def import_class(path: str, where: str = "policy.target") -> Any:
+    """``package.module.Class`` (or ``package.module:Class``) -> the class, or a ValueError that says
+    what is missing."""
+    module_name, sep, attribute = path.partition(":") if ":" in path else path.rpartition(".")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"{where}={path!r} is not an import path; write it as package.module.Class")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{where}={path!r}: cannot import {module_name!r} ({e}); is the package that defines it "
+                         "installed in this environment (pip install -e <your package>)?") from None
+    if not hasattr(module, attribute):
+        classes = sorted(n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, nn.Module)
+                         and v.__module__ == module.__name__)
+        raise ValueError(f"{where}={path!r}: module {module_name!r} has no {attribute!r}; its nn.Module classes: "
+                         f"{classes}")
+    return getattr(module, attribute)
+
+
+def construct(cls: type[Policy], cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None) -> Policy:
+    """``cls(cfg, stats, **cfg.kwargs)``, with a clear error when the arguments do not fit."""
+    kwargs = dict(cfg.kwargs)
+    try:
+        inspect.signature(cls).bind(cfg, stats, **kwargs)
+    except TypeError as e:
+        raise ValueError(f"policy.kwargs={kwargs} do not fit {cls.__module__}.{cls.__qualname__}"
+                         f"{inspect.signature(cls)} ({e}); a policy is built as Class(policy_cfg, stats, "
+                         "**policy.kwargs)") from None
+    return cls(cfg, stats, **kwargs)

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from slurmvla.collectives import agree
 from slurmvla.config import ATTENTION_FALLBACKS, PolicyConfig
-from slurmvla.data.spec import DataFeatures, Draw, SampleSpec
+from slurmvla.data.spec import Draw, SampleSpec
 from slurmvla.policy.base import Policy
 from slurmvla.policy.tokenizer import VOCAB_SIZE, ByteTokenizer
 from slurmvla.registry import SAMPLE_MODES
@@ -251,18 +251,6 @@ class FlowMatchingVLA(Policy):
             tokenizer=ByteTokenizer(cfg.max_text_len),
             draws=(Draw("noise", "normal", (cfg.action_horizon, cfg.action_dim)), Draw("time_u", "uniform")),
         )
-
-    @classmethod
-    def check_data(cls, cfg: PolicyConfig, features: DataFeatures) -> None:
-        """Shapes the policy is built for must be the data's, or training silently learns garbage."""
-        checks = [
-            ("policy.num_cameras", cfg.num_cameras, "len(data.cameras)", len(features.cameras)),
-            ("policy.state_dim", cfg.state_dim, f"the dim of {list(features.state_keys)}", features.state_dim),
-            ("policy.action_dim", cfg.action_dim, f"the dim of {list(features.action_keys)}", features.action_dim),
-        ]
-        for key, value, what, expected in checks:
-            if value != expected:
-                raise ValueError(f"{key}={value} does not match {what}={expected} in {features.root}")
 
     def wrap_units(self) -> list[nn.Module]:
         return [*self.vision.blocks, *self.layers]

@@ -1,0 +1,110 @@
+"""One rank of a multi-rank policy check (``python -m slurmvla.policy.check`` starts these under torchrun).
+
+Each rank writes ``rank<N>.json`` into the spec's folder: its figures, or ``{"error": ...}``. A rank
+that fails leaves the process group without a barrier, so the checker can stop its peers.
+
+- ``fsdp``: every rank shards the policy with FSDP2 (``fsdp_full``) and runs its half of the batch;
+  the averaged loss and the full gradients are compared with the unwrapped policy on the whole batch.
+- ``zero3``: DeepSpeed ZeRO-3 builds the policy and takes one optimizer step on the halves.
+- ``divergent``: as ``fsdp``, but rank 1's half lacks the optional instruction-token fields.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from slurmvla.compose import compose
+from slurmvla.config import EngineConfig, OptimConfig
+from slurmvla.engine.base import StepSettings
+from slurmvla.engine.distributed import init_process_group
+from slurmvla.launch import DistEnv
+from slurmvla.policy import policy_class
+from slurmvla.policy.base import construct
+from slurmvla.policy.check import OPTIONAL_FIELDS, grads_rel, halves, rel, seed_all
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def fsdp(policy: torch.nn.Module, batch: dict, env: DistEnv, drop_optional: bool) -> dict:
+    from slurmvla.engine.fsdp import FSDPEngine
+
+    reference = copy.deepcopy(policy)
+    seed_all(1)
+    ref_loss = reference(batch)["loss"]
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    engine = FSDPEngine(EngineConfig(name="fsdp_full"), env, "fp32", torch.device("cpu"), StepSettings(1, 1, 0.0))
+    engine.shard(policy)
+    mine = halves(batch)[env.rank]
+    if drop_optional and env.rank == 1:
+        mine = {k: v for k, v in mine.items() if k not in OPTIONAL_FIELDS}
+    seed_all(1)
+    loss = policy(mine)["loss"]
+    loss.backward()
+    # FSDP averages gradients over ranks: with a shard-invariant loss, the whole batch's gradients.
+    grads = {n: _full(p.grad) for n, p in policy.named_parameters() if p.grad is not None}
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss)
+    mean_loss /= env.world_size
+    return {"ok": True, "loss_rel": rel(mean_loss, ref_loss), "grad_rel": grads_rel(grads, ref_grads)}
+
+
+def zero3(policy: torch.nn.Module, batch: dict, env: DistEnv) -> dict:
+    from slurmvla.engine.zero import DeepSpeedEngine
+
+    mine = halves(batch)[env.rank]
+    engine = DeepSpeedEngine(EngineConfig(name="zero3"), env, "fp32", torch.device("cpu"),
+                             StepSettings(len(mine["actions"]), 1, 1.0), stage=3)
+    model, _ = engine.prepare(policy, OptimConfig(lr=1e-3))
+    before = engine.model_state_dict()
+    seed_all(1)
+    loss = model(mine)["loss"]
+    engine.backward(loss)
+    engine.clip_grad_norm()
+    engine.step()
+    after = engine.model_state_dict()
+    change = max(float((after[k] - before[k]).abs().max()) for k in before if before[k].is_floating_point())
+    return {"ok": bool(torch.isfinite(loss)), "loss": float(loss), "changed": change > 0, "max_change": change}
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    env = DistEnv.from_environ()
+    failed = False
+    try:
+        init_process_group(env, torch.device("cpu"), "gloo", spec["timeout_s"])
+        cfg = compose(spec["overrides"])
+        inputs = torch.load(spec["inputs"], weights_only=True)
+        seed_all(0)
+        policy = construct(policy_class(cfg.policy), cfg.policy, inputs["stats"])
+        policy.train()
+        if spec["mode"] == "zero3":
+            result = zero3(policy, inputs["batch"], env)
+        else:
+            result = fsdp(policy, inputs["batch"], env, drop_optional=spec["mode"] == "divergent")
+    except Exception as e:
+        failed = True
+        last = traceback.extract_tb(e.__traceback__)[-1]
+        result = {"error": f"{type(e).__name__}: {e} (at {Path(last.filename).name}:{last.lineno})"}
+    (out / f"rank{env.rank}.tmp").write_text(json.dumps(result))
+    (out / f"rank{env.rank}.tmp").rename(out / f"rank{env.rank}.json")
+    if dist.is_initialized():
+        if not failed:
+            dist.barrier()
+        dist.destroy_process_group()
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
