@@ -30,11 +30,13 @@ DS_TAG = "state"
 
 class DeepSpeedEngine:
     def __init__(self, cfg: EngineConfig, env: DistEnv, precision: str, device: torch.device, settings: StepSettings,
-                 stage: int):
+                 stage: int, zero_options: dict[str, Any] | None = None):
         self.cfg, self.env, self.precision, self.device, self.settings = cfg, env, precision, device, settings
         self.name = cfg.name
         self.compute_dtype = compute_dtype(precision)
         self.stage = stage
+        # Extra "zero_optimization" settings (the policy checker partitions every parameter).
+        self.zero_options = dict(zero_options or {})
         self.module: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._accumulating = False
@@ -49,7 +51,7 @@ class DeepSpeedEngine:
             "train_batch_size": s.micro_batch_size * s.grad_accum_steps * self.env.world_size,
             # DeepSpeed clips inside its step; <= 0 means no clipping there too.
             "gradient_clipping": max(s.max_grad_norm, 0.0),
-            "zero_optimization": {"stage": self.stage},
+            "zero_optimization": {"stage": self.stage, **self.zero_options},
             "bf16": {"enabled": bf16},
             # Gradients are reduced in fp32 unless asked otherwise (bf16 sums lose bits).
             "communication_data_type": "fp32" if self.cfg.reduce_dtype == "fp32" or not bf16 else "bf16",

@@ -63,8 +63,16 @@ def zero3(policy: torch.nn.Module, batch: dict, env: DistEnv) -> dict:
     from slurmvla.engine.zero import DeepSpeedEngine
 
     mine = halves(batch)[env.rank]
+    reference = copy.deepcopy(policy)
+    seed_all(1)
+    ref_loss = reference(mine)["loss"].detach()
     engine = DeepSpeedEngine(EngineConfig(name="zero3"), env, "fp32", torch.device("cpu"),
-                             StepSettings(len(mine["actions"]), 1, 1.0), stage=3)
+                             StepSettings(len(mine["actions"]), 1, 1.0), stage=3,
+                             # Every parameter partitioned and released after its module's forward, as a
+                             # large model's are: DeepSpeed keeps a small model's whole by default, which
+                             # would hide the bugs this check is for.
+                             zero_options={"stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0,
+                                           "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0})
     model, _ = engine.prepare(policy, OptimConfig(lr=1e-3))
     before = engine.model_state_dict()
     seed_all(1)
@@ -74,7 +82,8 @@ def zero3(policy: torch.nn.Module, batch: dict, env: DistEnv) -> dict:
     engine.step()
     after = engine.model_state_dict()
     change = max(float((after[k] - before[k]).abs().max()) for k in before if before[k].is_floating_point())
-    return {"ok": bool(torch.isfinite(loss)), "loss": float(loss), "changed": change > 0, "max_change": change}
+    return {"ok": bool(torch.isfinite(loss)), "loss": float(loss), "loss_rel": rel(loss.detach(), ref_loss),
+            "changed": change > 0, "max_change": change}
 
 
 def main(spec_path: str) -> None:
