@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh dev,deepspeed
+# The example policy package, installed as a user installs their own (the plug-in tests train it).
+"${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check -e examples/custom_policy
 exec "${PYTHON:-python3}" -m pytest "$@"

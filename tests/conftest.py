@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,3 +46,18 @@ def policy_spec(cfg: Config, image_size: int | None = None, horizon: int | None 
     changes = {k: v for k, v in (("image_size", image_size), ("action_horizon", horizon), ("max_text_len", text_len))
                if v is not None}
     return sample_spec(dataclasses.replace(cfg.policy, **changes))
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_policy"
+
+
+@pytest.fixture(scope="session")
+def example_policy() -> str:
+    """The example policy package, installed as a user would (pip install -e) when it is not yet;
+    its import path for policy.target."""
+    if importlib.util.find_spec("slurmvla_example_policy") is None:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-e",
+                        str(EXAMPLE)], check=True)
+        # An editable install is seen by new processes; this one finds it through its source folder.
+        sys.path.insert(0, str(EXAMPLE))
+    return "slurmvla_example_policy.MLPPolicy"

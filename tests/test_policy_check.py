@@ -8,7 +8,6 @@ process and on two gloo ranks (ddp, fsdp_full), and the ranks end where one proc
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -26,8 +25,6 @@ from . import broken_policies
 from .broken_policies import NEGATIVE_CONTROLS
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "custom_policy"
-EXAMPLE_TARGET = "slurmvla_example_policy.MLPPolicy"
 MULTI_RANK = ("fsdp safety", "zero-3 construction", "rank-divergent inputs")
 SINGLE = [c for c in CHECKS if c not in MULTI_RANK]
 
@@ -40,15 +37,6 @@ def overrides(root: Path, target: str, *extra: str) -> list[str]:
 def subject(root: Path, name: str) -> Subject:
     over = overrides(root, f"tests.broken_policies.{name}")
     return Subject(compose(over), over)
-
-
-@pytest.fixture(scope="session")
-def example_policy() -> str:
-    """The example package, installed as a user would (pip install -e) when it is not yet."""
-    if importlib.util.find_spec("slurmvla_example_policy") is None:
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-e",
-                        str(EXAMPLE)], check=True)
-    return EXAMPLE_TARGET
 
 
 # -- the plug-in ----------------------------------------------------------------------------------

@@ -139,6 +139,26 @@ def test_sbatch_missing_keep_ranges_fails_at_once(cluster, sample_root, tmp_path
     assert not sacct_state(cluster, job).startswith("COMPLETED")
 
 
+def test_sbatch_trains_a_plug_in_policy_on_two_nodes_as_one_process_would(cluster, sample_root, example_policy,
+                                                                            tmp_path):
+    """The example package (policy=custom) through sbatch -> launchers -> torchrun on two SLURM nodes."""
+    steps, run = 6, tmp_path / "run"
+    plug_in = ["policy=custom", f"policy.target={example_policy}"]
+    job = sbatch(cluster, "sbatch/train.sh", ["engine=ddp", *plug_in, *_overrides(sample_root, steps, 0)], tmp_path,
+                 {"NPROC_PER_NODE": "1", "RUN_DIR": str(run)})
+    wait_gone(cluster, job, 300)
+    log = (tmp_path / f"{job}.out").read_text()
+    assert sacct_state(cluster, job).startswith("COMPLETED"), log[-4000:]
+    meta = json.loads((run / "checkpoints" / f"step_{steps:08d}" / "meta.json").read_text())
+    assert meta["world_size"] == 2 and f"target: {example_policy}" in (run / "config.resolved.yaml").read_text()
+    trainer = Trainer(compose([*plug_in, *_overrides(sample_root, steps, 0)]), tmp_path / "single")
+    trainer.fit()
+    reference = trainer.engine.model_state_dict()
+    trainer.close()
+    final = load_file(str(run / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
+    assert any(k.startswith("encoder.") for k in final) and rel_l2(final, reference) < 1e-5
+
+
 def test_preemption_signal_requeues_and_resumes_to_the_same_weights(cluster, sample_root, tmp_path):
     steps = 60
     run = tmp_path / "run"
