@@ -331,6 +331,16 @@ def run_ranks(s: Subject, mode: str, deadline_s: float, nproc: int = 2, grace_s:
         return results
 
 
+def _silent(results: dict[int, dict | None], deadline_s: float) -> str:
+    """Why some ranks gave no result: still blocked at the deadline, or torn down while blocked."""
+    silent = [r for r, v in results.items() if v is None]
+    done = [r for r, v in results.items() if v is not None]
+    if done:
+        return (f"ranks {silent} gave no result: blocked in a collective that ranks {done} never joined (a hang, "
+                f"cut short when the job ended or at the {deadline_s:.0f}s deadline)")
+    return f"no rank gave a result within {deadline_s:.0f}s (a hang)"
+
+
 def _read(folder: Path, nproc: int) -> dict[int, dict | None]:
     out = {}
     for r in range(nproc):
@@ -355,8 +365,7 @@ def check_fsdp(s: Subject, deadline_s: float) -> Result:
     if errors:
         return Result(name, "fail", "; ".join(errors)[:600], fix)
     if any(r is None for r in results.values()):
-        return Result(name, "fail", f"no result from ranks {[r for r, v in results.items() if v is None]} within "
-                      f"{deadline_s:.0f}s (a hang)", fix)
+        return Result(name, "fail", _silent(results, deadline_s), fix)
     loss_gap = max(r["loss_rel"] for r in results.values())
     grad_gap = max(r["grad_rel"] for r in results.values())
     figure = f"2 ranks, fsdp_full: loss {loss_gap:.1e}, gradients {grad_gap:.1e} relative from the unwrapped policy"
@@ -379,7 +388,7 @@ def check_zero3(s: Subject, deadline_s: float) -> Result:
     if errors:
         return Result(name, "fail", "; ".join(errors)[:600], fix)
     if any(r is None for r in results.values()):
-        return Result(name, "fail", f"no result within {deadline_s:.0f}s (a hang)", fix)
+        return Result(name, "fail", _silent(results, deadline_s), fix)
     r0 = results[0]
     gap = max(r["loss_rel"] for r in results.values())
     if gap > TOLERANCE:
@@ -406,8 +415,7 @@ def check_divergent(s: Subject, deadline_s: float) -> Result:
         return Result(name, "pass", f"rank 1 without {present}: every rank stopped naming the field "
                       f"({errors[0][:160]})")
     if any(r is None for r in results.values()):
-        return Result(name, "fail", f"rank 1 without {present}: ranks {[r for r, v in results.items() if v is None]} "
-                      f"still blocked after the deadline (a hang)", fix)
+        return Result(name, "fail", f"rank 1 without {present}: {_silent(results, deadline_s)}", fix)
     return Result(name, "fail", f"rank 1 without {present}: {'; '.join(errors)[:400] or 'ranks disagreed'}", fix)
 
 
