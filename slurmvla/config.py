@@ -296,6 +296,10 @@ class TrainerConfig:
     signal_check_every_steps: int = 5
     # A validation pass over data.val_fraction's split every this many steps (and at the last); 0 disables.
     val_every_steps: int = 0
+    # Deterministic kernels where torch has them (cuBLAS workspace, no cuDNN autotuning), warning where
+    # it has none: a resumed GPU run then repeats the uninterrupted one as closely as the kernels allow.
+    # Slower; CPU runs are deterministic without it.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         _positive("trainer.max_steps", self.max_steps)

@@ -27,7 +27,12 @@ from slurmvla.data.loader import TrainData, build_validation_loader, to_device
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.synthetic import ensure_sample_dataset
 from slurmvla.engine import build_engine
-from slurmvla.engine.distributed import init_process_group, select_device, shutdown_process_group
+from slurmvla.engine.distributed import (
+    init_process_group,
+    select_device,
+    set_determinism,
+    shutdown_process_group,
+)
 from slurmvla.engine.precision import check_fp32_master_state
 from slurmvla.eval import validate
 from slurmvla.launch import DistEnv, SlurmJob
@@ -37,6 +42,7 @@ from slurmvla.logger import MetricLogger
 from slurmvla.optim import build_scheduler
 from slurmvla.policy import policy_class
 from slurmvla.policy.base import construct
+from slurmvla.registry import ENGINES
 
 log = logging.getLogger("slurmvla")
 
@@ -80,12 +86,15 @@ class Trainer:
     def _join_job(self) -> None:
         """Device, process group, and one run directory for every rank."""
         apply_process_defaults(self.env.is_main)
+        if self.cfg.trainer.deterministic:
+            set_determinism()
         self.device = select_device(self.cfg.trainer.device, self.env)
         if self.env.source in ("slurm", "submitit"):
             # The engine and any child process see torchrun's names; set variables are kept, and said.
             for kept in self.env.export_to():
                 log.warning("keeping the environment's %s", kept)
-        init_process_group(self.env, self.device, self.cfg.engine.backend, self.cfg.engine.timeout_s)
+        init_process_group(self.env, self.device, self.cfg.engine.backend, self.cfg.engine.timeout_s,
+                           required=ENGINES.get(self.cfg.engine.name).multi_process)
         if self.env.is_distributed:
             # Every rank writes into rank 0's run directory (a timestamped default can differ by a
             # second between ranks).
@@ -319,7 +328,7 @@ class Trainer:
         self.logger.close()
         self._batches = None
         if not keep_process_group:
-            if self.env.is_distributed:
+            if torch.distributed.is_initialized():
                 # The DDP / FSDP / DeepSpeed objects hold the process group's communicators: let them
                 # go before the group is destroyed, not at interpreter exit after it.
                 self.model = self.engine = self.optimizer = self.scheduler = None

@@ -46,8 +46,9 @@ def main() -> None:
         # The engine's wrappers hold the process group: they go before it does.
         del trainer
         gc.collect()
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

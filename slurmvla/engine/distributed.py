@@ -20,9 +20,23 @@ def select_device(requested: str, env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(env: DistEnv, device: torch.device, backend: str, timeout_s: int) -> None:
-    """Join the job's process group from the DistEnv; a world of one needs none."""
-    if not env.is_distributed or dist.is_initialized():
+def set_determinism(environ: dict[str, str] | None = None) -> None:
+    """Deterministic algorithms where torch has them. Call before CUDA initialises: cuBLAS reads its
+    workspace setting when its first handle is created."""
+    env = os.environ if environ is None else environ
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # warn_only: an op without a deterministic kernel (some attention backwards) warns instead of
+    # stopping the run.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+
+def init_process_group(env: DistEnv, device: torch.device, backend: str, timeout_s: int,
+                       required: bool = False) -> None:
+    """Join the job's process group from the DistEnv. A world of one needs none, unless ``required``
+    (a multi-process engine, e.g. DDP or FSDP under ``torchrun --nproc_per_node=1``)."""
+    if not (env.is_distributed or required) or dist.is_initialized():
         return
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
