@@ -79,8 +79,10 @@ def main() -> None:
         trainer.close()
     p, t = statistics.median(plain_t), statistics.median(trainer_t)
     params = sum(q.numel() for q in plain.parameters())
+    adamw = "fused" if opt.defaults.get("fused") else "foreach"
     print(f"device={device} policy={cfg.policy.size} params={params / 1e6:.2f}M precision={cfg.precision} "
-          f"micro_batch={batch['actions'].shape[0]} threads={torch.get_num_threads()}")
+          f"micro_batch={batch['actions'].shape[0]} threads={torch.get_num_threads()} adamw={adamw} "
+          f"attention={cfg.policy.attention_implementation}")
     print(f"plain PyTorch step : {p * 1e3:8.2f} ms   (median of {args.repeats} x {args.steps} steps)")
     print(f"slurmvla step      : {t * 1e3:8.2f} ms")
     print(f"ratio slurmvla / plain: {t / p:.3f}")
