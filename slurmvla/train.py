@@ -23,7 +23,13 @@ __all__ = ["cli", "config_dir", "main"]
 def main(cfg: DictConfig) -> float | None:
     from slurmvla.trainer import Trainer  # after Hydra has parsed the command line: --help stays fast
 
-    trainer = Trainer(to_config(cfg), HydraConfig.get().runtime.output_dir)
+    try:
+        trainer = Trainer(to_config(cfg), HydraConfig.get().runtime.output_dir)
+    except ValueError as e:
+        # A user's mistake found at start-up (a bad value, a policy class that cannot be imported, data
+        # that does not fit the policy): one message, not a traceback. Every rank finds the same one.
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     try:
         metrics = trainer.fit()
     except BaseException:

@@ -61,10 +61,15 @@ def test_a_plug_in_is_named_by_import_path_and_bad_paths_say_what_is_wrong(sampl
         compose(["policy.target=x.Y"])
 
 
-def test_a_bad_target_is_one_message_and_exit_2_from_the_checker(sample_root):
-    res = subprocess.run([sys.executable, "-m", "slurmvla.policy.check", *overrides(sample_root, "nope.Policy")],
+@pytest.mark.parametrize("entry", ["slurmvla.policy.check", "slurmvla.train"])
+def test_a_bad_target_is_one_message_and_exit_2(entry, sample_root, tmp_path):
+    res = subprocess.run([sys.executable, "-m", entry, *overrides(sample_root, "nope.Policy"),
+                          f"hydra.run.dir={tmp_path}"][: None if entry == "slurmvla.train" else -1],
                          capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert res.returncode == 2 and res.stderr.startswith("error: policy.target='nope.Policy': cannot import")
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2 and errors == ["error: policy.target='nope.Policy': cannot import 'nope' (No module "
+                                              "named 'nope'); is the package that defines it installed in this "
+                                              "environment (pip install -e <your package>)?"], res.stderr
     assert "Traceback" not in res.stderr
 
 
