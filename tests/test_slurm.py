@@ -79,10 +79,19 @@ def wait_gone(env: dict, job: str, timeout: float) -> float:
     return time.monotonic() - start
 
 
-def sacct_state(env: dict, job: str) -> str:
-    out = subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "State,ExitCode", "-P"], env=env,
-                         capture_output=True, text=True).stdout.strip().splitlines()
-    return out[-1] if out else ""
+def sacct_state(env: dict, job: str, timeout: float = 30.0) -> str:
+    """The job's final accounting state. The accounting database is written after the controller
+    drops the job from the queue: poll until it records an end (RUNNING / PENDING / COMPLETING are
+    not yet final), within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "State,ExitCode", "-P"], env=env,
+                             capture_output=True, text=True).stdout.strip().splitlines()
+        state = out[-1] if out else ""
+        if (state and not state.startswith(("RUNNING", "PENDING", "COMPLETING", "REQUEUED"))) \
+                or time.monotonic() > deadline:
+            return state
+        time.sleep(0.2)
 
 
 def single_process(root, steps: int, tmp: Path) -> dict:
