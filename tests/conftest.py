@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +63,19 @@ def example_policy() -> str:
         # An editable install is seen by new processes; this one finds it through its source folder.
         sys.path.insert(0, str(EXAMPLE))
     return "slurmvla_example_policy.MLPPolicy"
+
+
+def run_train(args: list[str], nproc: int = 0, timeout: int = 600) -> str:
+    """``python -m slurmvla.train ARGS`` (or under torchrun with ``nproc`` ranks) from the repository,
+    under a deadline (a hang fails the test); returns the log."""
+    launcher = [sys.executable, "-m", "slurmvla.train"] if nproc == 0 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "slurmvla.train"]
+    proc = subprocess.Popen([*launcher, *args], cwd=EXAMPLE.parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"training did not finish within {timeout}s:\n{proc.communicate()[0][-3000:]}")
+    assert proc.returncode == 0, log[-4000:]
+    return log

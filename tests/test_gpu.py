@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,8 @@ from slurmvla.export import export
 from slurmvla.optim import build_adamw
 from slurmvla.policy import build_policy
 from slurmvla.trainer import Trainer
+
+from .conftest import run_train
 
 ON_CPU = os.environ.get("SLURMVLA_GPU_TESTS_ON_CPU") == "1"
 CUDA = torch.cuda.is_available() and not ON_CPU
@@ -76,19 +77,6 @@ def test_debug_mode_on_one_gpu_learns_in_bf16_with_fp32_masters_and_state(tmp_pa
     assert history[-1] < 0.5 * history[0], history
 
 
-def _train(args: list[str], env: dict | None = None, nproc: int = 0, timeout: int = 600) -> None:
-    launcher = [sys.executable, "-m", "slurmvla.train"] if nproc == 0 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "slurmvla.train"]
-    proc = subprocess.Popen([*launcher, *args], cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"did not finish within {timeout}s:\n{proc.communicate()[0][-3000:]}")
-    assert proc.returncode == 0, log[-4000:]
-
-
 def _common(root: Path) -> list[str]:
     return [f"data.root={root}", "data.loader=map", "data.num_workers=0", "logging.wandb.mode=disabled",
             "trainer.progress_bar=false", "trainer.global_batch_size=8", "optim.lr=1e-3", f"trainer.device={DEVICE}"]
@@ -120,8 +108,8 @@ def test_resume_on_cuda_repeats_the_uninterrupted_run(sample_root, tmp_path):
 def test_nccl_engines_at_world_one_match_the_single_engine(engine, sample_root, tmp_path):
     common = [*_common(sample_root), "trainer.max_steps=10", "checkpoint.every_steps=0"]
     backend = ["engine.backend=nccl"] if CUDA else []
-    _train([*common, f"hydra.run.dir={tmp_path / 'single'}"])
-    _train([*common, f"engine={engine}", *backend, f"hydra.run.dir={tmp_path / engine}"], nproc=1)
+    run_train([*common, f"hydra.run.dir={tmp_path / 'single'}"])
+    run_train([*common, f"engine={engine}", *backend, f"hydra.run.dir={tmp_path / engine}"], nproc=1)
     gap = rel_l2(load_model_file(resolve_checkpoint(tmp_path / engine)),
                  load_model_file(resolve_checkpoint(tmp_path / "single")))
     # fp32, the same math at world 1; TF32 is off by default for matmuls in torch.

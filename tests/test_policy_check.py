@@ -8,8 +8,6 @@ process and on two gloo ranks (ddp, fsdp_full), and the ranks end where one proc
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +21,7 @@ from slurmvla.policy.check import CHECKS, Subject, run_checks
 
 from . import broken_policies
 from .broken_policies import NEGATIVE_CONTROLS
+from .conftest import run_train
 
 REPO = Path(__file__).resolve().parents[1]
 MULTI_RANK = ("fsdp safety", "zero-3 construction", "rank-divergent inputs")
@@ -126,20 +125,6 @@ def test_the_reference_policy_passes_every_check(sample_root):
     assert len(lines) == len(CHECKS) and all(line.startswith("pass") for line in lines), res.stdout
 
 
-def _train(args: list[str], nproc: int = 0, timeout: int = 300) -> str:
-    launcher = [sys.executable, "-m", "slurmvla.train"] if nproc == 0 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "slurmvla.train"]
-    proc = subprocess.Popen([*launcher, *args], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"training did not finish within {timeout}s:\n{proc.communicate()[0][-3000:]}")
-    assert proc.returncode == 0, log[-4000:]
-    return log
-
-
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_the_example_package_passes_the_checker_and_trains_alike_on_one_and_two_ranks(example_policy, sample_root,
@@ -153,7 +138,7 @@ def test_the_example_package_passes_the_checker_and_trains_alike_on_one_and_two_
               "trainer.global_batch_size=8", "checkpoint.every_steps=0", "trainer.progress_bar=false", "optim.lr=1e-3"]
     weights = {}
     for name, nproc, extra in (("single", 0, []), ("ddp", 2, ["engine=ddp"]), ("fsdp_full", 2, ["engine=fsdp_full"])):
-        _train([*common, *extra, f"hydra.run.dir={tmp_path / name}"], nproc)
+        run_train([*common, *extra, f"hydra.run.dir={tmp_path / name}"], nproc)
         weights[name] = load_model_file(resolve_checkpoint(tmp_path / name))
     ref = weights["single"]
     assert any(k.startswith("encoder.") for k in ref) and any(k.startswith("blocks.1.") for k in ref)

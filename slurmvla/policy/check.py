@@ -356,16 +356,22 @@ def _errors(results: dict[int, dict | None]) -> list[str]:
     return [f"rank {r}: {res['error']}" for r, res in results.items() if res and "error" in res]
 
 
+def _failed_ranks(name: str, results: dict[int, dict | None], deadline_s: float, fix: str) -> Result | None:
+    """A failing result when a rank raised or gave nothing; None when every rank reported figures."""
+    failed = _failed_ranks(name, results, deadline_s, fix)
+    if failed:
+        return failed
+    return None
+
+
 def check_fsdp(s: Subject, deadline_s: float) -> Result:
     name = CHECKS[3]
     results = run_ranks(s, "fsdp", deadline_s)
     fix = ("a layer's forward must use only its own parameters (a unit's weights are sharded outside its forward): "
            "move the computation into the module that owns the weights; keep statistics as buffers, not parameters")
-    errors = _errors(results)
-    if errors:
-        return Result(name, "fail", "; ".join(errors)[:600], fix)
-    if any(r is None for r in results.values()):
-        return Result(name, "fail", _silent(results, deadline_s), fix)
+    failed = _failed_ranks(name, results, deadline_s, fix)
+    if failed:
+        return failed
     loss_gap = max(r["loss_rel"] for r in results.values())
     grad_gap = max(r["grad_rel"] for r in results.values())
     figure = f"2 ranks, fsdp_full: loss {loss_gap:.1e}, gradients {grad_gap:.1e} relative from the unwrapped policy"
