@@ -358,9 +358,11 @@ def _errors(results: dict[int, dict | None]) -> list[str]:
 
 def _failed_ranks(name: str, results: dict[int, dict | None], deadline_s: float, fix: str) -> Result | None:
     """A failing result when a rank raised or gave nothing; None when every rank reported figures."""
-    failed = _failed_ranks(name, results, deadline_s, fix)
-    if failed:
-        return failed
+    errors = _errors(results)
+    if errors:
+        return Result(name, "fail", "; ".join(errors)[:600], fix)
+    if any(r is None for r in results.values()):
+        return Result(name, "fail", _silent(results, deadline_s), fix)
     return None
 
 
@@ -390,11 +392,9 @@ def check_zero3(s: Subject, deadline_s: float) -> Result:
     fix = ("under ZeRO-3 a parameter is an empty partition unless its module is running or it is reached as an "
            "attribute: do not iterate self.parameters() (or read .data / .shape of a stored reference) in forward; "
            "register such weights with deepspeed.zero.register_external_parameter, or compute it in the owning module")
-    errors = _errors(results)
-    if errors:
-        return Result(name, "fail", "; ".join(errors)[:600], fix)
-    if any(r is None for r in results.values()):
-        return Result(name, "fail", _silent(results, deadline_s), fix)
+    failed = _failed_ranks(name, results, deadline_s, fix)
+    if failed:
+        return failed
     r0 = results[0]
     gap = max(r["loss_rel"] for r in results.values())
     if gap > TOLERANCE:
