@@ -17,6 +17,12 @@ from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
 
+def import_target(target: str) -> Any:
+    """``"package.module:attribute"`` -> the attribute."""
+    module, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
 @dataclass(frozen=True)
 class Entry:
     name: str
@@ -24,8 +30,7 @@ class Entry:
     target: str
 
     def load(self) -> Any:
-        module, _, attribute = self.target.partition(":")
-        return getattr(importlib.import_module(module), attribute)
+        return import_target(self.target)
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,7 @@ class EngineEntry(Entry):
     profile_note: str | None = None
 
     def load_full_state(self, checkpoint: Any) -> Any:
-        return Entry(self.name, self.full_state_loader).load()(checkpoint)
+        return import_target(self.full_state_loader)(checkpoint)
 
 
 @dataclass(frozen=True)

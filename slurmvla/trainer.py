@@ -40,8 +40,7 @@ from slurmvla.launch.preempt import FINISHED_MARKER, PreemptionFlag
 from slurmvla.launch.runtime import apply_process_defaults, write_snapshot
 from slurmvla.logger import MetricLogger
 from slurmvla.optim import build_scheduler
-from slurmvla.policy import policy_class
-from slurmvla.policy.base import construct
+from slurmvla.policy import build_policy, policy_class
 from slurmvla.registry import ENGINES
 
 log = logging.getLogger("slurmvla")
@@ -109,9 +108,9 @@ class Trainer:
         if self.env.is_distributed:
             torch.distributed.barrier()
         # The policy says what its samples look like, and checks what the data yields, before it is built.
-        self.policy_class = policy_class(cfg.policy)
-        self.mixture = Mixture(cfg.data, self.policy_class.sample_spec(cfg.policy), seed)
-        self.policy_class.check_data(cfg.policy, self.mixture.features)
+        cls = policy_class(cfg.policy)
+        self.mixture = Mixture(cfg.data, cls.sample_spec(cfg.policy), seed)
+        cls.check_data(cfg.policy, self.mixture.features)
         self.data = TrainData(self.mixture, cfg.data, self.micro_batch_size, self.env.rank, self.env.world_size, seed,
                               pin_memory=self.device.type == "cuda")
         self.val_loader = build_validation_loader(self.mixture, cfg.data, self.micro_batch_size, self.env.rank,
@@ -130,7 +129,7 @@ class Trainer:
         # The same seed on every rank: every rank builds identical initial weights.
         seed_everything(cfg.trainer.seed)
         stats = self.mixture.normalization(cfg.data.state_normalization, cfg.data.action_normalization)
-        self.policy = construct(self.policy_class, cfg.policy, stats)
+        self.policy = build_policy(cfg.policy, stats)
         self.engine = build_engine(cfg, self.env, self.device, self.micro_batch_size)
         # model: what forward calls (the policy, or a DDP / DeepSpeed wrapper of it); optimizer: the
         # one that actually steps.

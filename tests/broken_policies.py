@@ -1,5 +1,6 @@
 """Negative controls for ``python -m slurmvla.policy.check``: a small sound policy, and one broken
-variant per check, each with a bug that costs GPU hours in the field and that only its check catches.
+variant per check, each with a bug that costs GPU hours in the field and that its check catches (the
+multi-rank ones pass every single-process check; some single-process bugs trip more than one check).
 
 Plain ``nn.Module`` classes (no slurmvla base class), built as ``Class(policy_cfg, stats)``.
 """
@@ -152,7 +153,7 @@ class UnseededNoise(Sound):
         return h + 0.1 * torch.randn(h.shape, generator=g)
 
 
-# check name -> the broken policy that check (and only it) must fail, and words of its message.
+# check name -> the broken policy that check must fail, and words of its message.
 NEGATIVE_CONTROLS = {
     "output contract": ("BatchTotals", "not [4] (one value per sample)"),
     "shard invariance": ("LocalCountLoss", "relative from the mean of the two halves"),

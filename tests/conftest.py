@@ -50,7 +50,8 @@ def policy_spec(cfg: Config, image_size: int | None = None, horizon: int | None 
     return sample_spec(dataclasses.replace(cfg.policy, **changes))
 
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_policy"
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "custom_policy"
 
 
 @pytest.fixture(scope="session")
@@ -70,7 +71,7 @@ def run_train(args: list[str], nproc: int = 0, timeout: int = 600) -> str:
     under a deadline (a hang fails the test); returns the log."""
     launcher = [sys.executable, "-m", "slurmvla.train"] if nproc == 0 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "slurmvla.train"]
-    proc = subprocess.Popen([*launcher, *args], cwd=EXAMPLE.parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"},
+    proc = subprocess.Popen([*launcher, *args], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=timeout)
@@ -79,3 +80,10 @@ def run_train(args: list[str], nproc: int = 0, timeout: int = 600) -> str:
         pytest.fail(f"training did not finish within {timeout}s:\n{proc.communicate()[0][-3000:]}")
     assert proc.returncode == 0, log[-4000:]
     return log
+
+
+def rel_l2(a: dict, b: dict) -> float:
+    """Relative L2 distance of state dict ``a`` from ``b`` over all tensors (the parity measure)."""
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    num = sum(((a[k].double() - b[k].double()) ** 2).sum() for k in b) ** 0.5
+    return float(num / sum((b[k].double() ** 2).sum() for k in b) ** 0.5)

@@ -33,6 +33,8 @@ from slurmvla.launch import DistEnv
 from slurmvla.registry import ENGINES
 from slurmvla.trainer import Trainer
 
+from .conftest import rel_l2
+
 pytestmark = pytest.mark.multiproc
 DRIVER = Path(__file__).with_name("dist_driver.py")
 STEPS = 20
@@ -63,12 +65,6 @@ def run_driver(tmp: Path, nproc: int, base: list[str], runs: list[dict], deadlin
         pytest.fail(f"torchrun job did not finish within {deadline_s}s (a hang):\n{log[-4000:]}")
     assert proc.returncode == 0, log[-6000:]
     return out
-
-
-def rel_l2(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), set(a) ^ set(b)
-    num = sum(((a[k] - b[k]) ** 2).sum() for k in b) ** 0.5
-    return (num / sum((b[k] ** 2).sum() for k in b) ** 0.5).item()
 
 
 def worst_tensor(a: dict, b: dict) -> float:

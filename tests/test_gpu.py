@@ -29,7 +29,7 @@ from slurmvla.optim import build_adamw
 from slurmvla.policy import build_policy
 from slurmvla.trainer import Trainer
 
-from .conftest import run_train
+from .conftest import rel_l2, run_train
 
 ON_CPU = os.environ.get("SLURMVLA_GPU_TESTS_ON_CPU") == "1"
 CUDA = torch.cuda.is_available() and not ON_CPU
@@ -41,11 +41,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 def losses(run: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-
-
-def rel_l2(a: dict, b: dict) -> float:
-    num = sum(((a[k].float() - b[k].float()) ** 2).sum() for k in b) ** 0.5
-    return float(num / sum((b[k].float() ** 2).sum() for k in b) ** 0.5)
 
 
 def test_debug_mode_on_one_gpu_learns_in_bf16_with_fp32_masters_and_state(tmp_path):

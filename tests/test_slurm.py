@@ -25,6 +25,8 @@ from safetensors.torch import load_file
 from slurmvla.compose import compose
 from slurmvla.trainer import Trainer
 
+from .conftest import rel_l2
+
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
@@ -101,10 +103,6 @@ def single_process(root, steps: int, tmp: Path) -> dict:
     weights = trainer.engine.model_state_dict()
     trainer.close()
     return weights
-
-
-def rel_l2(a, b) -> float:
-    return (sum(((a[k] - b[k]) ** 2).sum() for k in b) ** 0.5 / sum((b[k] ** 2).sum() for k in b) ** 0.5).item()
 
 
 def test_sbatch_droid_with_keep_ranges_and_quoted_tail_overrides(cluster, sample_root, tmp_path):

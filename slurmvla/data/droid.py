@@ -83,7 +83,6 @@ class DroidSource:
         """``spec``: which dataset; ``cfg``: what every dataset of the mixture shares; ``sample_spec``:
         what the policy needs its samples to look like."""
         self.spec, self.cfg, self.sample_spec = spec, cfg, sample_spec
-        self.image_size, self.action_horizon = sample_spec.image_size, sample_spec.action_horizon
         self.seed, self.dataset_index = seed, dataset_index
         self.meta = meta = LeRobotMetadata(spec.root)
         needed = "the policy (data.state_keys, data.action_keys)"
@@ -148,7 +147,7 @@ class DroidSource:
                                  "keys (or set keep_ranges.relative_path_column)")
             mapping = json.loads(_existing("data.keep_ranges.episode_id_to_path", kr.episode_id_to_path).read_text())
         keys = keep_range_keys(values, mapping)
-        index = build_index(lengths, mask, keys, ranges, self.action_horizon, kr.semantics)
+        index = build_index(lengths, mask, keys, ranges, self.sample_spec.action_horizon, kr.semantics)
         c = index.counts
         log.info("%s: keep-ranges (%s) kept %d of %d episodes and %d of %d frames; %d episodes absent from the file, "
                  "%d without a key", spec.name, kr.semantics, c["episodes_kept"], c["episodes_selected"],
@@ -214,7 +213,8 @@ class DroidSource:
             instructions = [[meta.tasks.get(int(i), "")] for i in cols["task_index"].reshape(-1)]
         else:
             instructions = [[s for s in row if s] for row in zip(*(cols[k].reshape(-1) for k in self.instruction_keys))]
-        frames = np.empty((hi - lo, len(cfg.cameras), self.image_size, self.image_size, 3), dtype=np.uint8)
+        size = self.sample_spec.image_size
+        frames = np.empty((hi - lo, len(cfg.cameras), size, size, 3), dtype=np.uint8)
         for c, cam in enumerate(cfg.cameras):
             if not self.present[c]:
                 frames[:, c] = 0
@@ -222,7 +222,7 @@ class DroidSource:
             loc = self.videos[cam]
             t0 = float(loc.from_ts[pos]) + lo / meta.fps
             # Decoded straight into this camera's slot: no second copy of the frames.
-            decode_range(loc.paths[pos], t0, t0 + (hi - lo) / meta.fps, meta.fps, self.image_size, out=frames[:, c])
+            decode_range(loc.paths[pos], t0, t0 + (hi - lo) / meta.fps, meta.fps, size, out=frames[:, c])
         return Episode(pos, state, action, instructions, frames, lo, self.present)
 
     def _instruction(self, episode: Episode, t: int) -> str:
@@ -235,7 +235,7 @@ class DroidSource:
     def sample(self, episode: Episode, t: int, epoch: int, repeat: int = 0) -> dict:
         """The sample starting at frame ``t``. Its training randomness (flow-matching noise and time,
         and the mode under data.mode=joint) is a pure function of (seed, epoch, sample, repeat)."""
-        cfg, horizon = self.cfg, self.action_horizon
+        cfg, horizon = self.cfg, self.sample_spec.action_horizon
         length = len(episode.state)
         chunk = np.arange(t, t + horizon)
         valid = chunk < length

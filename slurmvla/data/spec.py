@@ -22,8 +22,6 @@ import torch
 Tokenizer = Callable[[str], tuple[torch.Tensor, torch.Tensor]]
 
 DISTRIBUTIONS = ("normal", "uniform")
-# How a camera frame becomes image_size x image_size: squash (both axes scaled to the size).
-IMAGE_RESIZE_MODES = ("squash",)
 
 
 @dataclass(frozen=True)
@@ -58,15 +56,10 @@ class SampleSpec:
     image_size: int
     action_horizon: int
     num_obs_history: int = 1
-    # How a camera frame becomes image_size x image_size.
-    image_resize: str = "squash"
     tokenizer: Tokenizer | None = None
     draws: tuple[Draw, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.image_resize not in IMAGE_RESIZE_MODES:
-            raise ValueError(f"SampleSpec.image_resize={self.image_resize!r} is not valid; choose one of "
-                             f"{list(IMAGE_RESIZE_MODES)}")
         names = [d.name for d in self.draws]
         if len(set(names)) != len(names):
             raise ValueError(f"SampleSpec.draws names a field twice: {names}")

@@ -155,8 +155,8 @@ class MasterWeights:
             for name, tensor in own.items():
                 tensor.copy_(state[name])
         if isinstance(self.optimizer, MasterWeightOptimizer):
-            device = next(iter(self.optimizer.masters)).device if self.optimizer.masters else "cpu"
-            self.optimizer.load_masters([state[n].to(device) for n in self.param_names])
+            # copy_ into each master moves the value to the master's device.
+            self.optimizer.load_masters([state[n] for n in self.param_names])
 
 
 def check_fp32_master_state(optimizer: torch.optim.Optimizer) -> None:

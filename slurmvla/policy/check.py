@@ -129,10 +129,10 @@ class Subject:
         self.batch = default_collate([source.sample(ep, t, epoch=0) for ep, t in picks])
 
     def build(self, seed: int = 0) -> torch.nn.Module:
-        from slurmvla.policy.base import construct
+        from slurmvla.policy import build_policy
 
         seed_all(seed)
-        policy = construct(self.cls, self.cfg.policy, self.stats)
+        policy = build_policy(self.cfg.policy, self.stats)
         policy.train()
         return policy
 

@@ -26,8 +26,7 @@ from slurmvla.config import EngineConfig, OptimConfig
 from slurmvla.engine.base import StepSettings
 from slurmvla.engine.distributed import init_process_group
 from slurmvla.launch import DistEnv
-from slurmvla.policy import policy_class
-from slurmvla.policy.base import construct
+from slurmvla.policy import build_policy
 from slurmvla.policy.check import OPTIONAL_FIELDS, grads_rel, halves, rel, seed_all
 
 
@@ -96,7 +95,7 @@ def main(spec_path: str) -> None:
         cfg = compose(spec["overrides"])
         inputs = torch.load(spec["inputs"], weights_only=True)
         seed_all(0)
-        policy = construct(policy_class(cfg.policy), cfg.policy, inputs["stats"])
+        policy = build_policy(cfg.policy, inputs["stats"])
         policy.train()
         if spec["mode"] == "zero3":
             result = zero3(policy, inputs["batch"], env)
