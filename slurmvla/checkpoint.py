@@ -1,34 +1,131 @@
-"""Checkpoints: atomic, newest-k kept, found again automatically on restart.
+"""Checkpoints: atomic, checksummed, newest-k kept, found again automatically on restart.
 
 Layout under the run directory::
 
-    checkpoints/step_00000100/   model.safetensors  optimizer.pt  trainer_state.pt  meta.json
+    checkpoints/step_00000100/   model.safetensors  optimizer.pt  trainer_state.pt  rank_*.pt  meta.json
     checkpoints/step_00000200/   ...
 
 A checkpoint is written into a hidden ``.step_XXXXXXXX.tmp`` folder and renamed into place only
 after every file is flushed, so a folder named ``step_*`` is complete by construction; a crash mid-
-write leaves a temp folder that is ignored and cleaned up. Loading uses safetensors and
-``torch.load(weights_only=True)``: a checkpoint is data and never runs pickled code.
+write leaves a temp folder that is ignored and cleaned up. ``meta.json`` is written last and holds
+the size and SHA-256 of every other file: a file truncated or changed after the rename is found at
+load, the checkpoint is moved aside (``.step_XXXXXXXX.corrupt``, kept for inspection) and the run
+resumes from the previous complete one. Loading uses safetensors and ``torch.load(weights_only=True)``:
+a checkpoint is data and never runs pickled code.
+
+Failures are rank-uniform: every rank reports whether its part was written (one small gather), so
+a full disk on one rank is an error on all of them, never a hang at a barrier. Pruning runs only
+after a rename, so the newest complete checkpoint is never deleted.
+
+Saving in the background (``checkpoint.async_save``): an engine that can capture its state on the
+host (``engine.snapshot()``) returns a writer; rank 0 runs it in a thread while training goes on,
+then checksums, renames and prunes there. The next save, the end of ``fit`` and ``close`` wait for it
+(``wait()``, a collective), and an error in the thread is raised on every rank at that point.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from slurmvla.collectives import gather_objects
 from slurmvla.registry import ENGINES
+
+log = logging.getLogger("slurmvla")
 
 TRAINER_FILE = "trainer_state.pt"
 RANK_FILE = "rank_{rank:05d}.pt"
 META_FILE = "meta.json"
+FORMAT = 2  # 2: meta.json lists every file with its size and SHA-256 (1: no checksums)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_MB = 1 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the path and what to do."""
+
+
+# -- files and checksums -------------------------------------------------------------------------
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    buf = bytearray(4 * _MB)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def _data_files(directory: Path) -> list[str]:
+    return sorted(str(f.relative_to(directory)) for f in directory.rglob("*") if f.is_file() and f.name != META_FILE)
+
+
+def _describe(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    return {n: {"bytes": (directory / n).stat().st_size, "sha256": file_sha256(directory / n)} for n in names}
+
+
+def _share(names: list[str], rank: int, world: int) -> list[str]:
+    return names[rank::world]
+
+
+def checksum_files(directory: Path, rank: int = 0, world: int = 1) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of every file in ``directory`` but meta.json; with a process group each rank
+    hashes its share of the files and every rank gets the whole table (a collective)."""
+    names = _data_files(directory)
+    parts = gather_objects(_describe(directory, _share(names, rank, world)))
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _problems(directory: Path, listed: dict[str, dict[str, Any]], names: list[str]) -> list[str]:
+    found = []
+    for name in names:
+        path, want = directory / name, listed[name]
+        if not path.is_file():
+            found.append(f"{path}: missing")
+        elif path.stat().st_size != want["bytes"]:
+            found.append(f"{path}: {path.stat().st_size} bytes, {want['bytes']} written (truncated or changed)")
+        elif file_sha256(path) != want["sha256"]:
+            found.append(f"{path}: SHA-256 differs from the one written in {META_FILE} (corrupted)")
+    return found
+
+
+def verify(directory: str | Path, rank: int = 0, world: int = 1) -> list[str]:
+    """What is wrong with a checkpoint folder (empty when it is intact). Checkpoints written before
+    checksums existed (format 1) are taken as they are. With a process group each rank reads its
+    share of the files and every rank gets the whole answer (a collective)."""
+    directory = Path(directory)
+    try:
+        meta = json.loads((directory / META_FILE).read_text())
+    except (OSError, ValueError) as e:
+        return [f"{directory / META_FILE}: unreadable ({e})"]
+    listed = meta.get("files")
+    if listed is None:
+        return []
+    names = sorted(listed)
+    parts = gather_objects(_problems(directory, listed, _share(names, rank, world)))
+    return [p for part in parts for p in part]
+
+
+def checkpoint_bytes(directory: Path) -> int:
+    try:
+        files = json.loads((directory / META_FILE).read_text()).get("files") or {}
+    except (OSError, ValueError):
+        return 0
+    return sum(f["bytes"] for f in files.values())
 
 
 def _fsync_tree(path: Path) -> None:
@@ -43,6 +140,9 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
+# -- finding checkpoints -------------------------------------------------------------------------
+
+
 def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under ``root`` (a ``checkpoints/`` folder), oldest first."""
     if not root.is_dir():
@@ -52,52 +152,200 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder, or the newest complete one in a run directory."""
+    """A checkpoint folder, or the newest complete one in a run directory; verified against its
+    checksums (a ValueError names the damaged file, and the previous checkpoint when there is one)."""
     path = Path(path)
     if (path / META_FILE).is_file():
-        return path
-    for root in (path / "checkpoints", path):
-        found = list_checkpoints(root)
-        if found:
-            return found[-1]
-    raise ValueError(f"{str(path)!r} is neither a checkpoint folder (with {META_FILE}) nor a run directory holding one")
+        found, root = path, path.parent
+    else:
+        candidates = [c for root in (path / "checkpoints", path) for c in list_checkpoints(root)[-1:]]
+        if not candidates:
+            raise ValueError(f"{str(path)!r} is neither a checkpoint folder (with {META_FILE}) nor a run directory "
+                             "holding one")
+        found, root = candidates[0], candidates[0].parent
+    problems = verify(found)
+    if problems:
+        earlier = [c for c in list_checkpoints(root) if c.name < found.name and not verify(c)]
+        hint = f"; the previous complete checkpoint is {earlier[-1]}" if earlier else "; there is no earlier one"
+        raise ValueError(f"checkpoint {found} is corrupted: {'; '.join(problems[:3])}{hint}")
+    return found
+
+
+# -- the manager ---------------------------------------------------------------------------------
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: Path, keep: int, is_main: bool):
+    def __init__(self, run_dir: Path, keep: int, rank: int = 0, world_size: int = 1, async_save: bool = False):
         self.root = Path(run_dir) / "checkpoints"
         self.keep = keep
-        self.is_main = is_main
+        self.rank, self.world_size = rank, world_size
+        self.is_main = rank == 0
+        self.async_save = async_save
+        self._pending: threading.Thread | None = None
+        self._pending_error: str | None = None
+
+    @property
+    def pending(self) -> bool:
+        """A background save is still being written (on this rank)."""
+        return self._pending is not None
 
     def latest(self) -> Path | None:
         found = list_checkpoints(self.root)
         return found[-1] if found else None
 
-    def save(self, step: int, engine: Any, trainer_state: dict[str, Any], rank: int, rank_state: dict[str, Any]) -> Path:
-        """Every rank calls this; ``rank_state`` (RNG streams) is per rank, the rest is written once."""
+    def latest_intact(self) -> Path | None:
+        """The newest checkpoint whose files match their checksums (a collective). A damaged one is
+        moved aside (``.step_XXXXXXXX.corrupt``), said, and the one before it is tried."""
+        for candidate in reversed(list_checkpoints(self.root)):
+            problems = verify(candidate, self.rank, self.world_size)
+            if not problems:
+                return candidate
+            aside = candidate.with_name(f".{candidate.name}.corrupt")
+            if self.is_main:
+                log.error("checkpoint %s is corrupted (%s); moved aside to %s, trying the one before it",
+                          candidate, "; ".join(problems[:3]), aside)
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(candidate, aside)
+            _barrier()
+        return None
+
+    # -- saving -----------------------------------------------------------------------------------
+
+    def save(self, step: int, engine: Any, trainer_state: dict[str, Any], rank_state: dict[str, Any]) -> Path:
+        """Every rank calls this; ``rank_state`` (RNG streams) is per rank, the rest is written once.
+        Returns the final path (complete on return, or once ``wait()`` returns when in background)."""
+        self.wait()
         final = self.root / f"step_{step:08d}"
         # The same name on every rank (each writes its shards into it); never a complete checkpoint.
         tmp = self.root / f".step_{step:08d}.tmp"
-        if self.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        _barrier()
-        engine.save(tmp)
-        torch.save(rank_state, tmp / RANK_FILE.format(rank=rank))
-        _barrier()
-        if self.is_main:
-            torch.save(trainer_state, tmp / TRAINER_FILE)
-            meta = {"step": step, "engine": engine.name, "precision": engine.precision,
-                    "world_size": engine.env.world_size, "format": 1}
-            (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-            _fsync_tree(tmp)
-            if final.exists():  # the same step saved again (e.g. a final save right after a periodic one)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            self._prune()
-        _barrier()
+        background = self.async_save and hasattr(engine, "snapshot")
+
+        def prepare() -> None:
+            if self.is_main:
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                self._check_space(step)
+                tmp.mkdir()
+
+        self._everyone_ok(step, tmp, prepare)
+        writer: list[Callable[[Path], None]] = []
+
+        def write_parts() -> None:
+            if background:
+                writer.append(engine.snapshot())
+            else:
+                engine.save(tmp)
+            torch.save(rank_state, tmp / RANK_FILE.format(rank=self.rank))
+
+        self._everyone_ok(step, tmp, write_parts)
+        meta = {"step": step, "engine": engine.name, "precision": engine.precision,
+                "world_size": engine.env.world_size, "format": FORMAT}
+        if background:
+            if self.is_main:
+                self._pending_error = None
+                self._pending = threading.Thread(target=self._write_in_background,
+                                                 args=(step, tmp, final, writer[0], trainer_state, meta),
+                                                 name="slurmvla-checkpoint", daemon=True)
+                self._pending.start()
+            return final
+
+        def finish() -> None:
+            if self.is_main:
+                torch.save(trainer_state, tmp / TRAINER_FILE)
+
+        self._everyone_ok(step, tmp, finish)
+        files = checksum_files(tmp, self.rank, self.world_size)
+        self._everyone_ok(step, tmp, lambda: self._commit(tmp, final, meta, files) if self.is_main else None)
         return final
+
+    def wait(self) -> None:
+        """Until a background save has been committed (a collective: every rank calls it at the same
+        point). Its error, if any, is raised on every rank."""
+        errors = [e for e in gather_objects(self.join()) if e]
+        if errors:
+            raise CheckpointError(errors[0])
+
+    def join(self) -> str | None:
+        """This rank only: let a background save finish; returns its error, if any (no collective,
+        so it is safe after a failure elsewhere)."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        error, self._pending_error = self._pending_error, None
+        return error
+
+    def _write_in_background(self, step: int, tmp: Path, final: Path, writer: Callable[[Path], None],
+                             trainer_state: dict[str, Any], meta: dict[str, Any]) -> None:
+        try:
+            writer(tmp)
+            torch.save(trainer_state, tmp / TRAINER_FILE)
+            self._commit(tmp, final, meta, _describe(tmp, _data_files(tmp)))
+        except Exception as e:
+            self._pending_error = self._failure(step, tmp, e)
+        if self._pending_error:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _commit(self, tmp: Path, final: Path, meta: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:
+        meta = {**meta, "files": files}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        _fsync_tree(tmp)
+        if final.exists():  # the same step saved again (e.g. a final save right after a periodic one)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        self._prune()
+
+    def _everyone_ok(self, step: int, tmp: Path, part: Callable[[], None]) -> None:
+        """Run this rank's part; then every rank learns whether every rank's part succeeded (this
+        gather is also the barrier between phases). On a failure the partial folder is removed and
+        every rank raises the same CheckpointError."""
+        error = None
+        try:
+            part()
+        except CheckpointError as e:
+            error = str(e)
+        except Exception as e:
+            error = self._failure(step, tmp, e)
+        errors = [(r, e) for r, e in enumerate(gather_objects(error)) if e]
+        if errors:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            rank, first = errors[0]
+            raise CheckpointError(first if self.world_size == 1 else f"rank {rank}: {first}")
+
+    def _previous(self) -> str:
+        latest = self.latest()
+        if latest is None:
+            return "there is no earlier checkpoint"
+        return f"the previous checkpoint {latest} is complete and a restart resumes from it"
+
+    def _check_space(self, step: int) -> None:
+        """Refuse before writing when the filesystem has less room than the last checkpoint took."""
+        latest = self.latest()
+        needed = checkpoint_bytes(latest) if latest else 0
+        free = shutil.disk_usage(self.root).free
+        if needed and free < needed:
+            raise CheckpointError(
+                f"checkpoint step {step} not saved: {self.root} has {free / _MB:.1f} MB free and a checkpoint "
+                f"needs about {needed / _MB:.1f} MB (the size of {latest.name}); {self._previous()}. "
+                "Free space there or set hydra.run.dir to a larger filesystem")
+
+    def _failure(self, step: int, tmp: Path, e: Exception) -> str:
+        """The one-line reason a write failed. Writers do not all raise ENOSPC as such (torch.save
+        reports a short write as a RuntimeError): a filesystem left with under 1 MB is taken as full."""
+        free = shutil.disk_usage(self.root).free if self.root.is_dir() else 0
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < _MB:
+            written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if tmp.is_dir() else 0
+            latest = self.latest()
+            needed = max(checkpoint_bytes(latest) if latest else 0, written)
+            return (f"checkpoint step {step} not saved: no space left on device under {self.root} "
+                    f"(writing {getattr(e, 'filename', None) or tmp}); it needs at least {needed / _MB:.1f} MB and "
+                    f"{free / _MB:.1f} MB are free; {self._previous()}. Free space there or set hydra.run.dir to a "
+                    "larger filesystem")
+        if isinstance(e, OSError):
+            return f"checkpoint step {step} not saved: {e.strerror or e} ({e.filename or tmp}); {self._previous()}"
+        # Not the filesystem: a bug, said on every rank; the traceback goes to this rank's log.
+        log.exception("writing checkpoint step %d failed", step)
+        return f"checkpoint step {step} not saved: {type(e).__name__}: {e}; {self._previous()}"
 
     def _prune(self) -> None:
         for old in list_checkpoints(self.root)[: -self.keep]:
@@ -105,7 +353,9 @@ class CheckpointManager:
         for stale in self.root.glob(".step_*.tmp*"):
             shutil.rmtree(stale, ignore_errors=True)
 
-    def load(self, path: Path, engine: Any, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    # -- loading ----------------------------------------------------------------------------------
+
+    def load(self, path: Path, engine: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         meta = json.loads((path / META_FILE).read_text())
         if meta["engine"] != engine.name:
             raise ValueError(
@@ -119,7 +369,7 @@ class CheckpointManager:
             )
         engine.load(path)
         state = torch.load(path / TRAINER_FILE, map_location="cpu", weights_only=True)
-        rank_file = path / RANK_FILE.format(rank=rank)
+        rank_file = path / RANK_FILE.format(rank=self.rank)
         # A rank that did not exist when the checkpoint was written (resumed on more ranks) starts
         # fresh RNG streams; the training noise itself comes from the data and does not depend on them.
         rank_state = torch.load(rank_file, map_location="cpu", weights_only=True) if rank_file.is_file() else {}

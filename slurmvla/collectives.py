@@ -63,6 +63,16 @@ def agree(flags: Mapping[str, bool], fields: Iterable[str] | None = None) -> dic
     return {n: bool(v) for n, v in zip(names, out[: len(names)])}
 
 
+def gather_objects(value: object) -> list:
+    """``value`` from every rank, in rank order, on every rank (one object all-gather on the CPU
+    control group); ``[value]`` without a process group. Every rank must call it."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value, group=_control_group())
+    return everyone
+
+
 def gather_dict(values: Mapping[str, torch.Tensor], count: int) -> dict[str, torch.Tensor] | None:
     """Gather per-sample values from every rank to rank 0 in **one** gather of the whole dict.
 

@@ -329,6 +329,10 @@ class CheckpointConfig:
     keep: int = 2
     # Resume from the newest complete checkpoint in the run directory, if there is one.
     resume: bool = True
+    # Write checkpoints from a background thread while training goes on, on engines that can copy
+    # their state to the host (single, ddp); the others save synchronously. Atomicity and resume
+    # are the same either way: a checkpoint counts only once it is renamed into place.
+    async_save: bool = True
 
     def __post_init__(self) -> None:
         _positive("checkpoint.every_steps", self.every_steps, allow_zero=True)

@@ -21,7 +21,10 @@ __all__ = ["cli", "config_dir", "main"]
 
 @hydra.main(version_base=None, config_path=str(config_dir()), config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    from slurmvla.trainer import Trainer  # after Hydra has parsed the command line: --help stays fast
+    # After Hydra has parsed the command line: --help stays fast.
+    from slurmvla.checkpoint import CheckpointError
+    from slurmvla.engine.liveness import CollectiveFailure
+    from slurmvla.trainer import Trainer
 
     try:
         trainer = Trainer(to_config(cfg), HydraConfig.get().runtime.output_dir)
@@ -32,6 +35,12 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(2)
     try:
         metrics = trainer.fit()
+    except (CheckpointError, CollectiveFailure) as e:
+        # The disk filled or a file could not be written (the previous complete checkpoint is
+        # untouched), or a peer stopped answering (the message names it): one line, not a traceback.
+        trainer.close(failed=True)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     except BaseException:
         trainer.close(failed=True)
         raise

@@ -33,10 +33,12 @@ from slurmvla.engine.distributed import (
     set_determinism,
     shutdown_process_group,
 )
+from slurmvla.engine.liveness import CollectiveFailure, Heartbeats, is_collective_failure
 from slurmvla.engine.precision import check_fp32_master_state
 from slurmvla.eval import validate
 from slurmvla.launch import DistEnv, SlurmJob
 from slurmvla.launch.preempt import FINISHED_MARKER, PreemptionFlag
+from slurmvla.launch.runlock import RunDirInUse, RunLock
 from slurmvla.launch.runtime import apply_process_defaults, write_snapshot
 from slurmvla.logger import MetricLogger
 from slurmvla.optim import build_scheduler
@@ -71,16 +73,21 @@ class Trainer:
         self.env = env or DistEnv.from_environ()
         self.micro_batch_size = cfg.trainer.micro_batch_size(self.env.world_size)
         self._join_job()
-        self._build_data()
-        self._build_model()
-        self._open_run_dir()
-        self.resumed_from: Path | None = None
-        self.stopped_for_requeue = False
-        self.preempt = PreemptionFlag()
-        self.preempt.install()
-        if cfg.checkpoint.resume:
-            self._resume()
-        self.logger.start(self.step)
+        self._lock_run_dir()
+        try:
+            self._build_data()
+            self._build_model()
+            self._open_run_dir()
+            self.resumed_from: Path | None = None
+            self.stopped_for_requeue = False
+            self.preempt = PreemptionFlag()
+            self.preempt.install()
+            if cfg.checkpoint.resume:
+                self._resume()
+            self.logger.start(self.step)
+        except BaseException:
+            self._unlock_run_dir()
+            raise
 
     def _join_job(self) -> None:
         """Device, process group, and one run directory for every rank."""
@@ -94,12 +101,37 @@ class Trainer:
                 log.warning("keeping the environment's %s", kept)
         init_process_group(self.env, self.device, self.cfg.engine.backend, self.cfg.engine.timeout_s,
                            required=ENGINES.get(self.cfg.engine.name).multi_process)
+        # Every rank publishes that it is alive and its step: a failed collective can then name the
+        # rank that stopped (slurmvla.engine.liveness).
+        self.heartbeats = Heartbeats(self.env) if self.env.is_distributed else None
         if self.env.is_distributed:
             # Every rank writes into rank 0's run directory (a timestamped default can differ by a
             # second between ranks).
             shared = [str(self.run_dir)]
             torch.distributed.broadcast_object_list(shared, src=0)
             self.run_dir = Path(shared[0])
+
+    def _lock_run_dir(self) -> None:
+        """One run per run directory (slurmvla.launch.runlock): rank 0 takes the lock; every rank
+        stops with the same error when another live run holds it."""
+        self.run_lock = RunLock(self.run_dir) if self.env.is_main else None
+        outcome: list = [None]
+        if self.run_lock is not None:
+            try:
+                note = self.run_lock.acquire()
+                if note:
+                    log.warning("%s", note)
+            except RunDirInUse as e:
+                self.run_lock, outcome[0] = None, str(e)
+        if self.env.is_distributed:
+            torch.distributed.broadcast_object_list(outcome, src=0)
+        if outcome[0]:
+            raise RunDirInUse(outcome[0])
+
+    def _unlock_run_dir(self) -> None:
+        if self.run_lock is not None:
+            self.run_lock.release()
+            self.run_lock = None
 
     def _build_data(self) -> None:
         cfg, seed = self.cfg, self.cfg.trainer.seed
@@ -142,7 +174,8 @@ class Trainer:
         seed_everything(cfg.trainer.seed + 1_000 * (self.env.rank + 1))
 
     def _open_run_dir(self) -> None:
-        self.checkpoints = CheckpointManager(self.run_dir, self.cfg.checkpoint.keep, self.env.is_main)
+        self.checkpoints = CheckpointManager(self.run_dir, self.cfg.checkpoint.keep, self.env.rank,
+                                             self.env.world_size, self.cfg.checkpoint.async_save)
         config_dict = OmegaConf.to_container(OmegaConf.structured(self.cfg))
         self.logger = MetricLogger(self.run_dir, self.cfg.logging.wandb, self.cfg.name, config_dict, self.env.is_main)
         if self.env.is_main:
@@ -201,12 +234,27 @@ class Trainer:
         micro = [self._next_batch(timer) for _ in range(self.cfg.trainer.grad_accum_steps)]
         metrics = self.train_step(micro, timer)
         self.step += 1
+        if self.heartbeats is not None:
+            self.heartbeats.step = self.step
         return metrics
 
     # -- the loop ---------------------------------------------------------------------------------
 
     def fit(self, stop_at: int | None = None) -> dict[str, float]:
-        """Train to ``trainer.max_steps`` (or stop early at ``stop_at``, with a checkpoint there)."""
+        """Train to ``trainer.max_steps`` (or stop early at ``stop_at``, with a checkpoint there).
+
+        A collective that fails (a peer stopped, its node lost: after ``engine.timeout_s``) is raised
+        as CollectiveFailure naming the ranks that stopped reporting."""
+        try:
+            return self._fit(stop_at)
+        except Exception as e:
+            if self.heartbeats is None or not is_collective_failure(e):
+                raise
+            raise CollectiveFailure(f"a collective failed on rank {self.env.rank} at step {self.step} "
+                                    f"(engine.timeout_s={self.cfg.engine.timeout_s}): {str(e).strip()[:300]}; "
+                                    f"{self.heartbeats.diagnose()}") from e
+
+    def _fit(self, stop_at: int | None) -> dict[str, float]:
         tcfg = self.cfg.trainer
         end = tcfg.max_steps if stop_at is None else min(stop_at, tcfg.max_steps)
         bar = tqdm(total=tcfg.max_steps, initial=self.step, desc="train", dynamic_ncols=True,
@@ -237,9 +285,11 @@ class Trainer:
             if self.step % tcfg.signal_check_every_steps == 0 and self._preemption_agreed():
                 break
         bar.close()
+        self.checkpoints.wait()
         latest = self.checkpoints.latest()
         if latest is None or latest.name != f"step_{self.step:08d}":
             self.save()
+        self.checkpoints.wait()
         if self.step >= tcfg.max_steps and self.env.is_main:
             (self.run_dir / FINISHED_MARKER).write_text(f"{self.step}\n")
         return last
@@ -300,16 +350,16 @@ class Trainer:
         return state
 
     def save(self) -> Path:
-        path = self.checkpoints.save(self.step, self.engine, self.state_dict(), self.env.rank, self.rank_state_dict())
+        path = self.checkpoints.save(self.step, self.engine, self.state_dict(), self.rank_state_dict())
         if self.env.is_main:
-            log.info("saved checkpoint %s", path)
+            log.info("saving checkpoint %s%s", path, " in the background" if self.checkpoints.pending else "")
         return path
 
     def _resume(self) -> None:
-        latest = self.checkpoints.latest()
+        latest = self.checkpoints.latest_intact()
         if latest is None:
             return
-        state, rank_state = self.checkpoints.load(latest, self.engine, self.env.rank)
+        state, rank_state = self.checkpoints.load(latest, self.engine)
         self.step, self.epoch = state["step"], state["epoch"]
         self.batches_in_epoch = self.data.resume_position(state["data"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -324,6 +374,13 @@ class Trainer:
             log.info("resumed from %s at step %d", latest, self.step)
 
     def close(self, failed: bool = False, keep_process_group: bool = False) -> None:
+        # A save already captured is finished, also after a failure elsewhere: it is complete data.
+        error = self.checkpoints.join()
+        if error:
+            log.error("%s", error)
+        self._unlock_run_dir()
+        if self.heartbeats is not None:
+            self.heartbeats.stop()
         self.logger.close()
         self._batches = None
         if not keep_process_group:

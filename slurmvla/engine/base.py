@@ -70,7 +70,11 @@ class Engine(Protocol):
         ...
 
     def save(self, directory: Path) -> None:
-        """Write this rank's part of a checkpoint into ``directory`` (the checkpoint layer makes it atomic)."""
+        """Write this rank's part of a checkpoint into ``directory`` (the checkpoint layer makes it atomic).
+
+        An engine may also offer ``snapshot() -> writer``: copy its state to the host now and return a
+        function that writes it into a directory later, from a background thread
+        (``checkpoint.async_save``); ``save`` then is ``snapshot()(directory)``."""
         ...
 
     def load(self, directory: Path) -> None:

@@ -8,8 +8,9 @@ the optimizer's state: replicated, so it resumes at any world size.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -72,16 +73,37 @@ class SingleEngine:
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         return self.weights.full_state(self.module)
 
-    def save(self, directory: Path) -> None:
+    def snapshot(self) -> Callable[[Path], None]:
+        """The state as it is now, copied to the host, and a writer for it that may run in a
+        background thread while training goes on (replicated: rank 0 writes it once)."""
         if not self.env.is_main:
-            return  # replicated: rank 0 writes it once
-        save_file(self.model_state_dict(), str(directory / MODEL_FILE))
-        torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
+            return lambda directory: None
+        model, optimizer = self.model_state_dict(), host_copy(self.optimizer.state_dict())
+
+        def write(directory: Path) -> None:
+            save_file(model, str(directory / MODEL_FILE))
+            torch.save(optimizer, directory / OPTIMIZER_FILE)
+
+        return write
+
+    def save(self, directory: Path) -> None:
+        self.snapshot()(directory)
 
     def load(self, directory: Path) -> None:
         self.weights.load_full_state(self.module, load_file(str(directory / MODEL_FILE)))
         # weights_only: a checkpoint is data; loading one never runs pickled code.
         self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, map_location=self.device, weights_only=True))
+
+
+def host_copy(value: Any) -> Any:
+    """A deep copy with every tensor on the host, detached from anything training will change."""
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: host_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(host_copy(v) for v in value)
+    return value
 
 
 def load_safetensors_model(directory: Path) -> dict[str, torch.Tensor]:
