@@ -16,12 +16,15 @@
 # Environment (exported to the job by sbatch):
 #   NPROC_PER_NODE         processes per node (default: GPUs on the node, else 1)
 #   RUN_DIR                run directory (default outputs/<job name>/<job id>: stable across requeues)
-#   SLURMVLA_MAX_RESTARTS  requeue budget (default 3), counted by SLURM_RESTART_COUNT
+#   SLURMVLA_MAX_RESTARTS  requeue budget (default 3), counted by SLURM_RESTART_COUNT (also for SLURM's own
+#                          requeue after a node failure)
 #   EXTRA_TAIL_OVERRIDES   Hydra overrides appended last (quoted values work; never executed)
 #   LAUNCHER               the per-node wrapper (default launchers/train.sh)
 #   DRY_RUN=1              print the srun and torchrun command lines, run nothing
 # USR2 arrives 120 s before the time limit (and on preemption): the trainer checkpoints, the job
-# step ends, and the job requeues itself until the run is finished or the budget is spent.
+# step ends, and the job requeues itself until the run is finished or the budget is spent. A lost
+# node ends the step (the surviving ranks fail fast, naming the rank that went away); SLURM declares
+# the node down and requeues the job, which resumes from the newest complete checkpoint.
 set -uo pipefail
 cd "${SLURMVLA_HOME:-${SLURM_SUBMIT_DIR:-.}}" || exit 2
 PY=${PYTHON:-python3}
@@ -36,6 +39,9 @@ if [ -z "${SLURM_JOB_ID:-}" ]; then
     exit 2
   fi
 fi
+
+# SLURM requeues a --requeue job by itself after a node failure: the restart budget holds for those too.
+[ "${DRY_RUN:-0}" = 1 ] || "$PY" -m slurmvla.launch check-budget || exit 1
 
 # The node count comes from SLURM, never typed twice; the library picks address and port.
 export NNODES=$SLURM_NNODES

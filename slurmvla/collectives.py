@@ -10,6 +10,7 @@ never a hang.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -21,19 +22,23 @@ def _fields_hash(fields: Iterable[str]) -> int:
     return int.from_bytes(digest, "little")  # < 2**48: exact in float64
 
 
-_control: tuple[object, dist.ProcessGroup | None] | None = None
+# Weak references only: holding a process group here would keep it (and gloo's worker threads)
+# alive past destroy_process_group until interpreter shutdown, where tearing it down can abort the
+# process ("terminate called without an active exception", SIGABRT) after training finished.
+_control: tuple[weakref.ref, weakref.ref | None] | None = None
 
 
 def _control_group() -> dist.ProcessGroup | None:
     """A CPU (gloo) group for these host-side decisions: under NCCL an all-reduce of a GPU tensor
-    followed by ``.tolist()`` would stall the GPU stream every step. Created once per job (all
-    ranks reach the first call together); None means the default group is gloo already."""
+    followed by ``.tolist()`` would stall the GPU stream every step. Created once per process group
+    (all ranks reach the first call together); None means the default group is gloo already. The
+    group itself is owned by torch.distributed's registry and destroyed with the default group."""
     global _control
     world = dist.group.WORLD
-    if _control is None or _control[0] is not world:
+    if _control is None or _control[0]() is not world:
         group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        _control = (world, group)
-    return _control[1]
+        _control = (weakref.ref(world), None if group is None else weakref.ref(group))
+    return None if _control[1] is None else _control[1]()
 
 
 def agree(flags: Mapping[str, bool], fields: Iterable[str] | None = None) -> dict[str, bool]:

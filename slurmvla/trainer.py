@@ -381,6 +381,7 @@ class Trainer:
         self._unlock_run_dir()
         if self.heartbeats is not None:
             self.heartbeats.stop()
+            self.heartbeats = None
         self.logger.close()
         self._batches = None
         if not keep_process_group:

@@ -247,3 +247,15 @@ def test_python_dry_runs_print_and_submit_nothing(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "slurmvla.train", "--dry-run", "precision=fp8"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "precision='fp8'" in bad.stderr
+
+
+def test_restart_budget_holds_for_slurms_own_requeues():
+    """A job SLURM requeued after a node failure starts again only within SLURMVLA_MAX_RESTARTS."""
+    def check(count: int) -> subprocess.CompletedProcess:
+        env = {**os.environ, "SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": str(count), "SLURMVLA_MAX_RESTARTS": "3"}
+        return subprocess.run([sys.executable, "-m", "slurmvla.launch", "check-budget"], env=env, capture_output=True,
+                              text=True)
+
+    assert check(3).returncode == 0
+    over = check(4)
+    assert over.returncode == 1 and "job 41 was requeued 4 times, more than its budget SLURMVLA_MAX_RESTARTS=3" in over.stderr

@@ -296,3 +296,55 @@ def test_submitit_preemption_hands_over_to_submitits_requeue_and_resumes(cluster
     reference = single_process(sample_root, steps, tmp_path / "single")
     final = load_file(str(sweep / "0" / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
     assert rel_l2(final, reference) < 1e-6
+
+
+def _nodes_idle(env: dict, count: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T %D"], env=env, capture_output=True, text=True).stdout.split()
+        if out == ["idle", str(count)]:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_a_lost_node_ends_the_step_requeues_and_resumes_to_the_same_weights(cluster, sample_root, tmp_path):
+    """node2's slurmd and its tasks SIGKILLed mid-run: the surviving rank fails fast, SLURM declares
+    the node down and requeues the job; once the node is back the job resumes from the newest
+    complete checkpoint and ends with the weights of an uninterrupted single-process run."""
+    steps = 60
+    run = tmp_path / "run"
+    extra = {"NPROC_PER_NODE": "1", "RUN_DIR": str(run)}
+    job = sbatch(cluster, "sbatch/train.sh", ["engine=ddp", *_overrides(sample_root, steps, 10)], tmp_path, extra)
+    out = tmp_path / f"{job}.out"
+    try:
+        deadline = time.monotonic() + 180
+        while not (run / "checkpoints" / "step_00000010").exists():
+            assert time.monotonic() < deadline, out.read_text()[-3000:] if out.exists() else "no log"
+            time.sleep(0.1)
+        t_kill = time.monotonic()
+        subprocess.run(["bash", str(CLUSTER), "kill-node", "2"], env=cluster, check=True)
+        while job_state(cluster, job) == "RUNNING":
+            assert time.monotonic() - t_kill < 120, "the job kept running after losing a node"
+            time.sleep(0.2)
+        t_left = time.monotonic() - t_kill
+        subprocess.run(["bash", str(CLUSTER), "start-node", "2"], env=cluster, check=True)
+        t_again = None
+        while job_state(cluster, job):
+            if t_again is None and "restart 1" in out.read_text():
+                t_again = time.monotonic() - t_kill
+            assert time.monotonic() - t_kill < 400, out.read_text()[-4000:]
+            time.sleep(0.2)
+    finally:
+        if not _nodes_idle(cluster, 2, 1):
+            subprocess.run(["bash", str(CLUSTER), "start-node", "2"], env=cluster, capture_output=True)
+    log = out.read_text()
+    assert sacct_state(cluster, job).startswith("COMPLETED"), log[-4000:]
+    assert (run / "FINISHED").read_text().strip() == str(steps), log[-4000:]
+    assert "restart 1" in log and "resumed from" in (run / "train.log").read_text()
+    reference = single_process(sample_root, steps, tmp_path / "single")
+    final = load_file(str(run / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
+    assert rel_l2(final, reference) < 1e-6
+    assert _nodes_idle(cluster, 2, 60), "node2 did not return to service"
+    print(f"lost node: job left RUNNING {t_left:.1f}s after the kill; running again (restart 1) {t_again or float('nan'):.1f}s "
+          f"after; finished {time.monotonic() - t_kill:.1f}s after")

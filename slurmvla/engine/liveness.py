@@ -67,23 +67,39 @@ class Heartbeats:
                 return
 
     def stop(self) -> None:
+        """End the thread and drop the store connection (before the process group goes)."""
         self._stop.set()
+        self._thread.join(timeout=2 * self.period_s)
+        self._store = None
+
+    def _read(self, timeout_s: float) -> tuple[float, dict[int, dict], list[int]]:
+        self._store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        beats, missing = {}, []
+        for rank in range(self.env.world_size):
+            key = f"{PREFIX}{rank}"
+            if self._store.check([key]):
+                beats[rank] = json.loads(self._store.get(key))
+            else:
+                missing.append(rank)
+        return time.time(), beats, missing
 
     def diagnose(self, timeout_s: float = 5.0) -> str:
         """One sentence on the other ranks: those that stopped publishing (stopped, frozen, or their
-        node lost) and those whose step lags the rest (hung in their own code)."""
+        node lost) and those whose step lags the rest (hung in their own code). A peer that died a
+        moment ago (connection reset) still looks fresh: wait up to three periods for it to go stale."""
+        if self._store is None:
+            return "no heartbeats (stopped)"
+        stale_after = 3 * self.period_s
         try:
-            self._store.set_timeout(datetime.timedelta(seconds=timeout_s))
-            now, beats, missing = time.time(), {}, []
-            for rank in range(self.env.world_size):
-                key = f"{PREFIX}{rank}"
-                if self._store.check([key]):
-                    beats[rank] = json.loads(self._store.get(key))
-                else:
-                    missing.append(rank)
+            end = time.monotonic() + stale_after + self.period_s
+            while True:
+                now, beats, missing = self._read(timeout_s)
+                stale = any(r != self.env.rank and now - b["time"] > stale_after for r, b in beats.items())
+                if stale or missing or time.monotonic() > end:
+                    break
+                time.sleep(0.5)
         except Exception as e:
             return f"the rendezvous store at {self.where} cannot be read ({type(e).__name__}): its node may be lost"
-        stale_after = 3 * self.period_s
         said = []
         for rank, beat in sorted(beats.items()):
             age = now - beat["time"]

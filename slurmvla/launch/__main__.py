@@ -5,6 +5,7 @@
     python -m slurmvla.launch nproc-per-node    # NPROC_PER_NODE / GPUS_PER_NODE / SLURM GPUs / CUDA devices / 1
     python -m slurmvla.launch requeue RUN_DIR EXIT_CODE   # after the job step: finished, requeue, or fail
     python -m slurmvla.launch check-file NAME PATH        # fail at once when a configured file is missing
+    python -m slurmvla.launch check-budget                # at job start: fail when restarts exceed the budget
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ def main(argv: list[str]) -> int:
         if not Path(path).is_file():
             print(f"error: {name}={path!r} does not exist (or is not a file); fix it or unset {name}", file=sys.stderr)
             return 2
+    elif cmd == "check-budget":
+        # SLURM itself requeues a --requeue job after a node failure; the budget holds for those too.
+        budget = int(env.get("SLURMVLA_MAX_RESTARTS", DEFAULT_MAX_RESTARTS))
+        if job.restart_count > budget:
+            print(f"error: job {job.job_id} was requeued {job.restart_count} times, more than its budget "
+                  f"SLURMVLA_MAX_RESTARTS={budget}; not starting again", file=sys.stderr)
+            return 1
     elif cmd == "requeue":
         run_dir, code = Path(argv[1]), int(argv[2])
         decision, rc = requeue_decision(run_dir, code, env)

@@ -6,13 +6,16 @@
 #   bash tests/slurm/cluster.sh install     # apt packages (slurmctld slurmd slurm-client munge slurmdbd mariadb-server)
 #   bash tests/slurm/cluster.sh up          # start everything, wait until the nodes are idle
 #   bash tests/slurm/cluster.sh down        # scancel, stop every daemon by its pidfile PID, remove namespaces
+#   bash tests/slurm/cluster.sh kill-node N     # lose node N: its slurmd and its job processes SIGKILLed
+#   bash tests/slurm/cluster.sh start-node N    # bring node N back (its slurmd registers; ReturnToService=2)
 #
 # Environment: SVLA_BASE (state folder, default ${TMPDIR:-/tmp}/slurmvla-cluster), SVLA_NODES (2),
 # SVLA_CPUS (CPUs each node advertises, default 2), SVLA_NET (10.78.0), SVLA_PORT (17800).
 # Pitfalls this handles: munged's socket directory must be world-executable; clients need
 # SLURM_CONF; `ip netns exec` remounts /sys and breaks slurmd (nsenter is used); node names resolve
 # through a hosts file bind-mounted inside the node namespaces only; cred_expire and the scheduler
-# intervals are short so a requeued job runs again within seconds.
+# intervals are short so a requeued job runs again within seconds, and a lost node is declared down
+# after SlurmdTimeout=15 s.
 set -euo pipefail
 CMD=${1:-}
 BASE=${SVLA_BASE:-${TMPDIR:-/tmp}/slurmvla-cluster}
@@ -90,6 +93,7 @@ ReturnToService=2
 InactiveLimit=0
 MinJobAge=300
 KillWait=5
+SlurmdTimeout=15
 Waittime=0
 JobAcctGatherType=jobacct_gather/linux
 AccountingStorageType=accounting_storage/slurmdbd
@@ -118,6 +122,18 @@ StoragePass=slurmpw
 StorageLoc=slurm_acct_db
 DBD
   chmod 600 "$BASE/etc/slurmdbd.conf"
+}
+
+start_node() {  # slurmd for node $1, in that node's namespaces
+  mkdir -p "$BASE/spool/node$1"
+  nsenter --net="/run/netns/$NS$1" unshare --uts --mount --propagation private \
+    sh -c "hostname node$1 && mount --bind '$BASE/etc/hosts' /etc/hosts && exec slurmd -f '$CONF' -N node$1"
+}
+
+kill_node() {  # a node lost: its slurmd and every process on it (the job's tasks) killed at once, by PID
+  local p
+  for p in $(ip netns pids "$NS$1" 2>/dev/null); do kill -9 "$p" 2>/dev/null || true; done
+  rm -f "$LOG/slurmd-node$1.pid"
 }
 
 up() {
@@ -156,11 +172,7 @@ up() {
   sacctmgr -i -Q add user root account=tests > /dev/null 2>&1 || true
   slurmctld -f "$CONF"
   wait_port "$CTL" $((PORT + 17)) 30 || { say "slurmctld did not start"; exit 1; }
-  for ((i = 1; i <= NODES; i++)); do
-    mkdir -p "$BASE/spool/node$i"
-    nsenter --net="/run/netns/$NS$i" unshare --uts --mount --propagation private \
-      sh -c "hostname node$i && mount --bind '$BASE/etc/hosts' /etc/hosts && exec slurmd -f '$CONF' -N node$i"
-  done
+  for ((i = 1; i <= NODES; i++)); do start_node "$i"; done
   for ((i = 0; i < 240; i++)); do
     [ "$(sinfo -h -o '%T %D' 2>/dev/null | tr '\n' ' ')" = "idle $NODES " ] && { say "up: $NODES idle nodes"; return 0; }
     sleep 0.25
@@ -195,5 +207,7 @@ case "$CMD" in
   up) up ;;
   down) down ;;
   env) echo "export SLURM_CONF=$CONF" ;;
-  *) echo "usage: $0 install|up|down|env" >&2; exit 2 ;;
+  kill-node) kill_node "${2:?node number}" ;;
+  start-node) export SLURM_CONF=$CONF; start_node "${2:?node number}" ;;
+  *) echo "usage: $0 install|up|down|env|kill-node N|start-node N" >&2; exit 2 ;;
 esac
