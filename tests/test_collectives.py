@@ -129,3 +129,23 @@ def test_negative_control_bf16_model_with_plain_adamw_is_detected():
     opt.state[p] = {"exp_avg": torch.zeros(3, dtype=torch.bfloat16)}
     with pytest.raises(RuntimeError, match="exp_avg.*bfloat16"):
         check_fp32_master_state(opt)
+
+
+def test_no_process_group_outlives_destroy_process_group():
+    """The cause of a rare SIGABRT at exit ("terminate called without an active exception"): a group
+    kept alive by a module global past destroy_process_group is torn down during interpreter
+    shutdown, where gloo's threads can abort the process. After destroy, nothing of ours holds it."""
+    import gc
+    import weakref
+
+    from slurmvla import collectives
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        world = weakref.ref(dist.group.WORLD)
+        collectives._control_group()
+        assert collectives._control is not None
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    assert world() is None, "a process group outlived destroy_process_group"
