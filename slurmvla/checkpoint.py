@@ -83,10 +83,11 @@ def _share(names: list[str], rank: int, world: int) -> list[str]:
 
 
 def checksum_files(directory: Path, rank: int = 0, world: int = 1) -> dict[str, dict[str, Any]]:
-    """Size and SHA-256 of every file in ``directory`` but meta.json; with a process group each rank
+    """Size and SHA-256 of every file in ``directory`` but meta.json. With ``world`` > 1 each rank
     hashes its share of the files and every rank gets the whole table (a collective)."""
     names = _data_files(directory)
-    parts = gather_objects(_describe(directory, _share(names, rank, world)))
+    mine = _describe(directory, _share(names, rank, world))
+    parts = gather_objects(mine) if world > 1 else [mine]
     return {k: v for part in parts for k, v in part.items()}
 
 
@@ -105,8 +106,8 @@ def _problems(directory: Path, listed: dict[str, dict[str, Any]], names: list[st
 
 def verify(directory: str | Path, rank: int = 0, world: int = 1) -> list[str]:
     """What is wrong with a checkpoint folder (empty when it is intact). Checkpoints written before
-    checksums existed (format 1) are taken as they are. With a process group each rank reads its
-    share of the files and every rank gets the whole answer (a collective)."""
+    checksums existed (format 1) are taken as they are. With ``world`` > 1 each rank reads its share
+    of the files and every rank gets the whole answer (a collective); the defaults read all, alone."""
     directory = Path(directory)
     try:
         meta = json.loads((directory / META_FILE).read_text())
@@ -116,7 +117,8 @@ def verify(directory: str | Path, rank: int = 0, world: int = 1) -> list[str]:
     if listed is None:
         return []
     names = sorted(listed)
-    parts = gather_objects(_problems(directory, listed, _share(names, rank, world)))
+    mine = _problems(directory, listed, _share(names, rank, world))
+    parts = gather_objects(mine) if world > 1 else [mine]
     return [p for part in parts for p in part]
 
 
