@@ -1,8 +1,8 @@
 """The training stall a checkpoint save causes, synchronous against asynchronous, as a ratio of the
 median step time.
 
-    python benchmarks/checkpoint_stall.py [--saves 3] [--after 8] [HYDRA_OVERRIDES ...]
-    python benchmarks/checkpoint_stall.py policy=small precision=bf16     # on a GPU
+    python benchmarks/checkpoint_stall.py [--saves 2] [--after 4] [HYDRA_OVERRIDES ...]   # ~2.5 min on 2 CPU cores
+    python benchmarks/checkpoint_stall.py trainer.global_batch_size=32 precision=bf16      # on a GPU
 
 One Trainer, the same steps for both modes, alternating sync and async saves. For each save the
 stall is the time the steps from the save's step through ``--after`` steps later took beyond the
@@ -46,14 +46,14 @@ def timed_step(trainer: Trainer, save: bool) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--saves", type=int, default=3, help="saves per mode")
-    parser.add_argument("--after", type=int, default=8, help="steps after a save counted in its stall")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--saves", type=int, default=2, help="saves per mode")
+    parser.add_argument("--after", type=int, default=4, help="steps after a save counted in its stall")
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = compose(["policy=small", "logging.wandb.mode=disabled", "trainer.progress_bar=false",
                    "checkpoint.resume=false", "checkpoint.every_steps=0", "checkpoint.keep=1", "data.num_workers=0",
-                   "trainer.max_steps=100000", *args.overrides])
+                   "trainer.max_steps=100000", "trainer.global_batch_size=4", *args.overrides])
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(cfg, run_dir)
         for _ in range(args.warmup):
