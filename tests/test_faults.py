@@ -24,6 +24,8 @@ from slurmvla.trainer import Trainer
 
 from .conftest import REPO, rel_l2
 
+pytestmark = pytest.mark.faults
+
 BASE = ["data.num_workers=0", "logging.wandb.mode=disabled", "trainer.progress_bar=false",
         "trainer.global_batch_size=8", "trainer.log_every_steps=2", "policy=tiny"]
 
@@ -67,6 +69,7 @@ def _truncate(path: Path) -> None:
         fh.truncate(path.stat().st_size // 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage, file", [(_flip_byte, "model.safetensors"), (_truncate, "optimizer.pt")])
 def test_corrupted_checkpoint_is_found_refused_by_export_and_skipped_on_resume(make_cfg, sample_root, tmp_path,
                                                                                  uninterrupted, damage, file, caplog):
@@ -179,6 +182,7 @@ def test_keep_k_pruning_never_removes_the_last_good_checkpoint_when_a_save_fails
 # -- two runs on one run directory ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_live_run_directory_refuses_naming_the_first(sample_root, tmp_path):
     run = tmp_path / "run"
     args = [f"data.root={sample_root}", *BASE, "checkpoint.every_steps=0", f"hydra.run.dir={run}"]

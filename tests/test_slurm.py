@@ -308,6 +308,7 @@ def _nodes_idle(env: dict, count: int, timeout: float) -> bool:
     return False
 
 
+@pytest.mark.faults
 def test_a_lost_node_ends_the_step_requeues_and_resumes_to_the_same_weights(cluster, sample_root, tmp_path):
     """node2's slurmd and its tasks SIGKILLed mid-run: the surviving rank fails fast, SLURM declares
     the node down and requeues the job; once the node is back the job resumes from the newest
