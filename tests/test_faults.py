@@ -291,3 +291,46 @@ def test_a_stopped_rank_fails_the_job_within_the_timeout_naming_that_rank(sample
     assert t_error < timeout_s + 20, (t_error, log[-3000:])
     print(f"SIGSTOP rank 1: error naming it after {t_error:.1f}s (engine.timeout_s={timeout_s}), job ended after "
           f"{t_end:.1f}s")
+
+
+# -- a kill while a background save is being written ---------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint_to_resume_from(make_cfg, sample_root,
+                                                                                        tmp_path):
+    """policy=small writes ~600 MB per checkpoint: SIGKILL the run while the background writer is
+    inside step 2's temp folder. Step 1 stays the newest complete checkpoint, intact, and the resumed
+    run ends with the weights of an uninterrupted one."""
+    run = tmp_path / "run"
+    over = ["policy=small", "trainer.global_batch_size=2", "checkpoint.every_steps=1", "checkpoint.async_save=true"]
+    base = [b for b in BASE if not b.startswith("policy=")]
+    cmd = [sys.executable, "-m", "slurmvla.train", f"data.root={sample_root}", *base, *over, "trainer.max_steps=3",
+           f"hydra.run.dir={run}"]
+    job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    partial = run / "checkpoints" / ".step_00000002.tmp" / "model.safetensors"
+    try:
+        deadline = time.monotonic() + 300
+        while not partial.exists():
+            assert time.monotonic() < deadline and job.poll() is None, "no background write to interrupt"
+            time.sleep(0.01)
+        job.kill()
+    finally:
+        job.kill()
+        job.wait()
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_00000001"]
+    assert verify(run / "checkpoints" / "step_00000001") == []
+    resumed = Trainer(make_cfg(*over, "trainer.max_steps=2"), run)
+    try:
+        assert resumed.resumed_from.name == "step_00000001"
+        resumed.fit()
+        weights = resumed.engine.model_state_dict()
+    finally:
+        resumed.close()
+    reference = Trainer(make_cfg(*over, "trainer.max_steps=2"), tmp_path / "reference")
+    try:
+        reference.fit()
+        assert rel_l2(weights, reference.engine.model_state_dict()) < 1e-6
+    finally:
+        reference.close()
