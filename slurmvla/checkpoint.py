@@ -282,6 +282,7 @@ class CheckpointManager:
             writer(tmp)
             torch.save(trainer_state, tmp / TRAINER_FILE)
             self._commit(tmp, final, meta, _describe(tmp, _data_files(tmp)))
+            log.info("saved checkpoint %s (written in the background)", final)
         except Exception as e:
             self._pending_error = self._failure(step, tmp, e)
         if self._pending_error:

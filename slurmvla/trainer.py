@@ -73,8 +73,9 @@ class Trainer:
         self.env = env or DistEnv.from_environ()
         self.micro_batch_size = cfg.trainer.micro_batch_size(self.env.world_size)
         self._join_job()
-        self._lock_run_dir()
+        self.run_lock: RunLock | None = None
         try:
+            self._lock_run_dir()
             self._build_data()
             self._build_model()
             self._open_run_dir()
@@ -87,6 +88,7 @@ class Trainer:
             self.logger.start(self.step)
         except BaseException:
             self._unlock_run_dir()
+            self._stop_heartbeats()
             raise
 
     def _join_job(self) -> None:
@@ -132,6 +134,11 @@ class Trainer:
         if self.run_lock is not None:
             self.run_lock.release()
             self.run_lock = None
+
+    def _stop_heartbeats(self) -> None:
+        if self.heartbeats is not None:
+            self.heartbeats.stop()
+            self.heartbeats = None
 
     def _build_data(self) -> None:
         cfg, seed = self.cfg, self.cfg.trainer.seed
@@ -351,8 +358,8 @@ class Trainer:
 
     def save(self) -> Path:
         path = self.checkpoints.save(self.step, self.engine, self.state_dict(), self.rank_state_dict())
-        if self.env.is_main:
-            log.info("saving checkpoint %s%s", path, " in the background" if self.checkpoints.pending else "")
+        if self.env.is_main and not self.checkpoints.pending:
+            log.info("saved checkpoint %s", path)  # a background save says so when it is in place
         return path
 
     def _resume(self) -> None:
@@ -379,9 +386,7 @@ class Trainer:
         if error:
             log.error("%s", error)
         self._unlock_run_dir()
-        if self.heartbeats is not None:
-            self.heartbeats.stop()
-            self.heartbeats = None
+        self._stop_heartbeats()
         self.logger.close()
         self._batches = None
         if not keep_process_group:
