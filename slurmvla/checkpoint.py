@@ -79,28 +79,23 @@ def _describe(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _share(names: list[str], rank: int, world: int) -> list[str]:
+    """This rank's slice of a sorted file list: the ranks hash a checkpoint's files between them."""
     return names[rank::world]
-
-
-def checksum_files(directory: Path, rank: int = 0, world: int = 1) -> dict[str, dict[str, Any]]:
-    """Size and SHA-256 of every file in ``directory`` but meta.json. With ``world`` > 1 each rank
-    hashes its share of the files and every rank gets the whole table (a collective)."""
-    names = _data_files(directory)
-    mine = _describe(directory, _share(names, rank, world))
-    parts = gather_objects(mine) if world > 1 else [mine]
-    return {k: v for part in parts for k, v in part.items()}
 
 
 def _problems(directory: Path, listed: dict[str, dict[str, Any]], names: list[str]) -> list[str]:
     found = []
     for name in names:
         path, want = directory / name, listed[name]
-        if not path.is_file():
-            found.append(f"{path}: missing")
-        elif path.stat().st_size != want["bytes"]:
-            found.append(f"{path}: {path.stat().st_size} bytes, {want['bytes']} written (truncated or changed)")
-        elif file_sha256(path) != want["sha256"]:
-            found.append(f"{path}: SHA-256 differs from the one written in {META_FILE} (corrupted)")
+        try:
+            if not path.is_file():
+                found.append(f"{path}: missing")
+            elif path.stat().st_size != want["bytes"]:
+                found.append(f"{path}: {path.stat().st_size} bytes, {want['bytes']} written (truncated or changed)")
+            elif file_sha256(path) != want["sha256"]:
+                found.append(f"{path}: SHA-256 differs from the one written in {META_FILE} (corrupted)")
+        except OSError as e:  # never raised on one rank only: the others would wait for it
+            found.append(f"{path}: unreadable ({e.strerror or e})")
     return found
 
 
@@ -116,10 +111,8 @@ def verify(directory: str | Path, rank: int = 0, world: int = 1) -> list[str]:
     listed = meta.get("files")
     if listed is None:
         return []
-    names = sorted(listed)
-    mine = _problems(directory, listed, _share(names, rank, world))
-    parts = gather_objects(mine) if world > 1 else [mine]
-    return [p for part in parts for p in part]
+    mine = _problems(directory, listed, _share(sorted(listed), rank, world))
+    return [p for part in (gather_objects(mine) if world > 1 else [mine]) for p in part]
 
 
 def checkpoint_bytes(directory: Path) -> int:
@@ -229,40 +222,41 @@ class CheckpointManager:
                 self._check_space(step)
                 tmp.mkdir()
 
-        self._everyone_ok(step, tmp, prepare)
+        self._on_every_rank(step, tmp, prepare)
         writer: list[Callable[[Path], None]] = []
 
         def write_parts() -> None:
             if background:
-                writer.append(engine.snapshot())
+                writer.append(engine.snapshot())  # the large files are written later, by rank 0's thread
             else:
                 engine.save(tmp)
             torch.save(rank_state, tmp / RANK_FILE.format(rank=self.rank))
+            if self.is_main:
+                torch.save(trainer_state, tmp / TRAINER_FILE)
 
-        self._everyone_ok(step, tmp, write_parts)
+        self._on_every_rank(step, tmp, write_parts)
         meta = {"step": step, "engine": engine.name, "precision": engine.precision,
                 "world_size": engine.env.world_size, "format": FORMAT}
         if background:
             if self.is_main:
                 self._pending_error = None
                 self._pending = threading.Thread(target=self._write_in_background,
-                                                 args=(step, tmp, final, writer[0], trainer_state, meta),
+                                                 args=(step, tmp, final, writer[0], meta),
                                                  name="slurmvla-checkpoint", daemon=True)
                 self._pending.start()
             return final
-
-        def finish() -> None:
-            if self.is_main:
-                torch.save(trainer_state, tmp / TRAINER_FILE)
-
-        self._everyone_ok(step, tmp, finish)
-        files = checksum_files(tmp, self.rank, self.world_size)
-        self._everyone_ok(step, tmp, lambda: self._commit(tmp, final, meta, files) if self.is_main else None)
+        # Every rank hashes its share of the files; rank 0 writes meta.json and renames.
+        shares = self._on_every_rank(
+            step, tmp, lambda: _describe(tmp, _share(_data_files(tmp), self.rank, self.world_size)))
+        files = {name: entry for share in shares for name, entry in share.items()}
+        self._on_every_rank(step, tmp, lambda: self._commit(tmp, final, meta, files) if self.is_main else None)
         return final
 
     def wait(self) -> None:
         """Until a background save has been committed (a collective: every rank calls it at the same
         point). Its error, if any, is raised on every rank."""
+        if not self.async_save:
+            return  # nothing is ever written in the background: no gather needed
         errors = [e for e in gather_objects(self.join()) if e]
         if errors:
             raise CheckpointError(errors[0])
@@ -277,10 +271,9 @@ class CheckpointManager:
         return error
 
     def _write_in_background(self, step: int, tmp: Path, final: Path, writer: Callable[[Path], None],
-                             trainer_state: dict[str, Any], meta: dict[str, Any]) -> None:
+                             meta: dict[str, Any]) -> None:
         try:
             writer(tmp)
-            torch.save(trainer_state, tmp / TRAINER_FILE)
             self._commit(tmp, final, meta, _describe(tmp, _data_files(tmp)))
             log.info("saved checkpoint %s (written in the background)", final)
         except Exception as e:
@@ -297,23 +290,25 @@ class CheckpointManager:
         os.replace(tmp, final)
         self._prune()
 
-    def _everyone_ok(self, step: int, tmp: Path, part: Callable[[], None]) -> None:
-        """Run this rank's part; then every rank learns whether every rank's part succeeded (this
-        gather is also the barrier between phases). On a failure the partial folder is removed and
-        every rank raises the same CheckpointError."""
-        error = None
+    def _on_every_rank(self, step: int, tmp: Path, part: Callable[[], Any]) -> list[Any]:
+        """Run this rank's part of a save phase; then every rank gets every rank's result and learns
+        whether every part succeeded (this one gather is also the barrier between phases). On a
+        failure the partial folder is removed and every rank raises the same CheckpointError."""
+        result, error = None, None
         try:
-            part()
+            result = part()
         except CheckpointError as e:
             error = str(e)
         except Exception as e:
             error = self._failure(step, tmp, e)
-        errors = [(r, e) for r, e in enumerate(gather_objects(error)) if e]
+        outcomes = gather_objects((error, result))
+        errors = [(r, e) for r, (e, _) in enumerate(outcomes) if e]
         if errors:
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             rank, first = errors[0]
             raise CheckpointError(first if self.world_size == 1 else f"rank {rank}: {first}")
+        return [r for _, r in outcomes]
 
     def _previous(self) -> str:
         latest = self.latest()
