@@ -5,4 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh dev,deepspeed
 # The example policy package, installed as a user installs their own (the plug-in tests train it).
 "${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check -e examples/custom_policy
+# openpi's published client drives the policy server in the tests. It pins numpy<2 although its code
+# runs on numpy 2: --no-deps keeps this environment's numpy (its other needs come with [dev]).
+"${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check --no-deps openpi-client==0.1.2
 exec "${PYTHON:-python3}" -m pytest "$@"

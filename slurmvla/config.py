@@ -372,6 +372,38 @@ class ProfileConfig:
 
 
 @dataclass
+class ServeConfig:
+    """python -m slurmvla.serve: where it listens, and which client keys feed which policy input.
+
+    The defaults are what openpi's DROID client sends: one exterior camera, the wrist camera, the 7
+    joint positions, the gripper position and the prompt."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    # One client key per entry of data.cameras, in that order; null: the client never sends that
+    # camera, so it is padded black and masked, as data.missing_cameras=pad does in training.
+    cameras: list[str | None] = field(
+        default_factory=lambda: ["observation/exterior_image_1_left", None, "observation/wrist_image_left"])
+    # Client keys concatenated (in this order) into the policy's raw state (data.state_keys).
+    state: list[str] = field(default_factory=lambda: ["observation/joint_position", "observation/gripper_position"])
+    prompt: str = "prompt"
+    # Each request samples its action chunk from noise seeded by this: the same observation always
+    # gives the same chunk, on any server.
+    seed: int = 0
+    # auto: the GPU when there is one.
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"serve.port={self.port} is not a TCP port (0..65535; 0 picks a free one)")
+        if not self.state:
+            raise ValueError("serve.state is empty; name the client keys that make up the state, e.g. "
+                             "[observation/joint_position, observation/gripper_position]")
+        if not any(self.cameras):
+            raise ValueError(f"serve.cameras={self.cameras} names no client key; a policy needs at least one camera")
+
+
+@dataclass
 class Config:
     engine: EngineConfig = MISSING
     policy: PolicyConfig = MISSING
@@ -382,6 +414,7 @@ class Config:
     checkpoint: CheckpointConfig = MISSING
     logging: LoggingConfig = MISSING
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     # bf16: bf16 compute with fp32 master weights and fp32 optimizer state, on every engine.
     precision: str = "fp32"
     name: str = "debug"

@@ -1,20 +1,31 @@
-"""Export a checkpoint as one full fp32 safetensors file, whatever engine wrote it.
+"""Export a checkpoint as one full fp32 safetensors file, whatever engine wrote it, and load it back.
 
     python -m slurmvla.export CHECKPOINT_OR_RUN_DIR OUT.safetensors
 
 The file's metadata carries the step, the engine and, when the run directory has it, the resolved
-config, so the policy can be rebuilt without the run directory.
+config, so the policy can be rebuilt without the run directory. :func:`load_exported` rebuilds
+the policy from such a file (or from a run directory / checkpoint folder) and its config alone:
+the server and the evaluator load through it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors.torch import save_file
+import torch
+from omegaconf import OmegaConf
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from slurmvla.checkpoint import META_FILE, load_model_file, resolve_checkpoint
+from slurmvla.compose import check_override_keys, to_config
+from slurmvla.config import Config
+from slurmvla.policy import Policy, build_policy
+
+CONFIG_FILE = "config.resolved.yaml"
 
 
 def export(source: str | Path, out: str | Path) -> Path:
@@ -23,7 +34,7 @@ def export(source: str | Path, out: str | Path) -> Path:
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     meta = json.loads((checkpoint / META_FILE).read_text())
     metadata = {"step": str(meta["step"]), "engine": meta["engine"], "source": str(checkpoint.resolve())}
-    config = checkpoint.parent.parent / "config.resolved.yaml"
+    config = checkpoint.parent.parent / CONFIG_FILE
     if config.is_file():
         metadata["config_yaml"] = config.read_text()
     out = Path(out)
@@ -32,6 +43,77 @@ def export(source: str | Path, out: str | Path) -> Path:
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
     tmp.replace(out)
     return out
+
+
+@dataclass
+class Loaded:
+    policy: Policy  # in eval mode, on ``device``
+    cfg: Config  # the run's resolved config with the overrides applied
+    step: int
+    source: str  # the file or checkpoint folder the weights came from
+
+
+def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (),
+                  device: str | torch.device = "cpu") -> Loaded:
+    """The trained policy, rebuilt from its config alone and loaded with its weights.
+
+    ``source``: a file written by :func:`export` (its metadata carries the config), a checkpoint
+    folder, or a run directory (its newest complete checkpoint; the config is the run's
+    ``config.resolved.yaml``). ``overrides``: Hydra-style ``key=value`` pairs applied to that config
+    (e.g. ``policy.num_inference_steps=5``, ``data.root=...``). A ValueError names the file and what
+    is wrong with it."""
+    path = Path(source)
+    if path.is_file():
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                metadata = f.metadata() or {}
+        except Exception as e:  # safetensors raises its own error types for a file that is not one
+            raise ValueError(f"{str(path)!r} is not a safetensors file written by slurmvla.export ({e})") from None
+        if "config_yaml" not in metadata:
+            raise ValueError(f"{str(path)!r} carries no config in its metadata (exported from a checkpoint without "
+                             f"its run directory's {CONFIG_FILE}); load the run directory instead")
+        config_yaml, step, origin = metadata["config_yaml"], int(metadata.get("step", -1)), str(path)
+        state = load_file(str(path))
+    elif path.is_dir():
+        checkpoint = resolve_checkpoint(path)
+        config = checkpoint.parent.parent / CONFIG_FILE
+        if not config.is_file():
+            raise ValueError(f"checkpoint {checkpoint} has no {CONFIG_FILE} in its run directory {config.parent}: "
+                             "the policy cannot be rebuilt without its config")
+        config_yaml = config.read_text()
+        step = int(json.loads((checkpoint / META_FILE).read_text())["step"])
+        origin, state = str(checkpoint), load_model_file(checkpoint)
+    else:
+        raise ValueError(f"{str(path)!r} does not exist; give an exported .safetensors file, a checkpoint folder "
+                         "or a run directory")
+    cfg = _config(config_yaml, list(overrides), origin)
+    policy = build_policy(cfg.policy)
+    missing, unexpected = _mismatch(policy.state_dict(), state)
+    if missing or unexpected:
+        raise ValueError(f"{origin}: the weights do not fit the policy its config builds ({cfg.policy.name}); "
+                         f"missing: {missing[:5]}, unexpected: {unexpected[:5]}")
+    policy.load_state_dict(state)
+    return Loaded(policy.to(device).eval(), cfg, step, origin)
+
+
+def _config(config_yaml: str, overrides: list[str], origin: str) -> Config:
+    check_override_keys(overrides, groups=[])
+    bad = [o for o in overrides if "=" not in o or o.startswith(("+", "~"))]
+    if bad:
+        raise ValueError(f"override {bad[0]!r} is not key=value; overrides change the run's config, e.g. "
+                         "policy.num_inference_steps=5")
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(config_yaml), OmegaConf.from_dotlist(overrides))
+    except Exception as e:
+        raise ValueError(f"{origin}: the config cannot take the overrides {overrides} ({e})") from None
+    return to_config(merged)
+
+
+def _mismatch(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    unexpected += sorted(k for k in set(expected) & set(found) if expected[k].shape != found[k].shape)
+    return missing, unexpected
 
 
 def main(argv: list[str] | None = None) -> None:

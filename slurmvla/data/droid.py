@@ -26,6 +26,7 @@ from slurmvla.config import DataConfig, KeepRangesConfig
 from slurmvla.data.index import SampleIndex, build_index, keep_range_keys
 from slurmvla.data.keep_ranges import load_keep_ranges
 from slurmvla.data.lerobot import LeRobotMetadata
+from slurmvla.data.prepare import text_fields
 from slurmvla.data.spec import DataFeatures, SampleSpec
 from slurmvla.data.video import decode_range
 from slurmvla.registry import JOINT_MODE, SAMPLE_MODES
@@ -266,8 +267,7 @@ class DroidSource:
             "dataset_name": self.name,
             "control_mode": self.spec.control_mode,
         }
-        if self.sample_spec.tokenizer is not None:
-            out["text"], out["text_mask"] = self.sample_spec.tokenizer(instruction)
+        out.update(text_fields(self.sample_spec, instruction))
         if cfg.mode != SAMPLE_MODES[0]:
             mode = cfg.mode if cfg.mode != JOINT_MODE else SAMPLE_MODES[int(torch.randint(len(SAMPLE_MODES), (), generator=g))]
             future = np.arange(t + 1, t + 1 + horizon)

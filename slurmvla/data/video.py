@@ -7,13 +7,16 @@ from pathlib import Path
 import av
 import numpy as np
 
+from slurmvla.data.prepare import resize_frame
+
 
 def decode_range(path: str | Path, from_ts: float, to_ts: float, fps: float, size: int | None,
                  out: np.ndarray | None = None) -> np.ndarray:
     """Decode the frames with timestamps in ``[from_ts, to_ts)`` as uint8 ``[T, H, W, 3]``.
 
     One seek to the keyframe before ``from_ts``, then forward decoding: an episode costs one pass,
-    never a seek per frame. Frames are resized to ``size`` x ``size`` during colour conversion.
+    never a seek per frame. Frames are resized to ``size`` x ``size`` during colour conversion
+    (:func:`slurmvla.data.prepare.resize_frame`, which inference shares).
     ``out`` (``[T, size, size, 3]`` uint8, may be a strided view) receives the frames without a
     second copy.
     """
@@ -35,10 +38,7 @@ def decode_range(path: str | Path, from_ts: float, to_ts: float, fps: float, siz
                 continue
             if k >= num_frames:
                 break
-            kwargs = {"format": "rgb24"}
-            if size is not None:
-                kwargs.update(width=size, height=size)
-            img = frame.to_ndarray(**kwargs)
+            img = resize_frame(frame, size)
             if out is None:
                 out = np.empty((num_frames, *img.shape), dtype=np.uint8)
             out[k] = img

@@ -305,13 +305,17 @@ class FlowMatchingVLA(Policy):
         """Mode embedding + conditioning: forward dynamics sees the action chunk, inverse dynamics the
         future state; both projections run on every sample (zeroed where unused), so every parameter
         takes part in every step whatever the batch's mix of modes."""
-        b = batch["actions"].shape[0]
+        b = batch["state"].shape[0]
+        device = batch["state"].device
         mode = batch.get("mode")
-        if mode is None:  # data.mode=policy: every sample is a policy sample
-            mode = torch.zeros(b, dtype=torch.long, device=batch["actions"].device)
+        if mode is None:  # data.mode=policy, or inference: every sample is a policy sample
+            mode = torch.zeros(b, dtype=torch.long, device=device)
         fwd = (mode == FORWARD_DYNAMICS).float()[:, None]
         inv = (mode == INVERSE_DYNAMICS).float()[:, None]
-        actions = self.normalize_actions(batch["actions"]) * batch["action_mask"][:, :, None].float()
+        if "actions" in batch:
+            actions = self.normalize_actions(batch["actions"]) * batch["action_mask"][:, :, None].float()
+        else:  # an observation at inference time: no recorded actions (only forward dynamics reads them)
+            actions = torch.zeros(b, self.cfg.action_horizon, self.cfg.action_dim, device=device)
         future = batch.get("future_states")
         future = self.normalize_states(future[:, -1]) if future is not None else torch.zeros_like(self.state_offset).expand(b, -1)
         token = (self.mode_embedding(mode) + self.cond_actions(actions.reshape(b, -1)) * fwd

@@ -1,0 +1,77 @@
+"""Input preparation shared by training and inference: one function per step, never a copy.
+
+- :func:`resize_frame`: a video frame (any pixel format) -> RGB uint8 ``[size, size, 3]``, colour
+  conversion and resize in one libswscale pass. The decoder calls it on every decoded frame.
+- :func:`prepare_image`: an RGB uint8 image from a client (e.g. openpi's DROID client) -> the same
+  RGB uint8 ``[size, size, 3]``, through :func:`resize_frame`.
+- :func:`text_fields`: the instruction -> the policy's tokens, with the policy's own tokenizer.
+- :func:`observation_batch`: one observation -> a batch of one in the layout samples have (without
+  the training-only fields: actions, pre-drawn noise, provenance).
+
+State and action normalization is not here: the policy owns it (offset / scale buffers that travel
+with its weights), so raw state goes in and raw actions come out in training and inference alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import av
+import numpy as np
+import torch
+
+from slurmvla.data.spec import SampleSpec
+
+
+def resize_frame(frame: av.VideoFrame, size: int | None) -> np.ndarray:
+    """RGB uint8 ``[size, size, 3]`` (bilinear), or the frame's own size when ``size`` is None."""
+    kwargs = {"format": "rgb24"}
+    if size is not None:
+        kwargs.update(width=size, height=size)
+    return frame.to_ndarray(**kwargs)
+
+
+def prepare_image(image: np.ndarray, size: int, name: str = "image") -> np.ndarray:
+    """An RGB image ``[H, W, 3]`` (uint8, or float in [0, 1] as openpi's client tools accept) -> the
+    training layout ``[size, size, 3]`` uint8. A ValueError names ``name`` and what was expected."""
+    image = np.asarray(image)
+    if image.ndim != 3 or image.shape[-1] != 3:
+        raise ValueError(f"{name}: expected an RGB image [H, W, 3] (uint8), got shape {list(image.shape)}")
+    if image.shape[0] < 2 or image.shape[1] < 2:
+        raise ValueError(f"{name}: image of {image.shape[0]}x{image.shape[1]} pixels is too small to resize")
+    if np.issubdtype(image.dtype, np.floating):
+        if not np.isfinite(image).all():
+            raise ValueError(f"{name}: float image holds NaN or inf; send uint8 [H, W, 3]")
+        image = (np.clip(image, 0.0, 1.0) * 255).astype(np.uint8)
+    elif image.dtype != np.uint8:
+        raise ValueError(f"{name}: expected dtype uint8 (or float in [0, 1]), got {image.dtype}")
+    if image.shape[:2] == (size, size):
+        return np.ascontiguousarray(image)
+    frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")
+    return resize_frame(frame, size)
+
+
+def text_fields(spec: SampleSpec, instruction: str) -> dict[str, torch.Tensor]:
+    """``text`` / ``text_mask`` from the policy's tokenizer; nothing when the policy has none."""
+    if spec.tokenizer is None:
+        return {}
+    text, mask = spec.tokenizer(instruction)
+    return {"text": text, "text_mask": mask}
+
+
+def observation_batch(images: Sequence[np.ndarray], image_mask: Sequence[bool], state: np.ndarray,
+                      instruction: str, spec: SampleSpec) -> dict:
+    """A batch of one observation, as the policy's ``sample_actions`` reads it.
+
+    ``images``: one prepared ``[size, size, 3]`` uint8 image per (history step, camera), oldest
+    history step first, in ``data.cameras`` order within a step; ``image_mask``: False for a camera
+    that is padded (absent); ``state``: raw ``[state_dim]`` (or ``[history, state_dim]``)."""
+    batch = {
+        "images": torch.from_numpy(np.stack(images))[None],
+        "image_mask": torch.as_tensor(np.asarray(image_mask, dtype=bool))[None],
+        "state": torch.as_tensor(np.asarray(state, dtype=np.float32))[None],
+        "instruction": [instruction],
+    }
+    for key, value in text_fields(spec, instruction).items():
+        batch[key] = value[None]
+    return batch
