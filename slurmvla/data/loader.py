@@ -97,12 +97,12 @@ class _Padded(torch.utils.data.Dataset):
 
 
 def build_validation_loader(mixture: Mixture, cfg: DataConfig, batch_size: int, rank: int = 0,
-                            world_size: int = 1) -> DataLoader | None:
+                            world_size: int = 1, split: str = "val") -> DataLoader | None:
     """Every validation sample of the mixture once, in a fixed order (no shuffle, no drop_last),
     sharded across ranks in contiguous blocks (each rank decodes few episodes) and padded to equal
     length; ``loader.dataset.num_real`` says how many of a rank's samples are real. None when the
-    split is empty."""
-    dataset = ValidationDataset(mixture, cfg.episode_cache_size)
+    split is empty. ``split="all"``: every sample the filters keep, not just the held-out episodes."""
+    dataset = ValidationDataset(mixture, cfg.episode_cache_size, split)
     if len(dataset) == 0:
         return None
     per_rank = -(-len(dataset) // world_size)

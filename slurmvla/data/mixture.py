@@ -338,17 +338,23 @@ class MapDataset(Dataset):
         return source.sample(self._cache.get(d, e), t, epoch, int(plan.repeat[piece[0]]))
 
 
+SPLITS = ("val", "all")
+
+
 class ValidationDataset(Dataset):
-    """Every validation sample of every dataset, in (dataset, episode, frame) order; fixed randomness."""
+    """Every validation sample of every dataset (``split="all"``: every sample the filters keep), in
+    (dataset, episode, frame) order; fixed randomness."""
 
     EPOCH = -1
 
-    def __init__(self, mixture: Mixture, cache_size: int):
+    def __init__(self, mixture: Mixture, cache_size: int, split: str = "val"):
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r} is not valid; choose one of {list(SPLITS)}")
         self.mixture = mixture
         self.cache_size = cache_size
         rows = []
         for d, s in enumerate(mixture.sources):
-            index: SampleIndex = s.val_index
+            index: SampleIndex = s.val_index if split == "val" else s.index
             counts = index.ep_count[index.episodes]
             eps = np.repeat(index.episodes, counts)
             k = np.arange(len(eps)) - np.repeat(np.cumsum(counts) - counts, counts)
