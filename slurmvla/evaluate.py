@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot-episodes", type=int, default=3, help="episodes in trajectories.png (0: no plots)")
     parser.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu or cuda")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. data.root=/data/other")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         if args.split not in SPLITS:
             raise ValueError(f"--split={args.split!r} is not valid; choose one of {list(SPLITS)}")

@@ -46,6 +46,10 @@ log = logging.getLogger("slurmvla.serve")
 NUMERIC_KINDS = "biuf"
 
 
+class BadRequest(ValueError):
+    """A request the server cannot use; its message goes back to the client."""
+
+
 # -- openpi's msgpack-numpy encoding ------------------------------------------------------------
 
 
@@ -68,11 +72,11 @@ def _unpack_hook(obj: dict) -> Any:
                 raise ValueError(f"dtype {dtype} is not numeric")
             return np.ndarray(buffer=obj[b"data"], dtype=dtype, shape=tuple(obj[b"shape"]))
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"an array in the request cannot be decoded ({e})") from None
+            raise BadRequest(f"an array in the request cannot be decoded ({e})") from None
     if b"__npgeneric__" in obj:
         dtype = np.dtype(obj[b"dtype"])
         if dtype.kind not in NUMERIC_KINDS:
-            raise ValueError(f"a scalar in the request has dtype {dtype}, which is not numeric")
+            raise BadRequest(f"a scalar in the request has dtype {dtype}, which is not numeric")
         return dtype.type(obj[b"data"])
     return obj
 
@@ -88,9 +92,9 @@ def unpackb(data: bytes) -> Any:
 
     try:
         return msgpack.unpackb(data, object_hook=_unpack_hook)
-    except ValueError:
+    except BadRequest:
         raise
-    except Exception as e:  # msgpack's own errors: truncated or garbage frames
+    except Exception as e:  # msgpack's own errors: truncated, garbage or trailing bytes
         raise ValueError(f"the request is not a msgpack frame ({type(e).__name__}: {e})") from None
 
 
@@ -299,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", help="address to listen on (serve.host, default 0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, help="port to listen on (serve.port, default 8000; 0: a free one)")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. serve.cameras=[...] policy.num_inference_steps=5")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = list(args.overrides)
     overrides += [f"serve.host={args.host}"] if args.host is not None else []

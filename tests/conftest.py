@@ -42,6 +42,24 @@ def make_cfg(sample_root):
     return make
 
 
+@pytest.fixture(scope="session")
+def trained_run(sample_root, tmp_path_factory) -> Path:
+    """A run directory of the tiny reference policy after a few steps, with 3 held-out episodes, and its
+    export beside it (``run/policy.safetensors``)."""
+    from slurmvla.export import export
+    from slurmvla.trainer import Trainer
+
+    run = tmp_path_factory.mktemp("trained") / "run"
+    cfg = compose([f"data.root={sample_root}", "data.num_workers=0", "logging.wandb.mode=disabled",
+                   "trainer.progress_bar=false", "trainer.global_batch_size=8", "trainer.max_steps=8",
+                   "checkpoint.every_steps=8", "data.val_fraction=0.25"])
+    trainer = Trainer(cfg, run)
+    trainer.fit()
+    trainer.close()
+    export(run, run / "policy.safetensors")
+    return run
+
+
 def policy_spec(cfg: Config, image_size: int | None = None, horizon: int | None = None,
                 text_len: int | None = None) -> SampleSpec:
     """The configured policy's sample spec, with the image size, action horizon or text length a test needs."""
