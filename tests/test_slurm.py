@@ -19,6 +19,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
 import pytest
 from safetensors.torch import load_file
 
@@ -349,3 +350,35 @@ def test_a_lost_node_ends_the_step_requeues_and_resumes_to_the_same_weights(clus
     assert _nodes_idle(cluster, 2, 60), "node2 did not return to service"
     print(f"lost node: job left RUNNING {t_left:.1f}s after the kill; running again (restart 1) {t_again or float('nan'):.1f}s "
           f"after; finished {time.monotonic() - t_kill:.1f}s after")
+
+
+def test_sbatch_serve_answers_a_client_on_the_host(cluster, trained_run, tmp_path):
+    """sbatch/serve.sh on a test node; openpi's client connects from the host to the address the job
+    log prints, and gets the policy's actions; scancel ends the server."""
+    wcp = pytest.importorskip("openpi_client.websocket_client_policy")
+    from slurmvla.export import load_exported
+
+    from .test_serve import ATOL, RTOL, droid_obs, reference
+
+    job = sbatch(cluster, "sbatch/serve.sh", [str(trained_run), "--port", "8123"], tmp_path)
+    log_file = tmp_path / f"{job}.out"
+    deadline = time.monotonic() + 120
+    address = None
+    try:
+        while address is None:
+            log = log_file.read_text() if log_file.exists() else ""
+            m = re.search(r"serving .* on ws://(node\d):8123 \(ws://([\d.]+):8123\)", log)
+            if m:
+                address = m.group(2)
+            assert job_state(cluster, job) in ("PENDING", "RUNNING", "CONFIGURING"), log[-3000:]
+            assert time.monotonic() < deadline, f"no address in the job log after 120 s:\n{log[-3000:]}"
+            time.sleep(0.2)
+        assert address.startswith("10.78.0."), address  # a test node's own address, not the host's
+        client = wcp.WebsocketClientPolicy(address, 8123)
+        obs = droid_obs(7)
+        np.testing.assert_allclose(client.infer(obs)["actions"], reference(load_exported(trained_run), obs),
+                                   rtol=RTOL, atol=ATOL)
+    finally:
+        subprocess.run(["scancel", job], env=cluster)
+    wait_gone(cluster, job, 60)
+    assert "Traceback" not in log_file.read_text()
