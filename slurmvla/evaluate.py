@@ -29,6 +29,7 @@ import torch
 
 from slurmvla.data.loader import build_validation_loader, to_device
 from slurmvla.data.mixture import SPLITS, Mixture
+from slurmvla.data.prepare import inference_fields
 from slurmvla.eval.validate import bucket
 from slurmvla.export import Loaded, load_exported
 
@@ -56,7 +57,7 @@ def evaluate(loaded: Loaded, split: str = "val", seed: int = 0, batch_size: int 
         out = policy(batch)
         with torch.random.fork_rng(devices=[torch.device(device)] if torch.device(device).type == "cuda" else []):
             torch.manual_seed(seed * 1_000_003 + i)
-            pred = policy.sample_actions(batch)
+            pred = policy.sample_actions(inference_fields(batch))  # what the server would give it
         take = min(len(pred), num_real - seen)
         seen += take
         for name, (s, c) in out["components"].items():

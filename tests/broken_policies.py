@@ -154,6 +154,14 @@ class UnseededNoise(Sound):
 
 
 # check name -> the broken policy that check must fail, and words of its message.
+class PeeksAtActions(Sound):
+    """output contract: inference that reads the recorded actions (perfect offline, impossible on a robot)."""
+
+    @torch.no_grad()
+    def sample_actions(self, batch: dict) -> torch.Tensor:
+        return batch["actions"].float() + 0 * self.predict(batch)
+
+
 NEGATIVE_CONTROLS = {
     "output contract": ("BatchTotals", "not [4] (one value per sample)"),
     "shard invariance": ("LocalCountLoss", "relative from the mean of the two halves"),

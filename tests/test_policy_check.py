@@ -87,6 +87,12 @@ def test_each_single_process_check_fails_its_negative_control(check, sample_root
     assert result.status == "fail" and words in result.figure and result.fix, result.line()
 
 
+def test_output_contract_fails_inference_that_reads_the_recorded_actions(sample_root):
+    """sample_actions gets what the server and the evaluator give it: observations only."""
+    (result,) = run_checks(subject(sample_root, "PeeksAtActions"), ["output contract"])
+    assert result.status == "fail" and "sample_actions reads 'actions'" in result.figure, result.line()
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("check", MULTI_RANK)

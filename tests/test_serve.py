@@ -245,3 +245,21 @@ def test_history_frames_follow_training_layout(sample_root):
         assert batch["image_mask"][0].tolist() == [i >= 2, False, i >= 2, True, False, True]
         assert batch["state"].shape == (1, 2, 8)
     assert runner.policy.sample_actions(batch).shape == (1, cfg.policy.action_horizon, cfg.policy.action_dim)
+
+
+def test_a_plug_in_policy_is_served_through_the_same_contract(sample_root, example_policy):
+    """The server calls only the contract: a user's class (the MLP example) is served as the built-in is."""
+    cfg = compose([f"data.root={sample_root}", "policy=custom", f"policy.target={example_policy}"])
+    torch.manual_seed(0)
+    policy = build_policy(cfg.policy).eval()
+    runner = PolicyRunner(Loaded(policy, cfg, 0, "memory"))
+    obs = droid_obs(30, raw=True)
+    got = runner.infer(runner.batch(collections.deque([runner.read(obs)])))
+    size = cfg.policy.image_size
+    images = np.stack([prepare_image(obs["observation/exterior_image_1_left"], size), np.zeros((size, size, 3), np.uint8),
+                       prepare_image(obs["observation/wrist_image_left"], size)])
+    state = np.concatenate([obs["observation/joint_position"], obs["observation/gripper_position"]]).astype(np.float32)
+    with torch.no_grad():
+        want = policy.sample_actions({"images": torch.from_numpy(images)[None], "image_mask": torch.tensor([[1, 0, 1]]).bool(),
+                                      "state": torch.from_numpy(state)[None]})[0].numpy()
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)

@@ -6,7 +6,8 @@
   RGB uint8 ``[size, size, 3]``, through :func:`resize_frame`.
 - :func:`text_fields`: the instruction -> the policy's tokens, with the policy's own tokenizer.
 - :func:`observation_batch`: one observation -> a batch of one in the layout samples have (without
-  the training-only fields: actions, pre-drawn noise, provenance).
+  the training-only fields: actions, pre-drawn noise, provenance); :func:`inference_fields` cuts a
+  training batch down to the same keys.
 
 State and action normalization is not here: the policy owns it (offset / scale buffers that travel
 with its weights), so raw state goes in and raw actions come out in training and inference alike.
@@ -21,6 +22,15 @@ import numpy as np
 import torch
 
 from slurmvla.data.spec import SampleSpec
+
+# What an observation gives a policy at inference time: no recorded actions, no pre-drawn training
+# noise, no provenance. sample_actions sees only these, in the server, the evaluator and the checker.
+INFERENCE_KEYS = ("images", "image_mask", "state", "instruction", "text", "text_mask")
+
+
+def inference_fields(batch: dict) -> dict:
+    """The part of a training batch that inference would have (:data:`INFERENCE_KEYS`)."""
+    return {k: v for k, v in batch.items() if k in INFERENCE_KEYS}
 
 
 def resize_frame(frame: av.VideoFrame, size: int | None) -> np.ndarray:

@@ -46,6 +46,7 @@ import torch
 from torch.utils.data import default_collate
 
 from slurmvla.config import Config
+from slurmvla.data.prepare import INFERENCE_KEYS, inference_fields
 
 CHECKS = ("output contract", "shard invariance", "wrap units", "fsdp safety", "zero-3 construction",
           "rank-divergent inputs", "gradient checkpointing", "determinism")
@@ -189,9 +190,13 @@ def check_output_contract(s: Subject) -> Result:
     policy.eval()
     try:
         with torch.no_grad():
-            actions = policy.sample_actions(s.batch)
+            actions = policy.sample_actions(inference_fields(s.batch))
     except NotImplementedError as e:
         return Result(name, "fail", str(e), "implement sample_actions(batch) -> [B, action_horizon, action_dim]")
+    except KeyError as e:
+        return Result(name, "fail", f"sample_actions reads {e}, which an observation at inference time does not have "
+                      f"(it has {list(INFERENCE_KEYS)})", "read only observations in sample_actions: the server and the "
+                      "evaluator pass no actions, noise draws or provenance")
     want = (b, s.cfg.policy.action_horizon, s.cfg.policy.action_dim)
     if not torch.is_tensor(actions) or tuple(actions.shape) != want or not torch.isfinite(actions).all():
         return Result(name, "fail", f"sample_actions gave {getattr(actions, 'shape', type(actions))}, want {list(want)}"
