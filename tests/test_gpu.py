@@ -171,3 +171,26 @@ def test_a_gpu_run_exports_a_file_the_cpu_loads_and_predicts_with(make_cfg, tmp_
     assert on_gpu.device.type == DEVICE
     # Another device's kernels: fp32, ten integration steps; agreement to ~1e-5 of the action scale.
     assert torch.allclose(on_cpu, on_gpu.cpu(), rtol=1e-3, atol=1e-4)
+
+
+def test_the_server_runs_the_policy_on_the_gpu_in_bf16_close_to_the_cpu(trained_run):
+    """serve.device=cuda with precision=bf16 (autocast): the chunk the GPU serves agrees with the fp32 CPU
+    chunk for the same observation and seed, to bf16's resolution over ten integration steps."""
+    import collections
+
+    import numpy as np
+
+    from slurmvla.serve import build_server
+
+    from .test_serve import droid_obs
+
+    chunks = {}
+    for device, precision in (("cpu", "fp32"), (DEVICE, "bf16")):
+        runner = build_server(str(trained_run), [f"precision={precision}"], device=device).runner
+        assert runner.device.type == device
+        if CUDA and precision == "bf16":
+            assert runner.autocast is not None
+        obs = droid_obs(9)
+        chunks[precision] = runner.infer(runner.batch(collections.deque([runner.read(obs)])))
+    scale = np.abs(chunks["fp32"]).max()
+    assert np.abs(chunks["bf16"] - chunks["fp32"]).max() < 0.05 * scale
