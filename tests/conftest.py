@@ -44,15 +44,16 @@ def make_cfg(sample_root):
 
 @pytest.fixture(scope="session")
 def trained_run(sample_root, tmp_path_factory) -> Path:
-    """A run directory of the tiny reference policy after a few steps, with 3 held-out episodes, and its
-    export beside it (``run/policy.safetensors``)."""
+    """A run directory of the demo's configuration (experiment=demo: the tiny reference policy) cut to a
+    few steps on the test data, with 3 held-out episodes, and its export (``run/policy.safetensors``)."""
     from slurmvla.export import export
     from slurmvla.trainer import Trainer
 
     run = tmp_path_factory.mktemp("trained") / "run"
-    cfg = compose([f"data.root={sample_root}", "data.num_workers=0", "logging.wandb.mode=disabled",
+    cfg = compose(["experiment=demo", f"data.root={sample_root}", "data.num_workers=0", "logging.wandb.mode=disabled",
                    "trainer.progress_bar=false", "trainer.global_batch_size=8", "trainer.max_steps=8",
-                   "checkpoint.every_steps=8", "data.val_fraction=0.25"])
+                   "checkpoint.every_steps=8", "data.val_fraction=0.25",
+                   "trainer.val_every_steps=0", "trainer.log_every_steps=4"])
     trainer = Trainer(cfg, run)
     trainer.fit()
     trainer.close()
