@@ -184,6 +184,23 @@ def test_sample_actions_returns_unnormalized_chunks():
     assert (acts.mean() - 5.0).abs() < 1.0
 
 
+def test_sample_actions_reuses_the_prefix_and_equals_the_full_integration():
+    """Inference runs the prefix stream once and reuses its keys / values at every denoising step; the
+    chunk equals the one that recomputes every layer's prefix at each step (the training path's
+    ``_velocity``), bit for bit, including with a masked camera and padded text."""
+    p = policy().eval()
+    batch = make_batch(b=3)
+    batch["image_mask"][0, 1] = False
+    noise = torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = p.sample_actions(batch, noise=noise, num_steps=5)
+        x = noise.clone()
+        prefix, keep = p._prefix(batch)
+        for i in range(5):
+            x = x - p._velocity(prefix, keep, x, torch.full((3,), 1.0 - i / 5)).float() / 5
+    assert torch.equal(got, x * p.action_scale + p.action_offset)
+
+
 @pytest.mark.parametrize("size", ["small", "base"])
 def test_larger_sizes_build(size):
     from slurmvla.compose import compose

@@ -152,10 +152,20 @@ class VLALayer(nn.Module):
     def expert_parts(self) -> list[nn.Module]:
         return [self.expert_norm1, self.expert_attn, self.expert_norm2, self.expert_mlp]
 
-    def forward(self, prefix: torch.Tensor, suffix: torch.Tensor, prefix_keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``prefix_keep``: bool ``[B, P]``, False for padding tokens and missing cameras."""
-        p, s = prefix.shape[1], suffix.shape[1]
-        qp, kp, vp = self.backbone_attn.project(self.backbone_norm1(prefix))
+    def forward(self, prefix: torch.Tensor | None, suffix: torch.Tensor, prefix_keep: torch.Tensor,
+                prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple:
+        """``prefix_keep``: bool ``[B, P]``, False for padding tokens and missing cameras.
+
+        Returns ``(prefix, suffix, (k, v) of the prefix)``. Prefix tokens never attend to the
+        suffix, so at inference the prefix's keys and values are the same at every denoising step:
+        given ``prefix_kv`` (from an earlier call), the prefix stream is skipped (``prefix`` may be
+        None and None is returned for it) and only the action tokens are computed."""
+        s = suffix.shape[1]
+        if prefix_kv is None:
+            qp, kp, vp = self.backbone_attn.project(self.backbone_norm1(prefix))
+        else:
+            (kp, vp), qp = prefix_kv, None
+        p = kp.shape[2]
         qs, ks, vs = self.expert_attn.project(self.expert_norm1(suffix))
         k, v = torch.cat([kp, ks], dim=2), torch.cat([vp, vs], dim=2)
         keys_ok = torch.cat([prefix_keep, prefix_keep.new_ones(prefix_keep.shape[0], s)], dim=1)[:, None, None, :]
@@ -164,12 +174,14 @@ class VLALayer(nn.Module):
         ys = attention(qs, k, v, suffix_mask, self.impl)
         suffix = suffix + self.expert_attn.out(ys.transpose(1, 2).flatten(2))
         suffix = suffix + self.expert_mlp(self.expert_norm2(suffix))
-        if self.prefix_output:
+        if self.prefix_output and prefix_kv is None:
             prefix_mask = keys_ok[..., :p].expand(-1, 1, p, -1)
             yp = attention(qp, kp, vp, prefix_mask, self.impl)
             prefix = prefix + self.backbone_attn.out(yp.transpose(1, 2).flatten(2))
             prefix = prefix + self.backbone_mlp(self.backbone_norm2(prefix))
-        return prefix, suffix
+        elif prefix_kv is not None:
+            prefix = None
+        return prefix, suffix, (kp, vp)
 
 
 class ActionTimeEmbedding(nn.Module):
@@ -290,9 +302,9 @@ class FlowMatchingVLA(Policy):
         suffix = self.expert_in(x_t, t)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                prefix, suffix = checkpoint(layer, prefix, suffix, keep, use_reentrant=False)
+                prefix, suffix, _ = checkpoint(layer, prefix, suffix, keep, use_reentrant=False)
             else:
-                prefix, suffix = layer(prefix, suffix, keep)
+                prefix, suffix, _ = layer(prefix, suffix, keep)
         return self.expert_out(self.expert_out_norm(suffix))
 
     def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
@@ -368,7 +380,15 @@ class FlowMatchingVLA(Policy):
         shape = (b, self.cfg.action_horizon, self.cfg.action_dim)
         x = torch.randn(shape, device=batch["state"].device) if noise is None else noise.float()
         prefix, keep = self._prefix(batch)
+        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i in range(steps):
             t = torch.full((b,), 1.0 - i / steps, device=x.device)
-            x = x - self._velocity(prefix, keep, x, t).float() / steps
+            # The prefix stream runs once (first step); later steps reuse each layer's prefix keys and
+            # values. Every layer still runs through its own __call__, so sharding hooks see it.
+            suffix, h = self.expert_in(x, t), prefix
+            for j, layer in enumerate(self.layers):
+                h, suffix, kv = layer(h, suffix, keep, cache[j] if i > 0 else None)
+                if i == 0:
+                    cache.append(kv)
+            x = x - self.expert_out(self.expert_out_norm(suffix)).float() / steps
         return x * self.action_scale + self.action_offset
