@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from slurmvla.data.features import DROID_CAMERAS, DROID_INSTRUCTION_KEYS
-from slurmvla.registry import DATA_MODES, ENGINES, POLICIES, SCHEDULERS
+from slurmvla.registry import DATA_MODES, ENGINES, IMAGE_RESIZE_MODES, POLICIES, SCHEDULERS
 
 log = logging.getLogger("slurmvla")
 
@@ -143,6 +143,9 @@ class KeepRangesConfig:
 
 
 DATA_LOADERS = ("stream", "map")
+# The sample dataset's generator revision (part of its cache folder's name): a changed generator
+# writes a new copy instead of reusing an older one.
+SAMPLE_REVISION = "v3.0_av1_r2"
 NORMALIZATIONS = ("mean_std", "min_max", "quantile", "identity")
 MISSING_CAMERA_CHOICES = ("fail", "pad")
 
@@ -166,10 +169,14 @@ class DataConfig:
     # written on first use into cache_dir (python -m slurmvla.data.synthetic writes it by hand).
     root: str | None = None
     cache_dir: str = "${oc.env:SLURMVLA_CACHE,${oc.env:HOME}/.cache/slurmvla}"
-    sample_episodes: int = 24
+    sample_episodes: int = 48
     cameras: list[str] = field(default_factory=lambda: list(DROID_CAMERAS))
     # A camera the dataset lacks: fail, or pad with a black image whose image_mask entry is false.
     missing_cameras: str = "fail"
+    # Camera frames to the policy's square image_size: pad (keep the aspect ratio, pad with black,
+    # as openpi's resize-with-pad; what pretrained backbones expect) or squash (stretch). Training,
+    # validation, evaluate and the policy server all resize through one function.
+    image_resize: str = "pad"
     # Concatenated in order: e.g. [observation.state] or its sub-keys
     # [observation.state.joint_position, observation.state.gripper_position].
     state_keys: list[str] = field(default_factory=lambda: ["observation.state"])
@@ -218,6 +225,7 @@ class DataConfig:
         _choice("data.loader", self.loader, DATA_LOADERS)
         _choice("data.mode", self.mode, DATA_MODES)
         _choice("data.missing_cameras", self.missing_cameras, MISSING_CAMERA_CHOICES)
+        _choice("data.image_resize", self.image_resize, IMAGE_RESIZE_MODES)
         _choice("data.state_normalization", self.state_normalization, NORMALIZATIONS)
         _choice("data.action_normalization", self.action_normalization, NORMALIZATIONS)
         if not 0.0 <= self.val_fraction < 1.0:
@@ -234,7 +242,7 @@ class DataConfig:
                                  "mixture members need distinct names")
 
     def sample_root(self) -> Path:
-        return Path(self.cache_dir).expanduser() / f"droid_sample_v3.0_{self.sample_episodes}ep"
+        return Path(self.cache_dir).expanduser() / f"droid_sample_{SAMPLE_REVISION}_{self.sample_episodes}ep"
 
     @property
     def resolved_root(self) -> Path:

@@ -142,3 +142,7 @@ SAMPLE_MODES = ("policy", "forward_dynamics", "inverse_dynamics")
 # data.mode: every sample in one sample mode, or joint: a sample mode drawn per sample.
 JOINT_MODE = "joint"
 DATA_MODES = (SAMPLE_MODES[0], JOINT_MODE, *SAMPLE_MODES[1:])
+
+# data.image_resize: camera frames to the policy's square input. pad keeps the aspect ratio and
+# pads with black (openpi's resize-with-pad, what pretrained SigLIP backbones expect); squash stretches.
+IMAGE_RESIZE_MODES = ("pad", "squash")

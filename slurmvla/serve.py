@@ -143,7 +143,8 @@ class PolicyRunner:
             raise ValueError(f"missing key {missing[0]!r}: this server reads {needed}; the request has "
                              f"{sorted(map(str, obs))}")
         size = self.spec.image_size
-        images = [None if key is None else prepare_image(obs[key], size, name=key) for key in self.camera_keys]
+        mode = self.cfg.data.image_resize
+        images = [None if key is None else prepare_image(obs[key], size, name=key, mode=mode) for key in self.camera_keys]
         parts = []
         for key in serve.state:
             value = np.asarray(obs[key])

@@ -101,7 +101,8 @@ def test_v21_fixture_reads_back_exactly(make_cfg, v21_root):
             assert s["actions"][:, 0].tolist() == [r + 100 * e + 0.5 for r in rows]
             assert s["action_mask"].tolist() == [t + k < n for k in range(4)]
             assert detokenize(s["text"][s["text_mask"]]) == TASKS[e]  # from tasks.jsonl through task_index
-            assert abs(s["images"].float().mean().item() - _gray(e, t)) < 4
+            # The middle row lies inside the picture (a 64x48 frame is padded above and below to a square).
+            assert abs(s["images"][:, 16].float().mean().item() - _gray(e, t)) < 4
     # Pooled from the per-episode stats, weighted by episode length (no "count" in the file).
     all_state = np.concatenate([np.stack([np.arange(n) + 100 * e, -np.arange(n)], 1) for e, n in enumerate(LENGTHS)])
     raw = source.raw_stats(["observation.state"])
@@ -219,3 +220,47 @@ def test_inspect_counts_match_the_files(sample_root, capsys):
     assert d["train_episodes"] + d["val_episodes"] == d["episodes_kept"] and d["val_episodes"] == round(0.2 * d["episodes_kept"])
     assert out["mixture"]["weights"] == {"droid_sample": 1.0}
     assert out["mixture"]["samples_per_epoch"] == d["train_samples"]
+
+
+def test_av1_at_gop_2_decodes_frame_i_as_frame_i_in_every_file(tmp_path):
+    """The DROID port's encoding (SVT-AV1, GOP 2): flat gray frames that encode their index, two
+    files of several episodes each; every episode range, read by seek + forward decode, holds
+    exactly its own frames, also in the second file."""
+    from slurmvla.data.synthetic import FPS, HEIGHT, WIDTH, _encode
+    from slurmvla.data.video import decode_range
+
+    lengths = [[9, 4, 13], [6, 11]]
+    for f, file_lengths in enumerate(lengths):
+        n = sum(file_lengths)
+        frames = np.stack([np.full((HEIGHT, WIDTH, 3), 20 + 9 * i + 3 * f, np.uint8) for i in range(n)])
+        _encode(tmp_path / f"file-{f}.mp4", frames, codec="av1")
+        with av.open(str(tmp_path / f"file-{f}.mp4")) as c:
+            assert c.streams.video[0].codec_context.name in ("libdav1d", "av1")
+        cursor = 0
+        for length in file_lengths:
+            out = decode_range(tmp_path / f"file-{f}.mp4", cursor / FPS, (cursor + length) / FPS, FPS, 32)
+            gray = out[:, 16].reshape(length, -1).mean(1)
+            expected = 20 + 9 * np.arange(cursor, cursor + length) + 3 * f
+            assert np.abs(gray - expected).max() < 3, (f, cursor, gray, expected)
+            cursor += length
+
+
+def test_pad_resize_keeps_the_aspect_ratio_as_openpi_does():
+    """180x320 -> 224: the picture is 224x126, centred (49 black rows above, 49 below), and its
+    pixels are the squash-resized picture's at that size; squash fills the square."""
+    from slurmvla.data.prepare import prepare_image
+
+    rng = np.random.default_rng(0)
+    image = np.repeat(np.repeat(rng.integers(0, 255, (18, 32, 3), dtype=np.uint8), 10, 0), 10, 1)
+    padded = prepare_image(image, 224)
+    assert padded.shape == (224, 224, 3)
+    assert not padded[:49].any() and not padded[175:].any()
+    picture = av.VideoFrame.from_ndarray(image, format="rgb24").to_ndarray(format="rgb24", width=224, height=126)
+    assert np.array_equal(padded[49:175], picture)
+    squashed = prepare_image(image, 224, mode="squash")
+    assert np.array_equal(squashed, av.VideoFrame.from_ndarray(image, format="rgb24").to_ndarray(
+        format="rgb24", width=224, height=224))
+    portrait = prepare_image(np.full((320, 180, 3), 200, np.uint8), 224)
+    assert not portrait[:, :49].any() and (portrait[:, 49:175] == 200).all() and not portrait[:, 175:].any()
+    with pytest.raises(ValueError, match="data.image_resize='crop' is not valid; choose one of \\['pad', 'squash'\\]"):
+        prepare_image(image, 224, mode="crop")

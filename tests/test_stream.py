@@ -157,3 +157,46 @@ def test_persistent_workers_follow_the_position_and_kept_episodes_change_nothing
     for xs, ys in zip(a, b):
         assert [_ids(x) for x in xs] == [_ids(y) for y in ys]
         assert all(torch.equal(x["images"], y["images"]) and torch.equal(x["noise"], y["noise"]) for x, y in zip(xs, ys))
+
+
+def test_windowed_pieces_equal_whole_episodes_and_hold_only_their_window(make_cfg, monkeypatch):
+    """With a 2-frame history 3 frames apart: every stream sample equals the sample cut from the
+    whole decoded episode; each piece's samples come in frame order; an open piece never holds
+    more than its history span plus one decode block; a request behind the window is refused."""
+    from slurmvla.data.droid import EpisodeWindow
+
+    cfg = make_cfg("data.num_obs_history=2", "data.history_interval=3", "policy.num_obs_history=2",
+                   "data.stream_cache_episodes=0")
+    mixture = Mixture(cfg.data, policy_spec(cfg, image_size=32, text_len=24), 0)
+    source = mixture.sources[0]
+    held = []
+    original = EpisodeWindow.images
+
+    def watched(self, frames):
+        out = original(self, frames)
+        held.append(self.buffered_frames)
+        return out
+
+    monkeypatch.setattr(EpisodeWindow, "images", watched)
+    stream = EpisodeStream(mixture, 4, 0, 1, 1)
+    d, e, t, rep, piece = stream.shard_order(0, 0)
+    for p in np.unique(piece):
+        assert np.all(np.diff(t[piece == p]) > 0), "a piece's samples come in frame order"
+    whole = {}
+    for i, s in enumerate(stream):
+        ep, frame = int(s["episode_index"]), int(s["frame_index"])
+        assert (ep, frame) == (e[i], t[i])
+        if ep not in whole:
+            whole[ep] = source.load_episode(ep)
+        ref = source.sample(whole[ep], frame, 0, int(rep[i]))
+        assert torch.equal(s["images"], ref["images"]) and torch.equal(s["image_mask"], ref["image_mask"])
+        assert torch.equal(s["state"], ref["state"]) and torch.equal(s["actions"], ref["actions"])
+    assert i + 1 == len(d) and held
+    # The blocks that overlap a 4-frame history window: at most two, whatever the episode length.
+    assert max(held) <= 2 * EpisodeWindow.BLOCK, max(held)
+
+    window = source.open_episode(int(source.train_index.episodes[0]))
+    window.images(np.asarray([10, 13]))
+    with pytest.raises(RuntimeError, match="moves forward only"):
+        window.images(np.asarray([2, 5]))
+    window.close()

@@ -28,7 +28,7 @@ from slurmvla.data.keep_ranges import load_keep_ranges
 from slurmvla.data.lerobot import LeRobotMetadata
 from slurmvla.data.prepare import text_fields
 from slurmvla.data.spec import DataFeatures, SampleSpec
-from slurmvla.data.video import decode_range
+from slurmvla.data.video import FrameReader, decode_range, read_concurrently
 from slurmvla.registry import JOINT_MODE, SAMPLE_MODES
 
 log = logging.getLogger("slurmvla")
@@ -77,6 +77,68 @@ class Episode:
     frames: np.ndarray  # [n, num_cams, H, W, 3] uint8, frames first_frame .. first_frame + n
     first_frame: int
     present: np.ndarray  # [num_cams] bool: camera exists in the dataset
+
+    def images(self, frames: np.ndarray) -> np.ndarray:
+        """``[len(frames), num_cams, H, W, 3]`` uint8: the cameras' images at these frame indices."""
+        return self.frames[frames - self.first_frame]
+
+    def close(self) -> None:
+        pass
+
+
+class EpisodeWindow(Episode):
+    """An episode whose frames are decoded forward on demand, a block at a time (the cameras in
+    parallel), and dropped as soon as no later request can need them. Requests must come in
+    non-decreasing order of their earliest frame (a sample's history, then the next sample's):
+    memory is the history window plus one block, whatever the episode's length."""
+
+    BLOCK = 8
+
+    def __init__(self, pos: int, state: np.ndarray, action: np.ndarray, instructions: list[list[str]],
+                 present: np.ndarray, readers: list, first_frame: int, num_frames: int, frame_shape: tuple):
+        super().__init__(pos, state, action, instructions, np.zeros((0, len(present), *frame_shape), np.uint8),
+                         first_frame, present)
+        self.readers = readers  # per camera: a FrameReader, or None for an absent camera (black, masked)
+        self.end = first_frame + num_frames
+        self.blocks: list[tuple[int, np.ndarray]] = []  # (first frame, [n, cams, H, W, 3]), oldest first
+        self.decoded_to = first_frame  # frames below this were decoded
+        self.dropped_to = first_frame  # frames below this are gone
+
+    def images(self, frames: np.ndarray) -> np.ndarray:
+        lo, hi = int(frames.min()), int(frames.max())
+        if lo < self.dropped_to or hi >= self.end:
+            raise RuntimeError(f"episode {self.pos}: frames {lo}..{hi} requested, but the window holds "
+                               f"{self.dropped_to}..{self.end - 1} and moves forward only")
+        while self.blocks and self.blocks[0][0] + len(self.blocks[0][1]) <= lo:
+            self.blocks.pop(0)
+        self.dropped_to = lo
+        while self.decoded_to <= hi:
+            self._decode_block()
+        out = np.empty((len(frames), *self.frames.shape[1:]), np.uint8)
+        for i, f in enumerate(frames.tolist()):
+            for start, block in self.blocks:
+                if start <= f < start + len(block):
+                    out[i] = block[f - start]
+                    break
+        return out
+
+    def _decode_block(self) -> None:
+        n = min(self.BLOCK, self.end - self.decoded_to)
+        block = np.zeros((n, *self.frames.shape[1:]), np.uint8)
+        live = [c for c, r in enumerate(self.readers) if r is not None]
+        read_concurrently([self.readers[c] for c in live], n, [block[:, c] for c in live])
+        self.blocks.append((self.decoded_to, block))
+        self.decoded_to += n
+
+    @property
+    def buffered_frames(self) -> int:
+        return sum(len(b) for _, b in self.blocks)
+
+    def close(self) -> None:
+        for r in self.readers:
+            if r is not None:
+                r.close()
+        self.blocks = []
 
 
 class DroidSource:
@@ -197,15 +259,10 @@ class DroidSource:
         return DataFeatures(str(self.meta.root), tuple(cfg.cameras), tuple(cfg.state_keys), self.state_dim,
                             tuple(cfg.action_keys), self.action_dim)
 
-    def load_episode(self, pos: int, first: int | None = None, last: int | None = None) -> Episode:
-        """Columns of episode ``pos`` and its frames for sample start frames ``first..last`` (inclusive),
-        with the history they need, decoded forward in one pass per camera."""
+    def _columns(self, pos: int) -> tuple[np.ndarray, np.ndarray, list[list[str]]]:
+        """State, action and per-frame instruction candidates of episode ``pos``."""
         meta, cfg = self.meta, self.cfg
         length = int(meta.episodes["length"][pos])
-        first = 0 if first is None else first
-        last = length - 1 if last is None else last
-        lo = max(0, first + int(self.history_offsets[0]))
-        hi = last + 1
         cols = meta.read_episode(pos, [*cfg.state_keys, *cfg.action_keys, *self.instruction_keys,
                                        *(["task_index"] if self.use_task else [])])
         state = np.concatenate([cols[k].reshape(length, -1) for k in cfg.state_keys], axis=1).astype(np.float32)
@@ -214,6 +271,21 @@ class DroidSource:
             instructions = [[meta.tasks.get(int(i), "")] for i in cols["task_index"].reshape(-1)]
         else:
             instructions = [[s for s in row if s] for row in zip(*(cols[k].reshape(-1) for k in self.instruction_keys))]
+        return state, action, instructions
+
+    def _frame_range(self, pos: int, first: int | None, last: int | None) -> tuple[int, int]:
+        """Frames ``[lo, hi)`` that samples starting at ``first..last`` need, with their history."""
+        length = int(self.meta.episodes["length"][pos])
+        first = 0 if first is None else first
+        last = length - 1 if last is None else last
+        return max(0, first + int(self.history_offsets[0])), last + 1
+
+    def load_episode(self, pos: int, first: int | None = None, last: int | None = None) -> Episode:
+        """Columns of episode ``pos`` and its frames for sample start frames ``first..last`` (inclusive),
+        with the history they need, decoded forward in one pass per camera."""
+        meta, cfg = self.meta, self.cfg
+        state, action, instructions = self._columns(pos)
+        lo, hi = self._frame_range(pos, first, last)
         size = self.sample_spec.image_size
         frames = np.empty((hi - lo, len(cfg.cameras), size, size, 3), dtype=np.uint8)
         for c, cam in enumerate(cfg.cameras):
@@ -223,8 +295,29 @@ class DroidSource:
             loc = self.videos[cam]
             t0 = float(loc.from_ts[pos]) + lo / meta.fps
             # Decoded straight into this camera's slot: no second copy of the frames.
-            decode_range(loc.paths[pos], t0, t0 + (hi - lo) / meta.fps, meta.fps, size, out=frames[:, c])
+            decode_range(loc.paths[pos], t0, t0 + (hi - lo) / meta.fps, meta.fps, size, out=frames[:, c],
+                         resize=cfg.image_resize)
         return Episode(pos, state, action, instructions, frames, lo, self.present)
+
+    def open_episode(self, pos: int, first: int | None = None, last: int | None = None) -> EpisodeWindow:
+        """Like :meth:`load_episode`, but frames are decoded on demand and dropped when passed (see
+        :class:`EpisodeWindow`): for readers that visit an episode's samples in frame order."""
+        meta, cfg = self.meta, self.cfg
+        state, action, instructions = self._columns(pos)
+        lo, hi = self._frame_range(pos, first, last)
+        size = self.sample_spec.image_size
+        readers = []
+        try:
+            for c, cam in enumerate(cfg.cameras):
+                loc = self.videos.get(cam)
+                readers.append(None if not self.present[c] else FrameReader(
+                    loc.paths[pos], float(loc.from_ts[pos]) + lo / meta.fps, hi - lo, meta.fps, size, cfg.image_resize))
+        except Exception:
+            for r in readers:
+                if r is not None:
+                    r.close()
+            raise
+        return EpisodeWindow(pos, state, action, instructions, self.present, readers, lo, hi - lo, (size, size, 3))
 
     def _instruction(self, episode: Episode, t: int) -> str:
         options = episode.instructions[t]
@@ -245,7 +338,7 @@ class DroidSource:
         hist = t + self.history_offsets
         hist_ok = hist >= 0
         hist = np.maximum(hist, 0)
-        images = episode.frames[hist - episode.first_frame]  # [n_hist, cams, H, W, 3]
+        images = episode.images(hist)  # [n_hist, cams, H, W, 3]
         image_mask = hist_ok[:, None] & episode.present[None, :]
         state = episode.state[hist]
         instruction = self._instruction(episode, t)

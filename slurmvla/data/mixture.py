@@ -6,8 +6,10 @@ quota exceeds its size repeats with a fresh episode order), its episodes are shu
 pieces of all datasets are shuffled together into one sequence of episode pieces.
 
 - :class:`EpisodeStream` (the fast path): the plan's sample sequence is cut into equal contiguous
-  shards, one per (rank, dataloader worker). A worker loads each of its episode pieces once
-  (frames decoded forward) and interleaves ``interleave_episodes`` pieces at a time. Every shard has
+  shards, one per (rank, dataloader worker). A worker opens each of its episode pieces once and
+  interleaves ``interleave_episodes`` pieces at a time; a piece's samples come in frame order, so
+  its frames are decoded forward, a block at a time, and dropped once passed (worker memory is
+  bounded by the open pieces' history windows, not by episode length). Every shard has
   the same number of whole batches, so every rank yields the same number per epoch; what does not
   fit (fewer than ``num_shards * (batch + 1)`` samples per epoch) is left out. The position is one
   number, batches consumed on this rank in this epoch, and a resumed stream yields exactly what
@@ -255,6 +257,12 @@ class EpisodeStream(IterableDataset):
         u = _rng("interleave", self.mixture.seed, epoch, shard).random(n)
         order = np.argsort(local + self.mixture.cfg.interleave_episodes * u, kind="stable")
         piece, k = piece[order], k[order]
+        # Within each piece, its samples take its positions in frame order: a worker decodes forward
+        # and keeps only a window of frames (EpisodeWindow). Positions grouped by piece, in order;
+        # samples grouped by piece, in frame order; the one fills the other.
+        in_order = np.empty_like(k)
+        in_order[np.argsort(piece, kind="stable")] = k[np.lexsort((k, piece))]
+        k = in_order
         d, e = plan.dataset[piece], plan.episode[piece]
         t = np.empty(n, dtype=np.int32)
         for ds in np.unique(d):
@@ -280,8 +288,8 @@ class EpisodeStream(IterableDataset):
         d, e, t, rep, piece = d[skip:], e[skip:], t[skip:], rep[skip:], piece[skip:]
         if len(piece) == 0:
             return
-        # A piece is loaded once, with just the frames its samples need, and dropped after its
-        # last sample. Per-piece bookkeeping is vectorised; per-sample values are walked in chunks
+        # A piece is opened once, as a window that decodes its frames forward and holds only those
+        # a later sample of it can still need, and closed after its last sample. Per-piece bookkeeping is vectorised; per-sample values are walked in chunks
         # (never a Python object per sample of the whole shard).
         local = piece - piece.min()
         remaining = np.bincount(local)
@@ -290,23 +298,28 @@ class EpisodeStream(IterableDataset):
         np.minimum.at(first, local, t)
         np.maximum.at(last, local, t)
         open_pieces: dict[int, Episode] = {}
-        for lo in range(0, len(piece), 4096):
-            chunk = zip(d[lo : lo + 4096].tolist(), e[lo : lo + 4096].tolist(), t[lo : lo + 4096].tolist(),
-                        rep[lo : lo + 4096].tolist(), local[lo : lo + 4096].tolist())
-            for ds, ep, frame, r, p in chunk:
-                loaded = open_pieces.get(p)
-                if loaded is None:
-                    loaded = open_pieces[p] = self._load(ds, ep, int(first[p]), int(last[p]))
-                yield self.mixture.sources[ds].sample(loaded, frame, epoch, r)
-                remaining[p] -= 1
-                if remaining[p] == 0:
-                    del open_pieces[p]
+        try:
+            for lo in range(0, len(piece), 4096):
+                chunk = zip(d[lo : lo + 4096].tolist(), e[lo : lo + 4096].tolist(), t[lo : lo + 4096].tolist(),
+                            rep[lo : lo + 4096].tolist(), local[lo : lo + 4096].tolist())
+                for ds, ep, frame, r, p in chunk:
+                    loaded = open_pieces.get(p)
+                    if loaded is None:
+                        loaded = open_pieces[p] = self._open(ds, ep, int(first[p]), int(last[p]))
+                    yield self.mixture.sources[ds].sample(loaded, frame, epoch, r)
+                    remaining[p] -= 1
+                    if remaining[p] == 0:
+                        open_pieces.pop(p).close()
+        finally:
+            for loaded in open_pieces.values():
+                loaded.close()
 
-    def _load(self, dataset: int, episode: int, first: int, last: int) -> Episode:
-        """A piece's frames: just those its samples need, or the whole episode kept across epochs."""
+    def _open(self, dataset: int, episode: int, first: int, last: int) -> Episode:
+        """A piece: a window over its frames, decoded forward as its samples (in frame order) need
+        them; or the whole episode, decoded once and kept across epochs (data.stream_cache_episodes)."""
         if self._kept.size > 0:
             return self._kept.get(dataset, episode)
-        return self.mixture.sources[dataset].load_episode(episode, first, last)
+        return self.mixture.sources[dataset].open_episode(episode, first, last)
 
 
 class MapDataset(Dataset):

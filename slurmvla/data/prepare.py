@@ -1,7 +1,9 @@
 """Input preparation shared by training and inference: one function per step, never a copy.
 
 - :func:`resize_frame`: a video frame (any pixel format) -> RGB uint8 ``[size, size, 3]``, colour
-  conversion and resize in one libswscale pass. The decoder calls it on every decoded frame.
+  conversion and resize in one libswscale pass; ``pad`` keeps the aspect ratio and pads to a
+  square with black (openpi's resize-with-pad), ``squash`` stretches. The decoder calls it on
+  every decoded frame.
 - :func:`prepare_image`: an RGB uint8 image from a client (e.g. openpi's DROID client) -> the same
   RGB uint8 ``[size, size, 3]``, through :func:`resize_frame`.
 - :func:`text_fields`: the instruction -> the policy's tokens, with the policy's own tokenizer.
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from slurmvla.data.spec import SampleSpec
+from slurmvla.registry import IMAGE_RESIZE_MODES
 
 # What an observation gives a policy at inference time: no recorded actions, no pre-drawn training
 # noise, no provenance. sample_actions sees only these, in the server, the evaluator and the checker.
@@ -33,15 +36,32 @@ def inference_fields(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k in INFERENCE_KEYS}
 
 
-def resize_frame(frame: av.VideoFrame, size: int | None) -> np.ndarray:
-    """RGB uint8 ``[size, size, 3]`` (bilinear), or the frame's own size when ``size`` is None."""
-    kwargs = {"format": "rgb24"}
-    if size is not None:
-        kwargs.update(width=size, height=size)
-    return frame.to_ndarray(**kwargs)
+def padded_size(height: int, width: int, size: int) -> tuple[int, int]:
+    """``(h, w)`` of an image scaled to fit in ``size`` x ``size`` with its aspect ratio kept
+    (the longer side becomes ``size``; the shorter is rounded down, as openpi's resize_with_pad does)."""
+    ratio = max(width / size, height / size)
+    return max(1, int(height / ratio)), max(1, int(width / ratio))
 
 
-def prepare_image(image: np.ndarray, size: int, name: str = "image") -> np.ndarray:
+def resize_frame(frame: av.VideoFrame, size: int | None, mode: str = "pad") -> np.ndarray:
+    """RGB uint8 ``[size, size, 3]`` (bilinear), or the frame's own size when ``size`` is None.
+
+    ``mode``: ``pad`` (scale to fit, centred on black; a square frame is just scaled) or ``squash``
+    (stretch to the square). One of :data:`slurmvla.registry.IMAGE_RESIZE_MODES`."""
+    if size is None:
+        return frame.to_ndarray(format="rgb24")
+    if mode == "squash" or frame.width == frame.height:
+        return frame.to_ndarray(format="rgb24", width=size, height=size)
+    if mode != "pad":
+        raise ValueError(f"data.image_resize={mode!r} is not valid; choose one of {list(IMAGE_RESIZE_MODES)}")
+    h, w = padded_size(frame.height, frame.width, size)
+    out = np.zeros((size, size, 3), dtype=np.uint8)
+    top, left = (size - h) // 2, (size - w) // 2
+    out[top : top + h, left : left + w] = frame.to_ndarray(format="rgb24", width=w, height=h)
+    return out
+
+
+def prepare_image(image: np.ndarray, size: int, name: str = "image", mode: str = "pad") -> np.ndarray:
     """An RGB image ``[H, W, 3]`` (uint8, or float in [0, 1] as openpi's client tools accept) -> the
     training layout ``[size, size, 3]`` uint8. A ValueError names ``name`` and what was expected."""
     image = np.asarray(image)
@@ -58,7 +78,7 @@ def prepare_image(image: np.ndarray, size: int, name: str = "image") -> np.ndarr
     if image.shape[:2] == (size, size):
         return np.ascontiguousarray(image)
     frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")
-    return resize_frame(frame, size)
+    return resize_frame(frame, size, mode)
 
 
 def text_fields(spec: SampleSpec, instruction: str) -> dict[str, torch.Tensor]:

@@ -2,10 +2,15 @@
 
     python -m slurmvla.data.synthetic --out DIR --episodes 24 [--format v2.1]
 
-Feature names and shapes are DROID 1.0.1's (three 180x320 cameras at 15 fps, 8-D state and action
-plus their sub-keys, three language instructions, ``is_episode_successful``). The episodes are
-learnable: the arm moves smoothly from its start towards a goal that the scene colour and the
-instruction reveal, and the action is the next joint position, so a policy's loss visibly falls.
+    python -m slurmvla.data.synthetic --out DIR --codec h264 --gop 15   # the older H.264 encoding
+
+Feature names, shapes and encoding are LeRobot's DROID port's (three 180x320 cameras at 15 fps as
+AV1 through SVT-AV1 at GOP 2 / CRF 30, yuv420p; 8-D state and action plus their joint / gripper /
+cartesian sub-keys as fixed-size float32 lists; three language instructions; ``is_episode_successful``
+and RLDS's ``is_first`` / ``is_last`` / ``is_terminal``), with many episodes per data and video file
+(v3.0). The episodes are instances of six tasks: the arm moves a fixed fraction of the way to the
+task's goal each step, the scene colour shows the task and the instruction names it, and the action
+is the next joint position, so a held-out episode is predictable from the others.
 Episode lengths vary, and some episodes are shorter than an action chunk. Beside the data it
 writes ``keep_ranges_1_0_1.json`` and ``episode_id_to_path.json`` in DROID's formats (idle first and
 last steps cut from long episodes, every fifth episode left out), to exercise the idle filter.
@@ -40,19 +45,27 @@ V2_VIDEO_PATH = "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_i
 FORMATS = ("v3.0", "v2.1")
 
 
+# Each task's goal joint configuration: a held-out episode of a task is predictable from the others.
+GOALS = np.stack([np.linspace(-0.8, 0.8, len(OBJECTS))[g] * np.cos(np.arange(7) * 0.9 + g) for g in range(len(OBJECTS))])
+GAIN = 0.12  # the fraction of the remaining way to the goal the arm covers per step
+
+
 def _episode(rng: np.random.Generator, length: int) -> dict[str, np.ndarray]:
-    """One episode's low-dimensional data and the goal that drives it."""
+    """One episode of one of a few tasks. The arm starts anywhere and moves a fixed fraction of the
+    remaining way to the task's goal each step (the goal is shown by the scene colour and named by
+    the instruction); the gripper closes once the arm is near the goal. The action is the next
+    joint and gripper position: a smooth function of what the cameras and the state show."""
     goal_id = int(rng.integers(len(OBJECTS)))
-    start = rng.uniform(-1.0, 1.0, size=7)
-    goal = np.linspace(-0.8, 0.8, len(OBJECTS))[goal_id] + rng.normal(0, 0.05, size=7) * np.arange(1, 8) / 7
-    t = np.arange(length + 1) / max(length, 1)
-    progress = (1 - np.cos(np.pi * t)) / 2
-    wobble = 0.05 * np.sin(2 * np.pi * (t[:, None] * 1.5 + rng.uniform(0, 1, size=7)))
-    joints = start + (goal - start) * progress[:, None] + wobble
-    close_at = rng.uniform(0.3, 0.7)
-    gripper = np.clip((t - close_at) * 5.0, 0.0, 1.0)[:, None]
-    state = np.concatenate([joints[:-1], gripper[:-1]], axis=1).astype(np.float32)
-    action = np.concatenate([joints[1:], gripper[1:]], axis=1).astype(np.float32)
+    goal = GOALS[goal_id]
+    joints = np.empty((length + 1, 7))
+    gripper = np.empty(length + 1)
+    joints[0], gripper[0] = rng.uniform(-1.0, 1.0, size=7), 0.0
+    for t in range(length):
+        joints[t + 1] = joints[t] + GAIN * (goal - joints[t])
+        near = np.abs(joints[t] - goal).max() < 0.3
+        gripper[t + 1] = min(1.0, gripper[t] + 0.25) if near else gripper[t]
+    state = np.concatenate([joints[:-1], gripper[:-1, None]], axis=1).astype(np.float32)
+    action = np.concatenate([joints[1:], gripper[1:, None]], axis=1).astype(np.float32)
     return {"state": state, "action": action, "goal_id": goal_id}
 
 
@@ -79,13 +92,21 @@ def _render(state: np.ndarray, goal_id: int, camera: int) -> np.ndarray:
     return frames
 
 
-def _encode(path: Path, frames: np.ndarray, gop: int = FPS) -> None:
+CODECS = ("av1", "h264")
+# LeRobot's DROID port: AV1 through SVT-AV1, a keyframe every 2 frames, CRF 30, yuv420p. The preset
+# only trades encoding speed for size. H.264 (libx264) stays available for comparison.
+ENCODERS = {"av1": ("libsvtav1", {"crf": "30", "preset": "10"}), "h264": ("libx264", {"crf": "23", "preset": "veryfast", "bf": "0"})}
+DEFAULT_GOP = {"av1": 2, "h264": FPS}
+
+
+def _encode(path: Path, frames: np.ndarray, codec: str = "av1", gop: int | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its banner per encoder otherwise; errors only
+    name, options = ENCODERS[codec]
     with av.open(str(path), mode="w") as container:
-        stream = container.add_stream("libx264", rate=Fraction(FPS))
+        stream = container.add_stream(name, rate=Fraction(FPS))
         stream.width, stream.height, stream.pix_fmt = WIDTH, HEIGHT, "yuv420p"
-        # A short GOP keeps seeking to an episode start cheap, as in LeRobot's own encodings.
-        stream.options = {"crf": "23", "preset": "veryfast", "g": str(gop), "bf": "0"}
+        stream.options = {**options, "g": str(gop or DEFAULT_GOP[codec])}
         for i, img in enumerate(frames):
             frame = av.VideoFrame.from_ndarray(img, format="rgb24")
             frame.pts = i
@@ -108,16 +129,23 @@ def _float_list(x: np.ndarray) -> pa.Array:
     return pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1), pa.float32()), x.shape[1])
 
 
-def write_droid_sample(out: str | Path, num_episodes: int, seed: int = 0, episodes_per_file: int = 1000,
-                       min_length: int = 4, max_length: int = 60, format: str = "v3.0", gop: int = FPS) -> Path:
+def write_droid_sample(out: str | Path, num_episodes: int, seed: int = 0, episodes_per_file: int = 8,
+                       min_length: int = 4, max_length: int = 60, format: str = "v3.0", codec: str = "av1",
+                       gop: int | None = None) -> Path:
     """Write the dataset into ``out`` atomically (a temporary folder renamed at the end).
 
     ``format`` is the LeRobot layout: ``v3.0`` (``episodes_per_file`` episodes per parquet / mp4) or
     ``v2.1`` (one parquet and one mp4 per episode, jsonl metadata, per-episode stats). The same
-    seed gives the same episodes in either layout. ``gop`` is the keyframe interval of the videos.
+    seed gives the same episodes in either layout. ``codec``: ``av1`` (SVT-AV1 at GOP 2 and CRF 30,
+    as LeRobot's DROID port) or ``h264``; ``gop`` overrides the keyframe interval (frames).
     """
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not valid; choose one of {list(FORMATS)}")
+    if codec not in CODECS:
+        raise ValueError(f"codec={codec!r} is not valid; choose one of {list(CODECS)}")
+    if gop is not None and gop < 1:
+        raise ValueError(f"gop={gop} is not valid; it must be >= 1 (frames between keyframes)")
+    video = (codec, gop)
     out = Path(out)
     if (out / "meta" / "info.json").is_file():
         raise FileExistsError(f"{out} already holds a dataset")
@@ -156,13 +184,19 @@ def write_droid_sample(out: str | Path, num_episodes: int, seed: int = 0, episod
             "action.joint_position": ep["action"][:, :7],
             "action.gripper_position": ep["action"][:, 7:],
             "action.joint_velocity": ((ep["action"][:, :7] - ep["state"][:, :7]) * FPS).astype(np.float32),
+            "action.gripper_velocity": ((ep["action"][:, 7:] - ep["state"][:, 7:]) * FPS).astype(np.float32),
             "action.cartesian_position": cart_action,
+            "action.cartesian_velocity": ((cart_action - cart_state) * FPS).astype(np.float32),
             "timestamp": (np.arange(n) / FPS).astype(np.float32),
             "frame_index": np.arange(n, dtype=np.int64),
             "episode_index": np.full(n, e, dtype=np.int64),
             "index": np.arange(global_index, global_index + n, dtype=np.int64),
             "task_index": np.full(n, tasks.index(instructions[0]), dtype=np.int64),
             "is_episode_successful": np.full(n, success),
+            # RLDS's step flags, as the DROID port keeps them (DROID's episodes end in a terminal step).
+            "is_first": np.arange(n) == 0,
+            "is_last": np.arange(n) == n - 1,
+            "is_terminal": np.arange(n) == n - 1,
         }
         for k, key in enumerate(("language_instruction", "language_instruction_2", "language_instruction_3")):
             columns[key] = np.array([instructions[k]] * n, dtype=object)
@@ -172,9 +206,9 @@ def write_droid_sample(out: str | Path, num_episodes: int, seed: int = 0, episod
         global_index += n
 
     if format == "v3.0":
-        _write_v3(tmp, per_episode, tasks, episodes_per_file, gop)
+        _write_v3(tmp, per_episode, tasks, episodes_per_file, video)
     else:
-        _write_v2(tmp, per_episode, tasks, gop)
+        _write_v2(tmp, per_episode, tasks, video)
     keep = {}
     for e, n in enumerate(lengths):
         if e % 5 == 4:
@@ -182,7 +216,7 @@ def write_droid_sample(out: str | Path, num_episodes: int, seed: int = 0, episod
         keep[episode_key(rel_paths[_episode_id(e)])] = [[1, n - 1]] if n > 12 else [[0, n]]
     (tmp / "keep_ranges_1_0_1.json").write_text(json.dumps(keep, indent=1))
     (tmp / "episode_id_to_path.json").write_text(json.dumps(rel_paths, indent=1))
-    info = _info(format, num_episodes, global_index, len(tasks), episodes_per_file)
+    info = _info(format, num_episodes, global_index, len(tasks), codec)
     (tmp / "meta" / "info.json").write_text(json.dumps(info, indent=2))
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)
@@ -205,7 +239,7 @@ def _table(columns: dict[str, np.ndarray]) -> pa.Table:
     return pa.table(arrays)
 
 
-def _write_v3(tmp: Path, per_episode: list, tasks: list[str], episodes_per_file: int, gop: int) -> None:
+def _write_v3(tmp: Path, per_episode: list, tasks: list[str], episodes_per_file: int, video: tuple) -> None:
     rows = []
     for file_index in range(0, len(per_episode), episodes_per_file):
         group = per_episode[file_index : file_index + episodes_per_file]
@@ -227,7 +261,7 @@ def _write_v3(tmp: Path, per_episode: list, tasks: list[str], episodes_per_file:
         pq.write_table(_table(merged), path)
         for cam in DROID_CAMERAS:
             _encode(tmp / VIDEO_PATH.format(video_key=cam, chunk_index=0, file_index=f),
-                    np.concatenate([frames[cam] for _, frames, _ in group]), gop)
+                    np.concatenate([frames[cam] for _, frames, _ in group]), *video)
     meta = tmp / "meta"
     (meta / "episodes" / "chunk-000").mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), meta / "episodes" / "chunk-000" / "file-000.parquet")
@@ -238,7 +272,7 @@ def _write_v3(tmp: Path, per_episode: list, tasks: list[str], episodes_per_file:
     (meta / "stats.json").write_text(json.dumps(stats, indent=2))
 
 
-def _write_v2(tmp: Path, per_episode: list, tasks: list[str], gop: int) -> None:
+def _write_v2(tmp: Path, per_episode: list, tasks: list[str], video: tuple) -> None:
     meta = tmp / "meta"
     meta.mkdir(parents=True, exist_ok=True)
     episode_lines, stats_lines = [], []
@@ -248,7 +282,7 @@ def _write_v2(tmp: Path, per_episode: list, tasks: list[str], gop: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(_table(columns), path)
         for cam in DROID_CAMERAS:
-            _encode(tmp / V2_VIDEO_PATH.format(episode_chunk=0, video_key=cam, episode_index=e), frames[cam], gop)
+            _encode(tmp / V2_VIDEO_PATH.format(episode_chunk=0, video_key=cam, episode_index=e), frames[cam], *video)
         episode_lines.append(json.dumps(row))
         # v2.1 per-episode stats carry no quantiles.
         ep_stats = {k: {s: v for s, v in _stats(columns[k]).items() if s not in ("q01", "q99")}
@@ -259,7 +293,7 @@ def _write_v2(tmp: Path, per_episode: list, tasks: list[str], gop: int) -> None:
     (meta / "tasks.jsonl").write_text("".join(json.dumps({"task_index": i, "task": t}) + "\n" for i, t in enumerate(tasks)))
 
 
-def _info(format: str, num_episodes: int, num_frames: int, num_tasks: int, episodes_per_file: int) -> dict:
+def _info(format: str, num_episodes: int, num_frames: int, num_tasks: int, codec: str) -> dict:
     def vec(n: int, names: list[str]) -> dict:
         return {"dtype": "float32", "shape": [n], "names": names}
 
@@ -268,7 +302,7 @@ def _info(format: str, num_episodes: int, num_frames: int, num_tasks: int, episo
         cam: {
             "dtype": "video", "shape": [HEIGHT, WIDTH, 3], "names": ["height", "width", "channels"],
             "info": {"video.fps": FPS, "video.height": HEIGHT, "video.width": WIDTH, "video.channels": 3,
-                     "video.codec": "h264", "video.pix_fmt": "yuv420p", "video.is_depth_map": False, "has_audio": False},
+                     "video.codec": codec, "video.pix_fmt": "yuv420p", "video.is_depth_map": False, "has_audio": False},
         }
         for cam in DROID_CAMERAS
     }
@@ -281,11 +315,16 @@ def _info(format: str, num_episodes: int, num_frames: int, num_tasks: int, episo
         "action.joint_position": vec(7, joints),
         "action.gripper_position": vec(1, ["gripper"]),
         "action.joint_velocity": vec(7, joints),
+        "action.gripper_velocity": vec(1, ["gripper"]),
         "action.cartesian_position": vec(6, ["x", "y", "z", "roll", "pitch", "yaw"]),
+        "action.cartesian_velocity": vec(6, ["x", "y", "z", "roll", "pitch", "yaw"]),
         "language_instruction": {"dtype": "string", "shape": [1], "names": None},
         "language_instruction_2": {"dtype": "string", "shape": [1], "names": None},
         "language_instruction_3": {"dtype": "string", "shape": [1], "names": None},
         "is_episode_successful": {"dtype": "bool", "shape": [1], "names": None},
+        "is_first": {"dtype": "bool", "shape": [1], "names": None},
+        "is_last": {"dtype": "bool", "shape": [1], "names": None},
+        "is_terminal": {"dtype": "bool", "shape": [1], "names": None},
         "timestamp": {"dtype": "float32", "shape": [1], "names": None},
         "frame_index": {"dtype": "int64", "shape": [1], "names": None},
         "episode_index": {"dtype": "int64", "shape": [1], "names": None},
@@ -309,7 +348,7 @@ def ensure_sample_dataset(cfg) -> None:  # noqa: ANN001 - a DataConfig
     if (root / "meta" / "info.json").is_file():
         return
     try:
-        write_droid_sample(root, cfg.sample_episodes, seed=0, episodes_per_file=max(1, cfg.sample_episodes // 2))
+        write_droid_sample(root, cfg.sample_episodes, seed=0, episodes_per_file=max(1, cfg.sample_episodes // 3))
     except OSError:
         # Another process (a second node sharing the cache) finished first: its copy is complete.
         if not (root / "meta" / "info.json").is_file():
@@ -321,14 +360,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="output folder (must not hold a dataset yet)")
     parser.add_argument("--episodes", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--episodes-per-file", type=int, default=1000,
-                        help="episodes packed into one parquet / mp4 file (LeRobot v3.0 packs many)")
+    parser.add_argument("--episodes-per-file", type=int, default=8,
+                        help="episodes packed into one parquet / mp4 file (LeRobot v3.0 packs many; default 8)")
     parser.add_argument("--format", choices=FORMATS, default="v3.0", help="LeRobot layout (default v3.0)")
+    parser.add_argument("--codec", choices=CODECS, default="av1",
+                        help="video codec: av1 (SVT-AV1, GOP 2, CRF 30: LeRobot's DROID port; default) or h264")
+    parser.add_argument("--gop", type=int, default=None, help="keyframe interval in frames (default: 2 for av1, 15 for h264)")
     args = parser.parse_args(argv)
     if args.episodes < 1:
         parser.error(f"--episodes={args.episodes} must be >= 1")
+    if args.episodes_per_file < 1:
+        parser.error(f"--episodes-per-file={args.episodes_per_file} must be >= 1")
+    if args.gop is not None and args.gop < 1:
+        parser.error(f"--gop={args.gop} must be >= 1")
     path = write_droid_sample(args.out, args.episodes, seed=args.seed, episodes_per_file=args.episodes_per_file,
-                              format=args.format)
+                              format=args.format, codec=args.codec, gop=args.gop)
     print(f"wrote {args.episodes} episodes to {path}")
 
 

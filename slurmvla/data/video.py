@@ -1,7 +1,20 @@
-"""Video decoding with PyAV (FFmpeg bundled in the wheel; no system FFmpeg needed)."""
+"""Video decoding with PyAV (FFmpeg and dav1d bundled in the wheel; no system FFmpeg needed).
+
+- :class:`FrameReader`: one camera's frames of one time range, decoded forward a block at a time
+  (one seek to the keyframe before the range, then never again). The stream's windowed episodes
+  hold a reader per camera and keep only the frames a sample still needs.
+- :func:`decode_range`: a whole range at once, through a reader.
+- :func:`read_concurrently`: the next block of several readers (an episode's cameras) at once;
+  PyAV releases the GIL while it decodes and converts, so the cameras decode in parallel.
+
+Frames are converted and resized in one libswscale pass (:func:`slurmvla.data.prepare.resize_frame`,
+which inference shares).
+"""
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import av
@@ -10,40 +23,92 @@ import numpy as np
 from slurmvla.data.prepare import resize_frame
 
 
-def decode_range(path: str | Path, from_ts: float, to_ts: float, fps: float, size: int | None,
-                 out: np.ndarray | None = None) -> np.ndarray:
-    """Decode the frames with timestamps in ``[from_ts, to_ts)`` as uint8 ``[T, H, W, 3]``.
+class FrameReader:
+    """Frames ``[from_ts, from_ts + num_frames / fps)`` of one video, forward, as uint8 RGB
+    ``[size, size, 3]`` (the video's own size when ``size`` is None)."""
 
-    One seek to the keyframe before ``from_ts``, then forward decoding: an episode costs one pass,
-    never a seek per frame. Frames are resized to ``size`` x ``size`` during colour conversion
-    (:func:`slurmvla.data.prepare.resize_frame`, which inference shares).
-    ``out`` (``[T, size, size, 3]`` uint8, may be a strided view) receives the frames without a
-    second copy.
-    """
-    num_frames = int(round((to_ts - from_ts) * fps))
-    if num_frames <= 0:
-        raise ValueError(f"empty video range [{from_ts}, {to_ts}) in {path}")
-    filled = np.zeros(num_frames, dtype=bool)
-    with av.open(str(path)) as container:
-        stream = container.streams.video[0]
+    def __init__(self, path: str | Path, from_ts: float, num_frames: int, fps: float, size: int | None,
+                 resize: str = "pad"):
+        if num_frames <= 0:
+            raise ValueError(f"empty video range [{from_ts}, {from_ts + num_frames / fps}) in {path}")
+        self.path, self.from_ts, self.num_frames, self.fps = path, from_ts, num_frames, fps
+        self.size, self.resize = size, resize
+        self.next = 0  # index (in the range) of the next frame read() returns
+        self._container = av.open(str(path))
+        stream = self._container.streams.video[0]
         stream.thread_type = "AUTO"
         if from_ts > 0:
-            container.seek(int(from_ts / stream.time_base), stream=stream, backward=True, any_frame=False)
-        time_base = float(stream.time_base)
-        for frame in container.decode(stream):
-            if frame.pts is None:
+            self._container.seek(int(from_ts / stream.time_base), stream=stream, backward=True, any_frame=False)
+        self._time_base = float(stream.time_base)
+        self._frames = self._container.decode(stream)
+        self._ahead: tuple[int, av.VideoFrame] | None = None  # a frame decoded past the last block
+
+    def read(self, n: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The next ``n`` frames (fewer at the range's end) into ``out`` (may be a strided view)."""
+        n = min(n, self.num_frames - self.next)
+        start, end = self.next, self.next + n
+        filled = np.zeros(n, dtype=bool)
+        while n > 0:
+            if self._ahead is not None:
+                (k, frame), self._ahead = self._ahead, None
+            else:
+                frame = next(self._frames, None)
+                if frame is None:
+                    break
+                if frame.pts is None:
+                    continue
+                k = int(round((frame.pts * self._time_base - self.from_ts) * self.fps))
+            if k < start:
                 continue
-            k = int(round((frame.pts * time_base - from_ts) * fps))
-            if k < 0:
-                continue
-            if k >= num_frames:
+            if k >= end:
+                self._ahead = (k, frame)
                 break
-            img = resize_frame(frame, size)
+            img = resize_frame(frame, self.size, self.resize)
             if out is None:
-                out = np.empty((num_frames, *img.shape), dtype=np.uint8)
-            out[k] = img
-            filled[k] = True
-    if out is None or not filled.all():
-        missing = int((~filled).sum())
-        raise ValueError(f"{path}: {missing} of {num_frames} frames in [{from_ts:.3f}, {to_ts:.3f}) s could not be decoded")
-    return out
+                out = np.empty((n, *img.shape), dtype=np.uint8)
+            out[k - start] = img
+            filled[k - start] = True
+            if k == end - 1:
+                break
+        if out is None or not filled.all():
+            missing = int((~filled).sum())
+            t0, t1 = self.from_ts + start / self.fps, self.from_ts + end / self.fps
+            self.close()
+            raise ValueError(f"{self.path}: {missing} of {n} frames in [{t0:.3f}, {t1:.3f}) s could not be decoded")
+        self.next = end
+        return out
+
+    def close(self) -> None:
+        self._container.close()
+
+
+def decode_range(path: str | Path, from_ts: float, to_ts: float, fps: float, size: int | None,
+                 out: np.ndarray | None = None, resize: str = "pad") -> np.ndarray:
+    """Decode the frames with timestamps in ``[from_ts, to_ts)`` as uint8 ``[T, H, W, 3]``: one seek,
+    then forward decoding. ``out`` (``[T, size, size, 3]`` uint8, may be a strided view) receives
+    the frames without a second copy."""
+    reader = FrameReader(path, from_ts, int(round((to_ts - from_ts) * fps)), fps, size, resize)
+    try:
+        return reader.read(reader.num_frames, out)
+    finally:
+        reader.close()
+
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    """This process's decode threads (a forked dataloader worker makes its own)."""
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=4, thread_name_prefix="slurmvla-decode"))
+    return _POOL[1]
+
+
+def read_concurrently(readers: list[FrameReader], n: int, outs: list[np.ndarray]) -> None:
+    """``reader.read(n, out)`` for every pair, the readers in parallel threads."""
+    if len(readers) == 1:
+        readers[0].read(n, outs[0])
+        return
+    for future in [_pool().submit(r.read, n, o) for r, o in zip(readers, outs)]:
+        future.result()
