@@ -125,6 +125,53 @@ def test_success_only_drops_failed_episodes(sample_root, make_cfg):
     assert kept == set(np.asarray(table["episode_index"])[ok].tolist())
 
 
+def test_episode_facts_come_from_stats_or_one_cached_read(sample_root, tmp_path, monkeypatch):
+    """success_only's per-episode flags: from per-episode stats where the dataset has them; without
+    them, read from the data files by one of several concurrent readers (the others wait on the
+    lock), cached, and never read again. Every path agrees with pyarrow reading the frames."""
+    import shutil
+    import threading
+
+    from slurmvla.data.facts import episode_values
+
+    table = _frames_table(sample_root)
+    first = np.unique(np.asarray(table["episode_index"]), return_index=True)[1]
+    expected = np.asarray(table["is_episode_successful"])[first]
+    meta = LeRobotMetadata(sample_root)
+    assert np.array_equal(episode_values(meta, "is_episode_successful", tmp_path / "unused").astype(bool), expected)
+    assert not (tmp_path / "unused").exists(), "answered from the per-episode stats, no data read"
+
+    bare = tmp_path / "bare"
+    shutil.copytree(sample_root, bare, ignore=shutil.ignore_patterns("videos"))
+    episodes = bare / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    t = pq.read_table(episodes)
+    pq.write_table(t.drop([c for c in t.column_names if c.startswith("stats/")]), episodes)
+    meta = LeRobotMetadata(bare)
+    assert meta.episode_constant_from_stats("is_episode_successful") is None
+    reads, original = [], LeRobotMetadata.episode_first_values
+
+    def counted(self, key):
+        reads.append(key)
+        return original(self, key)
+
+    monkeypatch.setattr(LeRobotMetadata, "episode_first_values", counted)
+    results = [None] * 4
+
+    def worker(i):
+        results[i] = episode_values(LeRobotMetadata(bare), "is_episode_successful", tmp_path / "cache")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert reads == ["is_episode_successful"], "one reader, the others waited and loaded its file"
+    assert all(np.array_equal(r.astype(bool), expected) for r in results)
+    assert len(list((tmp_path / "cache" / "episode_facts").glob("*.npy"))) == 1
+    episode_values(meta, "is_episode_successful", tmp_path / "cache")
+    assert len(reads) == 1, "a later start reads the cache, not the data"
+
+
 def test_image_content_follows_the_arm(sample_root, make_cfg):
     """The rendered square tracks the state: two frames of the first episode differ visibly."""
     ds = _ByIndex(_source(make_cfg(), image_size=64))

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from slurmvla.config import DataConfig, KeepRangesConfig
+from slurmvla.data.facts import episode_values
 from slurmvla.data.index import SampleIndex, build_index, keep_range_keys
 from slurmvla.data.keep_ranges import load_keep_ranges
 from slurmvla.data.lerobot import LeRobotMetadata
@@ -189,7 +190,7 @@ class DroidSource:
         mask = None
         if spec.success_only:
             meta.require_features(["is_episode_successful"], needed_by="success_only=true")
-            mask = meta.episode_first_values("is_episode_successful").astype(bool)
+            mask = episode_values(meta, "is_episode_successful", self.cfg.cache_dir).astype(bool)
         lengths = meta.episodes["length"]
         kr = spec.keep_ranges
         if kr.path is None:

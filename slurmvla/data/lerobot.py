@@ -14,6 +14,7 @@ caller can get wrong raises ``ValueError`` naming the path, the value and what w
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -221,12 +222,45 @@ class LeRobotMetadata:
                              f"its metadata says {hi - lo}")
         return {k: to_numpy(table[k])[order] for k in keys}
 
+    def episode_constant_from_stats(self, key: str) -> np.ndarray | None:
+        """Each episode's value of ``key`` from per-episode stats, where every episode has min == max
+        for it (v3.0: ``stats/<key>/min|max`` columns of meta/episodes; v2.1: episodes_stats.jsonl);
+        None where the stats do not say."""
+        if self.version == "v3.0":
+            files = sorted((self.root / "meta" / "episodes").glob("**/*.parquet"))
+            names = [f"stats/{key}/min", f"stats/{key}/max"]
+            if not files or not all(n in pq.read_schema(files[0]).names for n in names):
+                return None
+            table = pa.concat_tables([pq.read_table(f, columns=["episode_index", *names]) for f in files])
+            order = np.argsort(np.asarray(table["episode_index"]), kind="stable")
+            lo, hi = (to_numpy(table[n]).reshape(table.num_rows, -1)[order, 0] for n in names)
+        else:
+            path = self.root / "meta" / "episodes_stats.jsonl"
+            if not path.is_file():
+                return None
+            by_episode = {}
+            for row in _read_jsonl(path):
+                stats = row.get("stats", {}).get(key)
+                if stats is None or "min" not in stats or "max" not in stats:
+                    return None
+                by_episode[row["episode_index"]] = (np.ravel(stats["min"])[0], np.ravel(stats["max"])[0])
+            if set(by_episode) != set(self.episodes["episode_index"].tolist()):
+                return None
+            lo, hi = (np.asarray([by_episode[e][i] for e in self.episodes["episode_index"].tolist()]) for i in (0, 1))
+        if not np.array_equal(lo, hi):
+            return None
+        return lo
+
     def episode_first_values(self, key: str) -> np.ndarray:
-        """One frame column's value at each episode's first frame (e.g. ``is_episode_successful``)."""
-        out = []
+        """One frame column's value at each episode's first frame (e.g. ``is_episode_successful``),
+        read from the data files (v2.1: the first row group of each episode's file, many at once)."""
         if self.version == "v2.1":
-            for pos in range(self.num_episodes):
-                out.append(to_numpy(pq.read_table(self.episode_data_path(pos), columns=[key])[key])[:1])
+            def first(pos: int) -> np.ndarray:
+                return to_numpy(pq.ParquetFile(self.episode_data_path(pos)).read_row_group(0, columns=[key])[key])[:1]
+
+            # Opening many small files is latency-bound: threads overlap it (pyarrow releases the GIL).
+            with ThreadPoolExecutor(max_workers=16) as pool:
+                out = list(pool.map(first, range(self.num_episodes), chunksize=256))
             return np.concatenate(out).reshape(self.num_episodes, -1)[:, 0]
         paths = sorted({self.episode_data_path(p) for p in range(self.num_episodes)})
         table = pa.concat_tables([pq.read_table(p, columns=["index", key]) for p in paths])

@@ -125,19 +125,28 @@ def _stats(x: np.ndarray) -> dict[str, list]:
     }
 
 
+# Features whose per-episode stats the writer stores (meta/episodes in v3.0, episodes_stats.jsonl in v2.1).
+EPISODE_STATS_KEYS = ("observation.state", "action", "is_episode_successful")
+
+
+def _as_2d(x: np.ndarray) -> np.ndarray:
+    return x.reshape(len(x), -1).astype(np.float64)
+
+
 def _float_list(x: np.ndarray) -> pa.Array:
     return pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1), pa.float32()), x.shape[1])
 
 
 def write_droid_sample(out: str | Path, num_episodes: int, seed: int = 0, episodes_per_file: int = 8,
                        min_length: int = 4, max_length: int = 60, format: str = "v3.0", codec: str = "av1",
-                       gop: int | None = None) -> Path:
+                       gop: int | None = None, length: int | None = None) -> Path:
     """Write the dataset into ``out`` atomically (a temporary folder renamed at the end).
 
     ``format`` is the LeRobot layout: ``v3.0`` (``episodes_per_file`` episodes per parquet / mp4) or
     ``v2.1`` (one parquet and one mp4 per episode, jsonl metadata, per-episode stats). The same
     seed gives the same episodes in either layout. ``codec``: ``av1`` (SVT-AV1 at GOP 2 and CRF 30,
-    as LeRobot's DROID port) or ``h264``; ``gop`` overrides the keyframe interval (frames).
+    as LeRobot's DROID port) or ``h264``; ``gop`` overrides the keyframe interval (frames);
+    ``length`` makes every episode that long.
     """
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not valid; choose one of {list(FORMATS)}")
@@ -155,6 +164,8 @@ def write_droid_sample(out: str | Path, num_episodes: int, seed: int = 0, episod
     # A quarter of the episodes (and always the second) are shorter than a typical action chunk.
     lengths = [int(rng.integers(min_length, 8)) if (rng.random() < 0.25 or e == 1) else int(rng.integers(24, max_length + 1))
                for e in range(num_episodes)]
+    if length is not None:  # every episode this long (benchmarks at DROID's episode lengths)
+        lengths = [length] * num_episodes
     episodes = [_episode(rng, n) for n in lengths]
     tasks: list[str] = []
     rel_paths: dict[str, str] = {}
@@ -254,6 +265,9 @@ def _write_v3(tmp: Path, per_episode: list, tasks: list[str], episodes_per_file:
                 row.update({f"videos/{cam}/chunk_index": 0, f"videos/{cam}/file_index": f,
                             f"videos/{cam}/from_timestamp": cursor / FPS, f"videos/{cam}/to_timestamp": (cursor + n) / FPS})
             cursor += n
+            # Per-episode stats, as LeRobot's writer keeps them beside the episode boundaries.
+            for key in EPISODE_STATS_KEYS:
+                row.update({f"stats/{key}/{name}": value for name, value in _stats(_as_2d(columns[key])).items()})
             rows.append(row)
         merged = {k: np.concatenate([c[k] for c, _, _ in group]) for k in group[0][0]}
         path = tmp / DATA_PATH.format(chunk_index=0, file_index=f)
@@ -285,8 +299,8 @@ def _write_v2(tmp: Path, per_episode: list, tasks: list[str], video: tuple) -> N
             _encode(tmp / V2_VIDEO_PATH.format(episode_chunk=0, video_key=cam, episode_index=e), frames[cam], *video)
         episode_lines.append(json.dumps(row))
         # v2.1 per-episode stats carry no quantiles.
-        ep_stats = {k: {s: v for s, v in _stats(columns[k]).items() if s not in ("q01", "q99")}
-                    for k in ("observation.state", "action")}
+        ep_stats = {k: {s: v for s, v in _stats(_as_2d(columns[k])).items() if s not in ("q01", "q99")}
+                    for k in EPISODE_STATS_KEYS}
         stats_lines.append(json.dumps({"episode_index": e, "stats": ep_stats}))
     (meta / "episodes.jsonl").write_text("\n".join(episode_lines) + "\n")
     (meta / "episodes_stats.jsonl").write_text("\n".join(stats_lines) + "\n")
