@@ -208,7 +208,9 @@ class DataConfig:
     val_fraction: float = 0.0
     split_seed: int = 0
     num_workers: int = 2
-    # Decoded episodes kept per dataloader worker by the map-style and validation readers.
+    # Whole decoded episodes kept per dataloader worker by the map-style reader (debugging and parity
+    # checks; at DROID's episode length and 224 px one episode is ~130 MB). Validation and the stream
+    # decode through forward windows instead.
     episode_cache_size: int = 64
     # Decoded episodes a stream worker keeps across epochs (0: decode every epoch). Worth it only
     # when a worker's share of the data fits in memory (the sample dataset); DROID's does not.

@@ -45,7 +45,7 @@ def test_metrics_equal_an_independent_computation(sample_root, example_policy):
     episodes = recorded_actions(sample_root)
     std = np.asarray(json.loads((sample_root / "meta" / "stats.json").read_text())["action"]["std"], np.float64)
     horizon = cfg.policy.action_horizon
-    dataset = ValidationDataset(mixture, cache_size=2)
+    dataset = ValidationDataset(mixture)
     sq_sum, count, first_sum, n = 0.0, 0.0, 0.0, 0
     per_dim = np.zeros(len(std))
     val_episodes = set()

@@ -102,7 +102,7 @@ def build_validation_loader(mixture: Mixture, cfg: DataConfig, batch_size: int, 
     sharded across ranks in contiguous blocks (each rank decodes few episodes) and padded to equal
     length; ``loader.dataset.num_real`` says how many of a rank's samples are real. None when the
     split is empty. ``split="all"``: every sample the filters keep, not just the held-out episodes."""
-    dataset = ValidationDataset(mixture, cfg.episode_cache_size, split)
+    dataset = ValidationDataset(mixture, split)
     if len(dataset) == 0:
         return None
     per_rank = -(-len(dataset) // world_size)

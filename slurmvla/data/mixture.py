@@ -356,15 +356,18 @@ SPLITS = ("val", "all")
 
 class ValidationDataset(Dataset):
     """Every validation sample of every dataset (``split="all"``: every sample the filters keep), in
-    (dataset, episode, frame) order; fixed randomness."""
+    (dataset, episode, frame) order; fixed randomness.
+
+    Read in that order (as the validation loader does), an episode is decoded forward through one
+    window (:class:`~slurmvla.data.droid.EpisodeWindow`) and never held whole; an index out of
+    order opens a new window, so random access still works, only slower."""
 
     EPOCH = -1
 
-    def __init__(self, mixture: Mixture, cache_size: int, split: str = "val"):
+    def __init__(self, mixture: Mixture, split: str = "val"):
         if split not in SPLITS:
             raise ValueError(f"split={split!r} is not valid; choose one of {list(SPLITS)}")
         self.mixture = mixture
-        self.cache_size = cache_size
         rows = []
         for d, s in enumerate(mixture.sources):
             index: SampleIndex = s.val_index if split == "val" else s.index
@@ -373,16 +376,21 @@ class ValidationDataset(Dataset):
             k = np.arange(len(eps)) - np.repeat(np.cumsum(counts) - counts, counts)
             rows.append(np.stack([np.full(len(eps), d), eps, index.frames_of(eps, k)], axis=1))
         self.rows = np.concatenate(rows) if rows else np.zeros((0, 3), np.int64)
-        self._cache: _EpisodeCache | None = None
+        self._window: tuple[int, int, int, Episode] | None = None  # (dataset, episode, last frame served, window)
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict:
         d, e, t = (int(v) for v in self.rows[i])
-        if self._cache is None:
-            self._cache = _EpisodeCache(self.mixture.sources, self.cache_size)
-        return self.mixture.sources[d].sample(self._cache.get(d, e), t, self.EPOCH)
+        if self._window is None or self._window[:2] != (d, e) or t < self._window[2]:
+            if self._window is not None:
+                self._window[3].close()
+            same = (self.rows[:, 0] == d) & (self.rows[:, 1] == e)
+            self._window = (d, e, t, self.mixture.sources[d].open_episode(e, t, int(self.rows[same, 2].max())))
+        window = self._window[3]
+        self._window = (d, e, t, window)
+        return self.mixture.sources[d].sample(window, t, self.EPOCH)
 
 
 class EpochSampler(Sampler[tuple[int, int]]):
