@@ -230,3 +230,27 @@ def test_synthetic_cli(tmp_path, capsys):
     with pytest.raises(FileExistsError):
         synthetic_main(["--out", str(tmp_path / "d"), "--episodes", "3"])
     assert Fraction(meta.fps) == 15
+
+
+def test_a_damaged_video_is_an_error_naming_the_file(sample_root, make_cfg, tmp_path):
+    """A video cut short (a partial copy) or replaced by garbage: reading the episodes it holds fails
+    with a ValueError that names the file, in the stream's windowed reader and the whole-episode one."""
+    import shutil
+
+    root = tmp_path / "damaged"
+    shutil.copytree(sample_root, root)
+    source = _source(make_cfg(f"data.root={root}"))
+    cam = DROID_CAMERAS[0]
+    loc = source.videos[cam]
+    last = source.meta.num_episodes - 1
+    path = loc.paths[last]
+    with open(path, "r+b") as fh:
+        fh.truncate(path.stat().st_size // 2)
+    with pytest.raises(ValueError, match=str(path)):
+        window = source.open_episode(last)
+        window.images(np.asarray([int(source.meta.episodes["length"][last]) - 1]))
+    with pytest.raises(ValueError, match=str(path)):
+        source.load_episode(last)
+    path.write_bytes(b"not a video" * 100)
+    with pytest.raises(ValueError, match=str(path)):
+        source.load_episode(last)

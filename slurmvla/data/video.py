@@ -14,7 +14,7 @@ which inference shares).
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import av
@@ -110,5 +110,7 @@ def read_concurrently(readers: list[FrameReader], n: int, outs: list[np.ndarray]
     if len(readers) == 1:
         readers[0].read(n, outs[0])
         return
-    for future in [_pool().submit(r.read, n, o) for r, o in zip(readers, outs)]:
+    futures = [_pool().submit(r.read, n, o) for r, o in zip(readers, outs)]
+    wait(futures)  # all finish before an error propagates: a reader is never closed mid-decode
+    for future in futures:
         future.result()
