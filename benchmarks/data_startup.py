@@ -62,10 +62,10 @@ def write_v3(root: Path, lengths: np.ndarray, ids: list[str], success: np.ndarra
                      f"videos/{cam}/from_timestamp": local / FPS, f"videos/{cam}/to_timestamp": (local + lengths) / FPS})
     table = pa.table(cols)
     pq.write_table(table, root / "meta" / "episodes" / "chunk-000" / "file-000.parquet")
-    stats = pa.table({"stats/is_episode_successful/min": pa.array([[float(s)] for s in success]),
-                      "stats/is_episode_successful/max": pa.array([[float(s)] for s in success])})
-    pq.write_table(pa.concat_tables([table]).append_column(stats.field(0), stats.column(0))
-                   .append_column(stats.field(1), stats.column(1)), root / "stats_episodes.parquet")
+    flag = pa.array([[float(s)] for s in success])
+    with_flag = table.append_column("stats/is_episode_successful/min", flag).append_column(
+        "stats/is_episode_successful/max", flag)
+    pq.write_table(with_flag, root / "stats_episodes.parquet")
     for f in range(int(file_of.max()) + 1):
         eps = np.arange(f * per_file, min(n, (f + 1) * per_file))
         lo, hi = int(starts[eps[0]]), int(ends[eps[-1]])

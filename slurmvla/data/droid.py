@@ -97,8 +97,8 @@ class EpisodeWindow(Episode):
 
     def __init__(self, pos: int, state: np.ndarray, action: np.ndarray, instructions: list[list[str]],
                  present: np.ndarray, readers: list, first_frame: int, num_frames: int, frame_shape: tuple):
-        super().__init__(pos, state, action, instructions, np.zeros((0, len(present), *frame_shape), np.uint8),
-                         first_frame, present)
+        super().__init__(pos, state, action, instructions, np.zeros((0,), np.uint8), first_frame, present)
+        self.frame_shape = (len(present), *frame_shape)  # [cams, H, W, 3] of one frame
         self.readers = readers  # per camera: a FrameReader, or None for an absent camera (black, masked)
         self.end = first_frame + num_frames
         self.blocks: list[tuple[int, np.ndarray]] = []  # (first frame, [n, cams, H, W, 3]), oldest first
@@ -115,7 +115,7 @@ class EpisodeWindow(Episode):
         self.dropped_to = lo
         while self.decoded_to <= hi:
             self._decode_block()
-        out = np.empty((len(frames), *self.frames.shape[1:]), np.uint8)
+        out = np.empty((len(frames), *self.frame_shape), np.uint8)
         for i, f in enumerate(frames.tolist()):
             for start, block in self.blocks:
                 if start <= f < start + len(block):
@@ -125,7 +125,7 @@ class EpisodeWindow(Episode):
 
     def _decode_block(self) -> None:
         n = min(self.BLOCK, self.end - self.decoded_to)
-        block = np.zeros((n, *self.frames.shape[1:]), np.uint8)
+        block = np.zeros((n, *self.frame_shape), np.uint8)
         live = [c for c, r in enumerate(self.readers) if r is not None]
         read_concurrently([self.readers[c] for c in live], n, [block[:, c] for c in live])
         self.blocks.append((self.decoded_to, block))

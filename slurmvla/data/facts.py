@@ -38,14 +38,12 @@ def _digest(meta: LeRobotMetadata, key: str) -> str:
     return hashlib.blake2b("|".join(parts).encode(), digest_size=12).hexdigest()
 
 
-def episode_values(meta: LeRobotMetadata, key: str, cache_dir: str | Path | None) -> np.ndarray:
+def episode_values(meta: LeRobotMetadata, key: str, cache_dir: str | Path) -> np.ndarray:
     """One frame column's value at each episode's first frame, in episode order (see the module
     docstring for where it comes from)."""
     values = meta.episode_constant_from_stats(key)
     if values is not None:
         return values
-    if cache_dir is None:
-        return meta.episode_first_values(key)
     folder = Path(cache_dir).expanduser() / "episode_facts"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{_digest(meta, key)}.npy"

@@ -289,8 +289,9 @@ class EpisodeStream(IterableDataset):
         if len(piece) == 0:
             return
         # A piece is opened once, as a window that decodes its frames forward and holds only those
-        # a later sample of it can still need, and closed after its last sample. Per-piece bookkeeping is vectorised; per-sample values are walked in chunks
-        # (never a Python object per sample of the whole shard).
+        # a later sample of it can still need, and closed after its last sample. Per-piece
+        # bookkeeping is vectorised; per-sample values are walked in chunks (never a Python object
+        # per sample of the whole shard).
         local = piece - piece.min()
         remaining = np.bincount(local)
         first = np.full(len(remaining), np.iinfo(np.int64).max)
@@ -376,6 +377,12 @@ class ValidationDataset(Dataset):
             k = np.arange(len(eps)) - np.repeat(np.cumsum(counts) - counts, counts)
             rows.append(np.stack([np.full(len(eps), d), eps, index.frames_of(eps, k)], axis=1))
         self.rows = np.concatenate(rows) if rows else np.zeros((0, 3), np.int64)
+        # Each row's episode's last validation frame (an episode's rows are contiguous, frames rising).
+        self._episode_last = np.zeros(0, np.int64)
+        if len(self.rows):
+            starts = np.flatnonzero(np.any(np.diff(self.rows[:, :2], axis=0) != 0, axis=1)) + 1
+            ends = np.append(starts, len(self.rows)) - 1
+            self._episode_last = np.repeat(self.rows[ends, 2], np.diff(np.concatenate([[0], ends + 1])))
         self._window: tuple[int, int, int, Episode] | None = None  # (dataset, episode, last frame served, window)
 
     def __len__(self) -> int:
@@ -386,8 +393,7 @@ class ValidationDataset(Dataset):
         if self._window is None or self._window[:2] != (d, e) or t < self._window[2]:
             if self._window is not None:
                 self._window[3].close()
-            same = (self.rows[:, 0] == d) & (self.rows[:, 1] == e)
-            self._window = (d, e, t, self.mixture.sources[d].open_episode(e, t, int(self.rows[same, 2].max())))
+            self._window = (d, e, t, self.mixture.sources[d].open_episode(e, t, int(self._episode_last[i])))
         window = self._window[3]
         self._window = (d, e, t, window)
         return self.mixture.sources[d].sample(window, t, self.EPOCH)
