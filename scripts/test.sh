@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Set up (with DeepSpeed: the ZeRO engines are tested for real) and run the whole test suite. Extra arguments go to pytest, e.g.  bash scripts/test.sh -k resume
+# Set up (with DeepSpeed: the ZeRO engines are tested for real; with transformers: pi0 / pi0.5) and run the whole test suite. Extra arguments go to pytest, e.g.  bash scripts/test.sh -k resume
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh dev,deepspeed
+bash scripts/install.sh dev,deepspeed,vla
 # The example policy package, installed as a user installs their own (the plug-in tests train it).
 "${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check -e examples/custom_policy
 # openpi's published client drives the policy server in the tests. It pins numpy<2 although its code

@@ -98,6 +98,19 @@ class PolicyConfig:
     gradient_checkpointing: bool = False
     freeze_vision_encoder: bool = False
     train_expert_only: bool = False
+    # pi0 / pi0.5 (policy=pi0, pi05 and their _tiny sizes): Gemma's grouped key/value heads, MLP
+    # widths of the backbone, the action expert and the vision tower, and the text vocabulary.
+    num_kv_heads: int = 1
+    mlp_dim: int = 128
+    expert_mlp_dim: int = 96
+    vision_mlp_dim: int = 128
+    vocab_size: int = 512
+    # A local Hugging Face PaliGemma directory, or a pi0 / pi0.5 checkpoint saved by LeRobot (its
+    # model.safetensors): the weights a pi0-family policy starts from. Never downloaded.
+    pretrained_path: str | None = None
+    # Where the tokenizer files are (default: pretrained_path when it holds them); without either, the
+    # byte tokenizer (random-weight runs only).
+    tokenizer_path: str | None = None
 
     def __post_init__(self) -> None:
         entry = POLICIES.get(self.name)
@@ -114,7 +127,8 @@ class PolicyConfig:
         )
         for key in ("image_size", "patch_size", "num_cameras", "vision_width", "vision_depth", "vision_heads",
                     "width", "depth", "num_heads", "head_dim", "expert_width", "max_text_len", "state_dim",
-                    "action_dim", "action_horizon", "num_inference_steps", "num_obs_history"):
+                    "action_dim", "action_horizon", "num_inference_steps", "num_obs_history", "num_kv_heads",
+                    "mlp_dim", "expert_mlp_dim", "vision_mlp_dim", "vocab_size"):
             _positive(f"policy.{key}", getattr(self, key))
         if self.image_size % self.patch_size:
             raise ValueError(

@@ -49,6 +49,9 @@ class EngineEntry(Entry):
     requires: str | None = None
     # Said under the profiler's phase table (where the engine's phases do not mean what they say).
     profile_note: str | None = None
+    # Shards a policy built with its parameters on the meta device and materialises only each rank's
+    # part (slurmvla/engine/materialize.py), for policies that can initialise parameters one by one.
+    deferred_init: bool = False
 
     def load_full_state(self, checkpoint: Any) -> Any:
         return import_target(self.full_state_loader)(checkpoint)
@@ -114,7 +117,7 @@ for _name, _options in (("fsdp_full", {"hybrid": False, "reshard_after_forward":
                         ("fsdp_grad_op", {"hybrid": False, "reshard_after_forward": False}),
                         ("hsdp", {"hybrid": True, "reshard_after_forward": True})):
     ENGINES.add(EngineEntry(_name, "slurmvla.engine.fsdp:FSDPEngine", MappingProxyType(_options),
-                            full_state_loader="slurmvla.engine.fsdp:load_dcp_model"))
+                            full_state_loader="slurmvla.engine.fsdp:load_dcp_model", deferred_init=True))
 for _stage in (1, 2, 3):
     ENGINES.add(EngineEntry(
         f"zero{_stage}", "slurmvla.engine.zero:DeepSpeedEngine", MappingProxyType({"stage": _stage}),
@@ -127,6 +130,8 @@ for _stage in (1, 2, 3):
 
 POLICIES: Registry[PolicyEntry] = Registry("policy.name")
 POLICIES.add(PolicyEntry("flow_vla", "slurmvla.policy.flow_vla:FlowMatchingVLA"))
+POLICIES.add(PolicyEntry("pi0", "slurmvla.policy.pi0:Pi0Policy"))
+POLICIES.add(PolicyEntry("pi05", "slurmvla.policy.pi0:Pi05Policy"))
 POLICIES.add(PolicyEntry("custom", ""))
 
 # -- learning-rate schedules ---------------------------------------------------------------------

@@ -34,6 +34,7 @@ from slurmvla.engine.distributed import (
     shutdown_process_group,
 )
 from slurmvla.engine.liveness import CollectiveFailure, Heartbeats, is_collective_failure
+from slurmvla.engine.materialize import parameters_on_meta, supports_deferred_init
 from slurmvla.engine.precision import check_fp32_master_state
 from slurmvla.eval import validate
 from slurmvla.launch import DistEnv, SlurmJob
@@ -168,7 +169,11 @@ class Trainer:
         # The same seed on every rank: every rank builds identical initial weights.
         seed_everything(cfg.trainer.seed)
         stats = self.mixture.normalization(cfg.data.state_normalization, cfg.data.action_normalization)
-        self.policy = build_policy(cfg.policy, stats)
+        # A sharding engine with a policy that can initialise parameter by parameter: build it on
+        # the meta device and materialise each rank's shard only (slurmvla/engine/materialize.py).
+        deferred = ENGINES.get(cfg.engine.name).deferred_init and supports_deferred_init(policy_class(cfg.policy))
+        with parameters_on_meta() if deferred else contextlib.nullcontext():
+            self.policy = build_policy(cfg.policy, stats)
         self.engine = build_engine(cfg, self.env, self.device, self.micro_batch_size)
         # model: what forward calls (the policy, or a DDP / DeepSpeed wrapper of it); optimizer: the
         # one that actually steps.

@@ -67,26 +67,66 @@ def run_driver(tmp: Path, nproc: int, base: list[str], runs: list[dict], deadlin
     return out
 
 
-def worst_tensor(a: dict, b: dict) -> float:
-    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in b)
+class Worst(float):
+    """The worst tensor's relative error, printing which tensor it is when an assertion fails."""
+
+    key = ""
+
+    def __repr__(self) -> str:
+        return f"{float(self):.3g} ({self.key})"
+
+
+# A separate attention key bias (SigLIP's k_proj.bias) gets a zero gradient in exact arithmetic
+# (softmax ignores a shift shared by all keys): it holds only Adam-amplified rounding noise, which
+# no strategy can reproduce per element. It has no effect on any output; the global bound covers it.
+INERT = ("self_attn.k_proj.bias",)
+
+
+def worst_tensor(a: dict, b: dict) -> Worst:
+    errs = {k: ((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in b
+            if not k.endswith(INERT)}
+    key = max(errs, key=errs.get)
+    worst = Worst(errs[key])
+    worst.key = key
+    return worst
+
+
+# The matrix runs for the reference policy and for pi0 / pi0.5 (transformers' Gemma and SigLIP
+# modules, joint attention across two models' layers): the same tolerances for all.
+POLICIES = {"reference": [], "pi0_tiny": ["policy=pi0_tiny"], "pi05_tiny": ["policy=pi05_tiny"]}
 
 
 @pytest.fixture(scope="module")
-def single_reference(sample_root, tmp_path_factory):
-    """One process, same data, same global batch, same seed: the reference every strategy must match."""
-    out = {}
-    for name, extra in (("fp32", []), ("frozen", ["policy.train_expert_only=true"])):
-        cfg = compose([*base_overrides(sample_root), *extra])
-        trainer = Trainer(cfg, tmp_path_factory.mktemp(f"single_{name}"))
-        trainer.fit()
-        out[name] = trainer.engine.model_state_dict()
-        trainer.close()
-    return out
+def single_references(sample_root, tmp_path_factory):
+    """One process, same data, same global batch, same seed: the reference every strategy must match
+    (per policy, computed on first use)."""
+    cache: dict[str, dict] = {}
+
+    def get(policy: str) -> dict:
+        if policy not in cache:
+            out = {}
+            for name, extra in (("fp32", []), ("frozen", ["policy.train_expert_only=true"])):
+                cfg = compose([*base_overrides(sample_root), *POLICIES[policy], *extra])
+                trainer = Trainer(cfg, tmp_path_factory.mktemp(f"single_{policy}_{name}"))
+                trainer.fit()
+                out[name] = trainer.engine.model_state_dict()
+                trainer.close()
+            cache[policy] = out
+        return cache[policy]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def single_reference(single_references):
+    return single_references("reference")
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("engine", [e for e in ENGINES if e != "single"])
-def test_strategy_matches_single_process(engine, sample_root, single_reference, tmp_path):
+def test_strategy_matches_single_process(engine, policy, sample_root, single_references, tmp_path):
+    single_reference = single_references(policy)
     runs = [
         {"name": "straight"},
         {"name": "half", "dir": "resumed", "stop_at": 10},
@@ -97,7 +137,7 @@ def test_strategy_matches_single_process(engine, sample_root, single_reference, 
     ]
     if engine in ENGINES.names(activation_checkpointing=True):
         runs.append({"name": "ckpt", "overrides": ["policy.gradient_checkpointing=true"]})
-    out = run_driver(tmp_path, 2, [*base_overrides(sample_root), f"engine={engine}"], runs)
+    out = run_driver(tmp_path, 2, [*base_overrides(sample_root), *POLICIES[policy], f"engine={engine}"], runs)
     ref = single_reference["fp32"]
     w = {r["name"]: load_file(str(out / f"{r['name']}.safetensors")) for r in runs}
     report = {r["name"]: json.loads((out / f"{r['name']}.json").read_text()) for r in runs}
@@ -123,19 +163,24 @@ def test_strategy_matches_single_process(engine, sample_root, single_reference, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["hsdp", "zero2"])
-def test_world_size_four(engine, sample_root, single_reference, tmp_path):
+@pytest.mark.parametrize(("engine", "policy"), [("hsdp", "reference"), ("zero2", "reference"), ("hsdp", "pi0_tiny"),
+                                                ("hsdp", "pi05_tiny")])
+def test_world_size_four(engine, policy, sample_root, single_references, tmp_path):
     """hsdp as 2 x 2 (replicate x shard), and a ZeRO stage, at world size 4."""
+    single_reference = single_references(policy)
     extra = ["engine.replicate_degree=2", "engine.shard_degree=2"] if engine == "hsdp" else []
-    out = run_driver(tmp_path, 4, [*base_overrides(sample_root), f"engine={engine}", *extra], [{"name": "straight"}])
+    out = run_driver(tmp_path, 4, [*base_overrides(sample_root), *POLICIES[policy], f"engine={engine}", *extra],
+                     [{"name": "straight"}])
     w = load_file(str(out / "straight.safetensors"))
     assert rel_l2(w, single_reference["fp32"]) < 1e-6
     assert worst_tensor(w, single_reference["fp32"]) < 1e-3
 
 
 @pytest.mark.slow
-def test_fsdp_saved_at_world_four_resumes_at_world_two(sample_root, single_reference, tmp_path):
-    base = [*base_overrides(sample_root), "engine=fsdp_full"]
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_fsdp_saved_at_world_four_resumes_at_world_two(policy, sample_root, single_references, tmp_path):
+    single_reference = single_references(policy)
+    base = [*base_overrides(sample_root), *POLICIES[policy], "engine=fsdp_full"]
     first = run_driver(tmp_path, 4, base, [{"name": "half", "dir": "run", "stop_at": 10}])
     second = run_driver(tmp_path, 2, [*base, f"hydra.run.dir={first / 'run'}"], [{"name": "resumed", "dir": str(first / "run")}])
     report = json.loads((second / "resumed.json").read_text())

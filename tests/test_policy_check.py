@@ -123,8 +123,9 @@ def _checker(args: list[str]) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_the_reference_policy_passes_every_check(sample_root):
-    res = _checker([f"data.root={sample_root}"])
+@pytest.mark.parametrize("policy", ["reference", "pi0_tiny", "pi05_tiny"])
+def test_the_built_in_policies_pass_every_check(policy, sample_root):
+    res = _checker([f"data.root={sample_root}", *([] if policy == "reference" else [f"policy={policy}"])])
     print(res.stdout)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     lines = [line for line in res.stdout.splitlines() if line.split(" ", 1)[0] in ("pass", "fail", "skipped")]

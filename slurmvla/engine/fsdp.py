@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from slurmvla.config import EngineConfig, OptimConfig
 from slurmvla.engine.base import StepSettings, autocast, compute_dtype, read_param_groups
+from slurmvla.engine.materialize import has_meta_parameters, materialize
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
 
@@ -78,13 +79,17 @@ class FSDPEngine:
         units = policy.wrap_units()
         if not units:
             raise ValueError(f"engine={self.name!r} shards per wrap unit, but {type(policy).__name__}.wrap_units() is empty")
-        policy.to(self.device)
+        deferred = has_meta_parameters(policy)  # built on the meta device: materialised after sharding
+        if not deferred:
+            policy.to(self.device)
         reduce = torch.float32 if self.cfg.reduce_dtype == "fp32" else torch.bfloat16
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce) if self.compute_dtype != torch.float32 \
             else MixedPrecisionPolicy()
         for unit in units:
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
         fully_shard(policy, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
+        if deferred:
+            materialize(policy, self.device)
         self.module = policy
 
     def autocast(self) -> contextlib.AbstractContextManager:

@@ -76,6 +76,11 @@ class Policy(nn.Module):
         Default: none (one backbone group, decay / no decay)."""
         return []
 
+    def no_weight_decay(self, name: str, p: torch.Tensor) -> bool:
+        """Whether parameter ``name`` is exempt from weight decay. Default: 1-D tensors (norm weights,
+        biases) and learned position / camera embeddings (named ``*_embedding``)."""
+        return p.ndim <= 1 or name.endswith(("bias", "_embedding"))
+
     def param_groups(self, weight_decay: float, lr: float, backbone_lr_scale: float = 1.0) -> list[dict[str, Any]]:
         expert_ids = {id(p) for m in self.expert_modules() for p in m.parameters()}
         groups: dict[str, dict[str, Any]] = {}
@@ -83,8 +88,7 @@ class Policy(nn.Module):
             if not p.requires_grad:
                 continue
             part = "expert" if id(p) in expert_ids else "backbone"
-            # Norm weights and biases are 1-D; learned position / camera embeddings are named *_embedding.
-            no_decay = p.ndim <= 1 or name.endswith(("bias", "_embedding"))
+            no_decay = self.no_weight_decay(name, p)
             key = f"{part}_{'no_decay' if no_decay else 'decay'}"
             group = groups.setdefault(key, {
                 "name": key,

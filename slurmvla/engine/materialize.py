@@ -1,0 +1,81 @@
+"""Building a large policy without holding it whole on every rank.
+
+Under an FSDP engine, a policy that can initialise each parameter on its own (it defines
+``init_parameter(name, tensor, generator)``) is built with its parameters on the meta device (no
+memory; buffers stay real: they are small and come from the data's statistics), sharded, and only
+then materialised: each rank allocates its shard, and every parameter is initialised whole, one at a
+time, from its own generator (seeded by the policy's ``init_seed`` and the parameter's name) and cut
+to the rank's shard. Host memory at start-up is the shard plus the largest single tensor, not the
+model, and the weights are bitwise those of a single-process build with the same seed. A policy's
+``load_initial_weights()`` (pretrained weights) runs after that, writing each rank's part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def supports_deferred_init(cls: type) -> bool:
+    return callable(getattr(cls, "init_parameter", None))
+
+
+def parameter_generator(seed: int, name: str) -> torch.Generator:
+    """One generator per parameter: its values do not depend on build order or sharding."""
+    return torch.Generator().manual_seed((int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Inside: every ``nn.Parameter`` a module registers lives on the meta device (buffers do not)."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write a whole tensor into ``param``: all of it, or, for a sharded DTensor, this rank's part."""
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
+            part = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+            local = param.to_local()
+            local[tuple(slice(0, s) for s in shape)].copy_(part.to(local.dtype))
+        else:
+            param.copy_(full.to(param.dtype))
+
+
+def has_meta_parameters(module: nn.Module) -> bool:
+    return any(p.is_meta or (isinstance(p, DTensor) and p.to_local().is_meta) for p in module.parameters())
+
+
+def materialize(policy: nn.Module, device: torch.device) -> None:
+    """Allocate a sharded, meta-built policy's parameters on ``device`` and initialise them (see the
+    module docstring)."""
+    buffers = {name: b.detach().clone() for name, b in policy.named_buffers()}
+    policy.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in policy.named_buffers():
+            b.copy_(buffers[name])
+        for name, p in policy.named_parameters():
+            full = torch.empty(p.shape, dtype=torch.float32)
+            policy.init_parameter(name, full, parameter_generator(policy.init_seed, name))
+            copy_full_into(p, full)
+    if callable(getattr(policy, "load_initial_weights", None)):
+        policy.load_initial_weights()

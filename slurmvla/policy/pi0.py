@@ -1,0 +1,466 @@
+"""pi0 and pi0.5 on transformers' PaliGemma: SigLIP + Gemma backbone, a Gemma action expert.
+
+    cameras --SigLIP (units: encoder layers)--> projector --+
+    instruction --Gemma embed_tokens * sqrt(width)----------+--> prefix (backbone stream) --+
+    [pi0.5: proprio state --> one prefix token] ------------+                              | one attention
+    [pi0:   proprio state --> one suffix token]                                            | over both, per
+    noisy action chunk (+ time: pi0 MLP / pi0.5 adaRMS) --> suffix (expert stream) --------+ layer
+                                                   --> velocity --> flow-matching loss
+
+Both streams are transformers' own ``GemmaDecoderLayer`` modules (their projections, MLPs and
+RMSNorms; the policy's state dict therefore maps one-to-one onto PaliGemma's and LeRobot's, see
+:mod:`slurmvla.policy.pretrained`). Each (backbone layer, expert layer) pair is bundled in one
+:class:`JointLayer` whose own ``forward`` runs the whole layer: it is the FSDP / ZeRO-3 unit, so the
+all-gather of both layers' weights happens before any of them is touched. SigLIP's encoder layers
+are units too.
+
+Attention is block-causal (openpi's ``att_masks``): the prefix sees the prefix (bidirectionally,
+padding masked), pi0's state token sees the prefix and itself, action tokens see everything valid.
+Positions are the running count of valid tokens (RoPE). In the last layer the prefix supplies only
+keys and values, so its query / output projections and MLP do not exist here (they would get no
+gradient, which hangs DDP and wastes FSDP traffic); loading pretrained weights skips them by name.
+
+pi0 vs pi0.5 here: pi0 feeds time through an MLP with the noisy actions and puts the state in the
+suffix; pi0.5 conditions every expert RMSNorm on time (adaptive RMSNorm: scale, shift and a
+residual gate) and puts the state in the prefix as one continuous token (openpi's pi0.5 writes it
+as discretised text tokens instead; that variant is not implemented).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from slurmvla.collectives import agree
+from slurmvla.config import PolicyConfig
+from slurmvla.data.spec import DataFeatures, Draw, SampleSpec
+from slurmvla.policy.base import Policy
+
+# Flow-matching time embedding periods (openpi's pi0).
+MIN_PERIOD, MAX_PERIOD = 4e-3, 4.0
+
+
+def _transformers():
+    try:
+        from transformers import GemmaConfig, SiglipVisionConfig
+        from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer, apply_rotary_pos_emb
+        from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer, SiglipVisionEmbeddings
+    except ImportError as e:
+        raise ValueError(f"policy=pi0 / pi05 need transformers ({e}); install the extra: pip install -e '.[vla]'") \
+            from None
+    return GemmaConfig, SiglipVisionConfig, GemmaDecoderLayer, apply_rotary_pos_emb, SiglipEncoderLayer, \
+        SiglipVisionEmbeddings
+
+
+def gemma_config(width: int, depth: int, mlp_dim: int, cfg: PolicyConfig, attn: str):
+    GemmaConfig = _transformers()[0]
+    config = GemmaConfig(hidden_size=width, intermediate_size=mlp_dim, num_hidden_layers=depth,
+                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, hidden_activation="gelu_pytorch_tanh")
+    config._attn_implementation = attn
+    return config
+
+
+def siglip_config(cfg: PolicyConfig, attn: str):
+    SiglipVisionConfig = _transformers()[1]
+    config = SiglipVisionConfig(hidden_size=cfg.vision_width, intermediate_size=cfg.vision_mlp_dim,
+                                num_hidden_layers=cfg.vision_depth, num_attention_heads=cfg.vision_heads,
+                                image_size=cfg.image_size, patch_size=cfg.patch_size)
+    config._attn_implementation = attn
+    return config
+
+
+def sinusoidal_time(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """openpi's time embedding: sin / cos at periods spaced geometrically in [MIN_PERIOD, MAX_PERIOD]."""
+    fraction = torch.linspace(0.0, 1.0, dim // 2, dtype=torch.float64, device=t.device)
+    period = MIN_PERIOD * (MAX_PERIOD / MIN_PERIOD) ** fraction
+    angles = (2 * math.pi / period)[None, :] * t.double()[:, None]
+    return torch.cat([angles.sin(), angles.cos()], dim=-1).float()
+
+
+def rope(positions: torch.Tensor, head_dim: int, theta: float = 10_000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's rotary tables for ``positions`` ``[B, L]`` (computed, not a buffer: nothing to
+    materialise or shard)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+class AdaptiveRMSNorm(nn.Module):
+    """pi0.5's expert norm: RMS-normalise, then scale, shift and a residual gate from the condition
+    (``dense`` starts at zero: the identity with gate 0 until trained, as openpi initialises it)."""
+
+    def __init__(self, dim: int, cond_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.dense = nn.Linear(cond_dim, 3 * dim)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        scale, shift, gate = self.dense(cond)[:, None, :].chunk(3, dim=-1)
+        return (normed * (1 + scale.float()) + shift.float()).to(x.dtype), gate.to(x.dtype)
+
+
+def _norm(norm: nn.Module, x: torch.Tensor, cond: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return norm(x, cond) if isinstance(norm, AdaptiveRMSNorm) else (norm(x), None)
+
+
+def _residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    return x + y if gate is None else x + y * gate
+
+
+class JointLayer(nn.Module):
+    """Gemma layer ``i`` of the backbone and of the action expert, attending jointly: the unit a
+    sharding engine wraps (its ``forward`` touches both layers' weights, nothing outside)."""
+
+    def __init__(self, backbone: nn.Module, expert: nn.Module, last: bool):
+        super().__init__()
+        self.backbone, self.expert, self.last = backbone, expert, last
+        if last:  # the prefix's output of the last layer is never read: no parameters for it
+            backbone.self_attn.q_proj = None
+            backbone.self_attn.o_proj = None
+            backbone.post_attention_layernorm = None
+            backbone.mlp = None
+
+    @staticmethod
+    def _project(layer: nn.Module, x: torch.Tensor, cond: torch.Tensor | None, queries: bool):
+        h, gate = _norm(layer.input_layernorm, x, cond)
+        attn = layer.self_attn
+        shape = (*h.shape[:2], -1, attn.head_dim)
+        q = attn.q_proj(h).view(shape).transpose(1, 2) if queries else None
+        k = attn.k_proj(h).view(shape).transpose(1, 2)
+        v = attn.v_proj(h).view(shape).transpose(1, 2)
+        return q, k, v, gate
+
+    @staticmethod
+    def _finish(layer: nn.Module, x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None,
+                cond: torch.Tensor | None) -> torch.Tensor:
+        x = _residual(x, layer.self_attn.o_proj(y.transpose(1, 2).flatten(2)), gate)
+        h, gate = _norm(layer.post_attention_layernorm, x, cond)
+        return _residual(x, layer.mlp(h), gate)
+
+    def forward(self, prefix: torch.Tensor | None, suffix: torch.Tensor, rotary: tuple, masks: tuple,
+                cond: torch.Tensor | None = None, prefix_kv: tuple | None = None) -> tuple:
+        """``rotary``: (cos, sin) over [prefix, suffix]; ``masks``: bool (prefix queries -> prefix
+        keys ``[B, 1, P, P]``, suffix queries -> all keys ``[B, 1, S, P + S]``); ``cond``: pi0.5's
+        time condition. With ``prefix_kv`` (an earlier call's prefix keys / values: the prefix never
+        attends to the suffix, so they are the same at every denoising step) only the suffix runs.
+        Returns ``(prefix or None, suffix, (k, v) of the prefix)``."""
+        apply_rotary = _transformers()[3]
+        cos, sin = rotary
+        p = cos.shape[1] - suffix.shape[1]
+        qs, ks, vs, gate_s = self._project(self.expert, suffix, cond, True)
+        qs, ks = apply_rotary(qs, ks, cos[:, p:], sin[:, p:])
+        if prefix_kv is None:
+            qp, kp, vp, gate_p = self._project(self.backbone, prefix, None, not self.last)
+            if qp is None:
+                kp = apply_rotary(kp, kp, cos[:, :p], sin[:, :p])[1]
+            else:
+                qp, kp = apply_rotary(qp, kp, cos[:, :p], sin[:, :p])
+        else:
+            kp, vp = prefix_kv
+        groups = qs.shape[1] // ks.shape[1]
+        k = torch.cat([kp, ks], dim=2).repeat_interleave(groups, dim=1)
+        v = torch.cat([vp, vs], dim=2).repeat_interleave(groups, dim=1)
+        ys = F.scaled_dot_product_attention(qs, k, v, attn_mask=masks[1])
+        suffix = self._finish(self.expert, suffix, ys, gate_s, cond)
+        if prefix_kv is not None or self.last:
+            return None, suffix, (kp, vp)
+        yp = F.scaled_dot_product_attention(qp, k[:, :, :p], v[:, :, :p], attn_mask=masks[0])
+        return self._finish(self.backbone, prefix, yp, gate_p, None), suffix, (kp, vp)
+
+
+class VisionTower(nn.Module):
+    """SigLIP from transformers' modules (patch + position embeddings, encoder layers, final norm),
+    run here so the position table is read as a weight (no ``position_ids`` buffer to materialise)."""
+
+    def __init__(self, config):
+        super().__init__()
+        *_, SiglipEncoderLayer, SiglipVisionEmbeddings = _transformers()
+        self.embeddings = SiglipVisionEmbeddings(config)
+        del self.embeddings.position_ids
+        self.layers = nn.ModuleList(SiglipEncoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.embeddings.patch_embedding(pixels.to(self.embeddings.patch_embedding.weight.dtype))
+        x = x.flatten(2).transpose(1, 2) + self.embeddings.position_embedding.weight[None]
+        for layer in self.layers:
+            x = layer(x, None)
+        return self.post_layernorm(x)
+
+
+class Pi0Policy(Policy):
+    """pi0: state as a suffix token, time through an MLP with the noisy actions."""
+
+    ADAPTIVE_TIME = False
+
+    def __init__(self, cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None = None):
+        super().__init__()
+        if cfg.dynamics:
+            raise ValueError(f"policy.dynamics=true is not supported by policy={cfg.name} (the reference policy, "
+                             "policy=tiny/small/base, has it); use data.mode=policy")
+        self.cfg = cfg
+        # One draw from the global RNG, before any module is built (a module built on the meta
+        # device draws nothing), seeds every parameter's own generator: the same weights whether
+        # built whole or parameter by parameter on each rank's shard.
+        self.init_seed = int(torch.randint(0, 2**62, ()).item())
+        self.gradient_checkpointing = cfg.gradient_checkpointing
+        attn = "sdpa" if cfg.attention_implementation != "eager" else "eager"
+        GemmaDecoderLayer = _transformers()[2]
+        self.vision = VisionTower(siglip_config(cfg, attn))
+        self.projector = nn.Linear(cfg.vision_width, cfg.width)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.width)
+        backbone = gemma_config(cfg.width, cfg.depth, cfg.mlp_dim, cfg, attn)
+        expert = gemma_config(cfg.expert_width, cfg.depth, cfg.expert_mlp_dim, cfg, attn)
+        self.layers = nn.ModuleList(
+            JointLayer(GemmaDecoderLayer(backbone, i), self._expert_layer(GemmaDecoderLayer(expert, i)), i == cfg.depth - 1)
+            for i in range(cfg.depth))
+        w = cfg.expert_width
+        self.expert_norm = AdaptiveRMSNorm(w, w) if self.ADAPTIVE_TIME else type(self.layers[0].expert.input_layernorm)(w)
+        self.action_in_proj = nn.Linear(cfg.action_dim, w)
+        self.action_out_proj = nn.Linear(w, cfg.action_dim)
+        self._time_modules(w)
+        for prefix, dim in (("state", cfg.state_dim), ("action", cfg.action_dim)):
+            offset = torch.zeros(dim) if stats is None else stats[f"{prefix}_offset"].float().reshape(dim)
+            scale = torch.ones(dim) if stats is None else stats[f"{prefix}_scale"].float().reshape(dim)
+            self.register_buffer(f"{prefix}_offset", offset.clone())
+            self.register_buffer(f"{prefix}_scale", scale.clamp_min(1e-4).clone())
+        if not self.embed_tokens.weight.is_meta:  # built on the meta device: the engine materialises
+            self.reset_parameters()
+            self.load_initial_weights()
+        if cfg.freeze_vision_encoder or cfg.train_expert_only:
+            self.vision.requires_grad_(False)
+        if cfg.train_expert_only:
+            expert_ids = {id(p) for m in self.expert_modules() for p in m.parameters()}
+            for p in self.parameters():
+                if id(p) not in expert_ids:
+                    p.requires_grad_(False)
+
+    def _expert_layer(self, layer: nn.Module) -> nn.Module:
+        if self.ADAPTIVE_TIME:
+            w = self.cfg.expert_width
+            layer.input_layernorm = AdaptiveRMSNorm(w, w)
+            layer.post_attention_layernorm = AdaptiveRMSNorm(w, w)
+        return layer
+
+    def _time_modules(self, w: int) -> None:
+        self.state_proj = nn.Linear(self.cfg.num_obs_history * self.cfg.state_dim, w)
+        self.action_time_mlp_in = nn.Linear(2 * w, w)
+        self.action_time_mlp_out = nn.Linear(w, w)
+
+    # -- initialisation ---------------------------------------------------------------------------
+
+    def reset_parameters(self) -> None:
+        """Random initialisation, one rule (:meth:`init_parameter`) and one generator per parameter,
+        so any parameter can be initialised alone (a sharded build does so as it materialises)."""
+        from slurmvla.engine.materialize import parameter_generator
+
+        for name, p in self.named_parameters():
+            self.init_parameter(name, p, parameter_generator(self.init_seed, name))
+
+    def load_initial_weights(self) -> None:
+        """Pretrained weights from ``policy.pretrained_path`` (after random initialisation)."""
+        if self.cfg.pretrained_path:
+            from slurmvla.policy.pretrained import load_pretrained
+
+            load_pretrained(self, self.cfg.pretrained_path)
+
+    @staticmethod
+    def init_parameter(name: str, p: torch.Tensor, generator: torch.Generator | None = None) -> None:
+        """PaliGemma-style: normal(0.02) weights, zero biases, Gemma RMSNorm weights 0 (they scale by
+        1 + w), LayerNorm weights 1, adaptive-norm projections 0."""
+        with torch.no_grad():
+            if ".dense." in name or name.endswith("bias"):
+                p.zero_()
+            elif "layernorm" in name or "layer_norm" in name or name == "expert_norm.weight":
+                p.fill_(1.0 if ("vision." in name) else 0.0)
+            else:
+                p.normal_(0.0, 0.02, generator=generator)
+
+    # -- contract ---------------------------------------------------------------------------------
+
+    @classmethod
+    def sample_spec(cls, cfg: PolicyConfig) -> SampleSpec:
+        from slurmvla.policy.pretrained import tokenizer_for
+
+        return SampleSpec(
+            image_size=cfg.image_size, action_horizon=cfg.action_horizon, num_obs_history=cfg.num_obs_history,
+            tokenizer=tokenizer_for(cfg),
+            draws=(Draw("noise", "normal", (cfg.action_horizon, cfg.action_dim)), Draw("time_u", "uniform")),
+        )
+
+    @classmethod
+    def check_data(cls, cfg: PolicyConfig, features: DataFeatures) -> None:
+        super().check_data(cfg, features)
+        heads_fit = cfg.num_heads % cfg.num_kv_heads == 0
+        if not heads_fit:
+            raise ValueError(f"policy.num_heads={cfg.num_heads} must be a multiple of policy.num_kv_heads="
+                             f"{cfg.num_kv_heads}")
+
+    def wrap_units(self) -> list[nn.Module]:
+        return [*self.vision.layers, *self.layers]
+
+    def expert_modules(self) -> list[nn.Module]:
+        return [layer.expert for layer in self.layers] + [
+            m for n, m in self.named_children() if n not in ("vision", "projector", "embed_tokens", "layers")]
+
+    def no_weight_decay(self, name: str, p: torch.Tensor) -> bool:
+        return super().no_weight_decay(name, p) or name.startswith("embed_tokens.") or "position_embedding" in name
+
+    # -- model ------------------------------------------------------------------------------------
+
+    def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        return (actions.float() - self.action_offset) / self.action_scale
+
+    def normalize_states(self, states: torch.Tensor) -> torch.Tensor:
+        return (states.float() - self.state_offset) / self.state_scale
+
+    def _pixels(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 ``[N, H, W, 3]`` -> SigLIP's input ``[N, 3, S, S]`` in [-1, 1], on the device; an image
+        not at ``policy.image_size`` is resized with padding (aspect kept, black bars) first."""
+        x = images.permute(0, 3, 1, 2).float()
+        size, (h, w) = self.cfg.image_size, x.shape[-2:]
+        if (h, w) != (size, size):
+            ratio = max(h, w) / size
+            nh, nw = int(h / ratio), int(w / ratio)
+            x = F.interpolate(x, size=(nh, nw), mode="bilinear", align_corners=False, antialias=True)
+            top, left = (size - nh) // 2, (size - nw) // 2
+            x = F.pad(x, (left, size - nw - left, top, size - nh - top))
+        return x / 127.5 - 1.0
+
+    def _prefix(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        images = batch["images"]
+        b, cams = images.shape[:2]
+        img = self.projector(self.vision(self._pixels(images.flatten(0, 1))))
+        per_cam = img.shape[1]
+        parts = [img.reshape(b, cams * per_cam, -1)]
+        keep = [batch["image_mask"].repeat_interleave(per_cam, dim=1)]
+        if agree({"text": "text" in batch}, fields=batch.keys())["text"]:
+            parts.append(self.embed_tokens(batch["text"]) * math.sqrt(self.cfg.width))
+            keep.append(batch["text_mask"])
+        parts, keep = self._state_in_prefix(batch, parts, keep)
+        dtype = parts[0].dtype
+        return torch.cat([x.to(dtype) for x in parts], dim=1), torch.cat(keep, dim=1)
+
+    def _state_in_prefix(self, batch: dict, parts: list, keep: list) -> tuple[list, list]:
+        return parts, keep
+
+    def _suffix(self, batch: dict, x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """Expert-stream tokens, how many leading ones form their own attention block (pi0's state
+        token), and the time condition (pi0.5)."""
+        b = x_t.shape[0]
+        state = self.state_proj(self.normalize_states(batch["state"]).reshape(b, -1))[:, None, :]
+        a = self.action_in_proj(x_t)
+        time = sinusoidal_time(t, a.shape[-1])[:, None, :].expand_as(a).to(a.dtype)
+        a = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat([a, time], dim=-1))))
+        return torch.cat([state.to(a.dtype), a], dim=1), 1, None
+
+    def _masks(self, keep: torch.Tensor, s: int, lead: int) -> tuple[tuple, tuple]:
+        b, p = keep.shape
+        device = keep.device
+        valid = torch.cat([keep, keep.new_ones(b, s)], dim=1)
+        positions = valid.long().cumsum(dim=1) - 1
+        block = torch.cat([torch.zeros(p, dtype=torch.long, device=device),
+                           torch.ones(lead, dtype=torch.long, device=device),
+                           torch.full((s - lead,), 2, dtype=torch.long, device=device)])
+        allowed = (block[None, :] <= block[:, None])[None] & valid[:, None, :]  # [B, query, key]
+        return rope(positions, self.cfg.head_dim), (allowed[:, None, :p, :p], allowed[:, None, p:, :])
+
+    def _velocity(self, prefix: torch.Tensor, keep: torch.Tensor, batch: dict, x_t: torch.Tensor,
+                  t: torch.Tensor) -> torch.Tensor:
+        suffix, lead, cond = self._suffix(batch, x_t, t)
+        rotary, masks = self._masks(keep, suffix.shape[1], lead)
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                prefix, suffix, _ = checkpoint(layer, prefix, suffix, rotary, masks, cond, use_reentrant=False)
+            else:
+                prefix, suffix, _ = layer(prefix, suffix, rotary, masks, cond)
+        out, _ = _norm(self.expert_norm, suffix, cond)
+        return self.action_out_proj(out[:, lead:])
+
+    def forward(self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None) -> dict:
+        """Flow-matching loss (the reference policy's conventions: noise / time drawn per sample by the
+        data pipeline, the loss a mean over every chunk element)."""
+        actions, mask = self.normalize_actions(batch["actions"]), batch["action_mask"]
+        b = actions.shape[0]
+        if noise is None:
+            noise = batch["noise"].float() if "noise" in batch else torch.randn_like(actions)
+        if t is None:
+            u = batch["time_u"].float() if "time_u" in batch else torch.rand(b, device=actions.device)
+            t = u.pow(1.0 / 1.5) * 0.999 + 0.001
+        x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
+        prefix, keep = self._prefix(batch)
+        pred = self._velocity(prefix, keep, batch, x_t.to(prefix.dtype), t).float()
+        m = mask[:, :, None].expand_as(pred).float()
+        err = (pred - (noise - actions)).square() * m
+        mse_sum = err.sum(dim=(1, 2))
+        return {"loss": mse_sum.sum() / pred.numel(), "components": {"mse": (mse_sum.detach(), m.sum(dim=(1, 2)))}}
+
+    @torch.no_grad()
+    def sample_actions(self, batch: dict, noise: torch.Tensor | None = None, num_steps: int | None = None) -> torch.Tensor:
+        """Euler integration from noise (t = 1) to actions (t = 0); the prefix runs once, later steps
+        reuse its keys / values. Returns actions in the dataset's units."""
+        steps = num_steps or self.cfg.num_inference_steps
+        b = batch["state"].shape[0]
+        x = torch.randn((b, self.cfg.action_horizon, self.cfg.action_dim), device=batch["state"].device) \
+            if noise is None else noise.float()
+        prefix, keep = self._prefix(batch)
+        cache: list[tuple] = []
+        for i in range(steps):
+            t = torch.full((b,), 1.0 - i / steps, device=x.device)
+            suffix, lead, cond = self._suffix(batch, x.to(prefix.dtype), t)
+            rotary, masks = self._masks(keep, suffix.shape[1], lead)
+            h = prefix
+            for j, layer in enumerate(self.layers):
+                h, suffix, kv = layer(h, suffix, rotary, masks, cond, cache[j] if i > 0 else None)
+                if i == 0:
+                    cache.append(kv)
+            out, _ = _norm(self.expert_norm, suffix, cond)
+            x = x - self.action_out_proj(out[:, lead:]).float() / steps
+        return x * self.action_scale + self.action_offset
+
+
+class Pi05Policy(Pi0Policy):
+    """pi0.5: adaptive-RMSNorm time conditioning in every expert norm; the state is a prefix token."""
+
+    ADAPTIVE_TIME = True
+    # LeRobot's pi0.5 has no state projection (it writes the state as text): ours starts fresh.
+    FRESH_FROM_LEROBOT = ("state_proj.",)
+
+    def _time_modules(self, w: int) -> None:
+        self.state_proj = nn.Linear(self.cfg.num_obs_history * self.cfg.state_dim, self.cfg.width)
+        self.time_mlp_in = nn.Linear(w, w)
+        self.time_mlp_out = nn.Linear(w, w)
+
+    def expert_modules(self) -> list[nn.Module]:
+        return [m for m in super().expert_modules() if m is not self.state_proj]
+
+    def _state_in_prefix(self, batch: dict, parts: list, keep: list) -> tuple[list, list]:
+        b = batch["state"].shape[0]
+        state = self.state_proj(self.normalize_states(batch["state"]).reshape(b, -1))[:, None, :]
+        return [*parts, state], [*keep, torch.ones(b, 1, dtype=torch.bool, device=state.device)]
+
+    def _suffix(self, batch: dict, x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        a = self.action_in_proj(x_t)
+        time = sinusoidal_time(t, a.shape[-1]).to(a.dtype)
+        cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time))))
+        return a, 0, cond
+
+
+def describe(cfg: PolicyConfig) -> dict[str, Any]:
+    """Parameter counts by part (no weights: built on the meta device)."""
+    from slurmvla.policy import policy_class
+
+    with torch.device("meta"):
+        policy = policy_class(cfg)(cfg, None)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    expert = sum(count(m) for m in policy.expert_modules())
+    return {"total": count(policy), "vision": count(policy.vision), "expert": expert,
+            "backbone_lm": count(policy) - count(policy.vision) - expert}

@@ -1,0 +1,322 @@
+"""pi0 / pi0.5 on transformers' PaliGemma: the layers against transformers' own forwards, pretrained
+weights in both layouts (written by transformers' save_pretrained and safetensors' save_file), the
+LeRobot name table against a golden file, and the errors a bad file gives."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from slurmvla.config import PolicyConfig
+from slurmvla.policy import build_policy, sample_spec
+from slurmvla.policy.pi0 import rope
+from slurmvla.policy.pretrained import lerobot_state_dict
+
+transformers = pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).with_name("golden")
+B = 3
+
+
+def policy_cfg(name: str, **over) -> PolicyConfig:
+    return PolicyConfig(**{**yaml.safe_load((REPO / "conf" / "policy" / f"{name}.yaml").read_text()), **over})
+
+
+def batch_for(cfg: PolicyConfig, seed: int = 0, text: bool = True) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    h, s = cfg.action_horizon, cfg.image_size
+    batch = {
+        "images": torch.randint(0, 256, (B, cfg.num_cameras, s, s, 3), dtype=torch.uint8, generator=g),
+        "image_mask": torch.ones(B, cfg.num_cameras, dtype=torch.bool),
+        "state": torch.randn(B, cfg.state_dim, generator=g),
+        "actions": torch.randn(B, h, cfg.action_dim, generator=g),
+        "action_mask": torch.ones(B, h, dtype=torch.bool),
+        "noise": torch.randn(B, h, cfg.action_dim, generator=g),
+        "time_u": torch.rand(B, generator=g),
+    }
+    batch["image_mask"][1, 2] = False
+    batch["action_mask"][2, h // 2:] = False
+    if text:
+        batch["text"] = torch.randint(3, 250, (B, cfg.max_text_len), generator=g)
+        batch["text_mask"] = torch.arange(cfg.max_text_len)[None, :] < torch.tensor([[5], [12], [24]])
+    return batch
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A tiny BPE tokenizer saved by transformers' own writer (as a PaliGemma directory holds one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<pad>", "<eos>", "<bos>", "<unk>"])
+    tok.train_from_iterator(["pick up the red block", "put the cup in the sink", "open the drawer slowly"] * 20,
+                            trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                                pad_token="<pad>", unk_token="<unk>")
+    fast.save_pretrained(folder)
+
+
+def paligemma_for(cfg: PolicyConfig):
+    vision = dict(hidden_size=cfg.vision_width, intermediate_size=cfg.vision_mlp_dim,
+                  num_hidden_layers=cfg.vision_depth, num_attention_heads=cfg.vision_heads,
+                  image_size=cfg.image_size, patch_size=cfg.patch_size, projection_dim=cfg.width)
+    text = dict(hidden_size=cfg.width, intermediate_size=cfg.mlp_dim, num_hidden_layers=cfg.depth,
+                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                vocab_size=cfg.vocab_size, hidden_activation="gelu_pytorch_tanh")
+    config = transformers.PaliGemmaConfig(vision_config=vision, text_config=text, projection_dim=cfg.width,
+                                          image_token_index=cfg.vocab_size - 1)
+    torch.manual_seed(7)
+    model = transformers.PaliGemmaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # RMSNorm weights start at 0 in transformers: make them count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def paligemma_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("paligemma")
+    model = paligemma_for(policy_cfg("pi0_tiny"))
+    model.save_pretrained(folder, max_shard_size="200KB")  # several shards + index, as the real one
+    write_tokenizer(folder)
+    return folder, model
+
+
+def test_paligemma_directory_initialises_the_backbone_as_transformers_computes_it(paligemma_dir):
+    folder, hf = paligemma_dir
+    assert (folder / "model.safetensors.index.json").exists()
+    cfg = policy_cfg("pi0_tiny", pretrained_path=str(folder))
+    torch.manual_seed(0)
+    policy = build_policy(cfg).eval()
+    torch.manual_seed(0)
+    fresh = build_policy(policy_cfg("pi0_tiny")).eval()
+    batch = batch_for(cfg)
+    with torch.no_grad():
+        # Vision tower + projector against PaliGemma's own image features.
+        pixels = batch["images"][:, 0].permute(0, 3, 1, 2).float() / 127.5 - 1.0
+        ours = policy.projector(policy.vision(pixels))
+        theirs = hf.model.get_image_features(pixels).pooler_output
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        # Text embeddings: Gemma scales by sqrt(width).
+        ids = batch["text"]
+        torch.testing.assert_close(policy.embed_tokens(ids) * cfg.width ** 0.5,
+                                   hf.model.language_model.embed_tokens(ids), rtol=1e-6, atol=1e-6)
+        # The first joint layer's prefix stream against transformers' GemmaDecoderLayer.forward on the
+        # same tokens, with the same bidirectional padding mask and positions.
+        prefix, keep = policy._prefix(batch)
+        suffix, lead, cond = policy._suffix(batch, batch["noise"], torch.full((B,), 0.5))
+        rotary, masks = policy._masks(keep, suffix.shape[1], lead)
+        out, _, _ = policy.layers[0](prefix, suffix, rotary, masks, cond)
+        positions = keep.long().cumsum(1) - 1
+        mask = torch.where(masks[0], 0.0, float("-inf"))
+        hf_layer = hf.model.language_model.layers[0]
+        expected = hf_layer(prefix, attention_mask=mask, position_embeddings=rope(positions, cfg.head_dim))
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # The action expert and heads start fresh (exactly as without pretrained weights).
+    fresh_state = fresh.state_dict()
+    for name, p in policy.named_parameters():
+        if ".expert." in name or name.startswith(("action_", "state_proj", "expert_norm")):
+            assert torch.equal(p, fresh_state[name]), name
+    # The tokenizer is the directory's.
+    tok = sample_spec(cfg).tokenizer
+    ids, mask = tok("pick up the red block")
+    expected = transformers.AutoTokenizer.from_pretrained(folder)("<bos>pick up the red block\n",
+                                                                   add_special_tokens=False)["input_ids"]
+    assert ids[: int(mask.sum())].tolist() == expected
+
+
+@pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
+def test_lerobot_checkpoint_loads_back_to_the_same_outputs(name, paligemma_dir, tmp_path):
+    torch.manual_seed(3)
+    source = build_policy(policy_cfg(name)).eval()
+    with torch.no_grad():  # non-trivial values everywhere (zero-initialised adaRMS projections too)
+        for p in source.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    save_file(lerobot_state_dict(source), str(tmp_path / "model.safetensors"))
+    cfg = policy_cfg(name, pretrained_path=str(tmp_path), tokenizer_path=str(paligemma_dir[0]))
+    torch.manual_seed(99)
+    loaded = build_policy(cfg).eval()
+    own = source.state_dict()
+    assert all(torch.equal(v, own[k]) for k, v in loaded.state_dict().items() if "offset" not in k and "scale" not in k)
+    batch = batch_for(cfg)
+    with torch.no_grad():
+        assert torch.equal(loaded(batch)["loss"], source(batch)["loss"])
+        noise = torch.randn(B, cfg.action_horizon, cfg.action_dim)
+        assert torch.equal(loaded.sample_actions(batch, noise=noise), source.sample_actions(batch, noise=noise))
+
+
+def lerobot_keys_from_transformers(cfg: PolicyConfig, adaptive: bool) -> set[str]:
+    """LeRobot's PI0Pytorch module tree rebuilt from transformers' classes as LeRobot composes them
+    (PaliGemmaForConditionalGeneration + a GemmaForCausalLM expert without embeddings, adaRMS norms
+    in the pi0.5 expert): an independent source of the saved key names."""
+    pali = paligemma_for(cfg)
+    expert = transformers.GemmaForCausalLM(transformers.GemmaConfig(
+        hidden_size=cfg.expert_width, intermediate_size=cfg.expert_mlp_dim, num_hidden_layers=cfg.depth,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        vocab_size=cfg.vocab_size))
+    keys = {f"model.paligemma_with_expert.paligemma.{k}" for k in pali.state_dict()
+            if ".head." not in k}  # PaliGemma's SigLIP has no pooling head (vision_use_head=False)
+    for k in expert.state_dict():
+        if k.startswith("model.embed_tokens"):
+            continue
+        if adaptive and re.search(r"(layernorm|model\.norm)\.weight$", k):
+            keys |= {f"model.paligemma_with_expert.gemma_expert.{k[:-len('weight')]}dense.{p}" for p in ("weight", "bias")}
+        else:
+            keys.add(f"model.paligemma_with_expert.gemma_expert.{k}")
+    heads = ["action_in_proj", "action_out_proj"] + (["time_mlp_in", "time_mlp_out"] if adaptive else
+                                                       ["state_proj", "action_time_mlp_in", "action_time_mlp_out"])
+    keys |= {f"model.{h}.{p}" for h in heads for p in ("weight", "bias")}
+    return keys
+
+
+@pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
+def test_lerobot_names_match_the_golden_file(name):
+    """The golden file lists a LeRobot checkpoint's keys at this size (from LeRobot's modeling_pi0 /
+    modeling_pi05 source). It must equal the key set of that module tree rebuilt from transformers,
+    and the policy's own export under LeRobot's names must be that set minus the keys the policy
+    deliberately has no parameter for (named in slurmvla/policy/pretrained.py)."""
+    cfg = policy_cfg(name)
+    golden = set((GOLDEN / f"lerobot_{name}_keys.txt").read_text().split())
+    expected = lerobot_keys_from_transformers(cfg, adaptive=name.startswith("pi05"))
+    assert golden == expected
+    # pi0.5's continuous state projection is this policy's own (LeRobot's writes the state as text).
+    own_only = {"model.state_proj.weight", "model.state_proj.bias"} if name.startswith("pi05") else set()
+    ours = set(lerobot_state_dict(build_policy(cfg))) - own_only
+    assert ours <= golden
+    last = cfg.depth - 1
+    unused = {f"model.paligemma_with_expert.paligemma.{k}" for k in (
+        "lm_head.weight", "model.language_model.norm.weight",
+        *(f"model.language_model.layers.{last}.{m}.weight" for m in (
+            "self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+            "post_attention_layernorm")))} | {"model.paligemma_with_expert.gemma_expert.lm_head.weight"}
+    assert golden - ours == unused
+
+
+# -- a bad file fails at start-up, naming it ---------------------------------------------------------
+
+
+def test_a_folder_without_weights_names_itself(tmp_path):
+    with pytest.raises(ValueError, match=rf"policy.pretrained_path='{tmp_path}' holds no model.safetensors"):
+        build_policy(policy_cfg("pi0_tiny", pretrained_path=str(tmp_path), tokenizer_path=None))
+
+
+def test_a_checkpoint_of_another_size_names_the_file_and_the_first_mismatched_keys(paligemma_dir, tmp_path):
+    folder, _ = paligemma_dir
+    cfg = policy_cfg("pi0_tiny", pretrained_path=str(folder), vision_width=48, vision_mlp_dim=96)
+    with pytest.raises(ValueError, match=r"model-0000\d-of-0000\d.safetensors.*shape\(s\) differ.*vision\."):
+        build_policy(cfg)
+
+
+def test_unknown_and_missing_keys_are_named(paligemma_dir, tmp_path):
+    source = build_policy(policy_cfg("pi0_tiny"))
+    state = lerobot_state_dict(source)
+    bad = {**state, "model.paligemma_with_expert.something_else.weight": torch.zeros(2)}
+    (tmp_path / "a").mkdir()
+    save_file(bad, str(tmp_path / "a" / "model.safetensors"))
+    cfg = policy_cfg("pi0_tiny", pretrained_path=str(tmp_path / "a"), tokenizer_path=str(paligemma_dir[0]))
+    with pytest.raises(ValueError, match=r"1 key\(s\) fit no entry.*something_else"):
+        build_policy(cfg)
+    missing = {k: v for k, v in state.items() if "action_out_proj" not in k}
+    (tmp_path / "b").mkdir()
+    save_file(missing, str(tmp_path / "b" / "model.safetensors"))
+    cfg = policy_cfg("pi0_tiny", pretrained_path=str(tmp_path / "b"), tokenizer_path=str(paligemma_dir[0]))
+    with pytest.raises(ValueError, match=r"b/model.safetensors: 2 tensor\(s\).*missing.*action_out_proj"):
+        build_policy(cfg)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "model.safetensors").write_bytes(b"not a safetensors file")
+    cfg = policy_cfg("pi0_tiny", pretrained_path=str(tmp_path / "c"), tokenizer_path=str(paligemma_dir[0]))
+    with pytest.raises(ValueError, match=r"cannot read .*c/model.safetensors"):
+        build_policy(cfg)
+
+
+def test_a_checkpoint_without_a_tokenizer_asks_for_one(tmp_path):
+    save_file(lerobot_state_dict(build_policy(policy_cfg("pi0_tiny"))), str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"holds no tokenizer.*policy.tokenizer_path"):
+        sample_spec(policy_cfg("pi0_tiny", pretrained_path=str(tmp_path)))
+
+
+# -- the policy itself -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
+def test_prefix_cache_inference_equals_the_full_integration(name):
+    """sample_actions runs the prefix once; integrating with the whole model at every step (the
+    training forward's velocity) must give the same chunk."""
+    cfg = policy_cfg(name)
+    torch.manual_seed(0)
+    policy = build_policy(cfg).eval()
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    batch = batch_for(cfg)
+    noise = torch.randn(B, cfg.action_horizon, cfg.action_dim)
+    with torch.no_grad():
+        fast = policy.sample_actions(batch, noise=noise)
+        x = noise.clone()
+        for i in range(cfg.num_inference_steps):
+            t = torch.full((B,), 1.0 - i / cfg.num_inference_steps)
+            prefix, keep = policy._prefix(batch)
+            x = x - policy._velocity(prefix, keep, batch, x, t).float() / cfg.num_inference_steps
+        slow = x * policy.action_scale + policy.action_offset
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
+def test_actions_never_leak_into_the_prefix_and_padding_changes_nothing(name):
+    """Block-causal attention: the prefix's output does not depend on the actions; a padded text
+    token's id does not change the loss."""
+    cfg = policy_cfg(name)
+    torch.manual_seed(0)
+    policy = build_policy(cfg).eval()
+    batch = batch_for(cfg)
+    other = {**batch, "text": batch["text"].clone()}
+    other["text"][0, 10:] = 5  # sample 0 has 5 valid text tokens
+    with torch.no_grad():
+        assert torch.allclose(policy(batch)["components"]["mse"][0][0], policy(other)["components"]["mse"][0][0],
+                              rtol=1e-6, atol=1e-7)
+        prefix, keep = policy._prefix(batch)
+        outs = []
+        for noise in (batch["noise"], torch.randn_like(batch["noise"])):
+            suffix, lead, cond = policy._suffix(batch, noise, torch.full((B,), 0.3))
+            rotary, masks = policy._masks(keep, suffix.shape[1], lead)
+            outs.append(policy.layers[0](prefix, suffix, rotary, masks, cond)[0])
+        assert torch.equal(outs[0], outs[1])
+
+
+def test_no_weight_decay_on_embeddings_and_norms():
+    policy = build_policy(policy_cfg("pi0_tiny"))
+    groups = {g["name"]: g["param_names"] for g in policy.param_groups(0.1, 1e-3)}
+    no_decay = set(groups["backbone_no_decay"]) | set(groups["expert_no_decay"])
+    assert {"embed_tokens.weight", "vision.embeddings.position_embedding.weight",
+            "layers.0.backbone.input_layernorm.weight", "layers.0.expert.post_attention_layernorm.weight",
+            "expert_norm.weight"} <= no_decay
+    assert "layers.0.backbone.self_attn.q_proj.weight" in groups["backbone_decay"]
+    assert "layers.0.expert.mlp.up_proj.weight" in groups["expert_decay"]
+
+
+@pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
+def test_a_meta_device_build_materialises_to_the_same_weights(name):
+    """What an FSDP engine does: parameters on the meta device at build (no memory), buffers real,
+    then each parameter initialised alone from its own generator: bitwise the whole build."""
+    from slurmvla.engine.materialize import materialize, parameters_on_meta
+
+    stats = {"state_offset": torch.arange(8.0), "state_scale": torch.full((8,), 2.0),
+             "action_offset": torch.ones(8), "action_scale": torch.full((8,), 3.0)}
+    torch.manual_seed(5)
+    whole = build_policy(policy_cfg(name), stats)
+    torch.manual_seed(5)
+    with parameters_on_meta():
+        deferred = build_policy(policy_cfg(name), stats)
+    assert all(p.is_meta for p in deferred.parameters())
+    assert not any(b.is_meta for b in deferred.buffers())
+    materialize(deferred, torch.device("cpu"))
+    ref = whole.state_dict()
+    assert ref.keys() == deferred.state_dict().keys()
+    assert all(torch.equal(v, ref[k]) for k, v in deferred.state_dict().items())
