@@ -11,6 +11,7 @@ the server and the evaluator load through it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +88,8 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
         raise ValueError(f"{str(path)!r} does not exist; give an exported .safetensors file, a checkpoint folder "
                          "or a run directory")
     cfg = _config(config_yaml, list(overrides), origin)
-    policy = build_policy(cfg.policy)
+    # The trained weights replace any pretrained ones: do not read (or need) the pretrained file.
+    policy = build_policy(dataclasses.replace(cfg.policy, pretrained_path=None))
     missing, unexpected = _mismatch(policy.state_dict(), state)
     if missing or unexpected:
         raise ValueError(f"{origin}: the weights do not fit the policy its config builds ({cfg.policy.name}); "

@@ -75,13 +75,15 @@ class PhaseTimer:
 
 
 def count_flops_per_sample(cfg: Config, batch: dict) -> float:
-    """Forward + backward FLOPs of the reference policy on one sample (a fresh copy on the CPU)."""
+    """Forward + backward FLOPs of the policy on one sample, counted on a copy built on the meta
+    device (shapes only: no weights, no memory, whatever the policy's size)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from slurmvla.policy import build_policy
 
-    policy = build_policy(cfg.policy)
-    one = {k: (v[:1].to("cpu") if isinstance(v, torch.Tensor) else v[:1]) for k, v in batch.items()}
+    with torch.device("meta"):
+        policy = build_policy(cfg.policy)
+    one = {k: (v[:1].to("meta") if isinstance(v, torch.Tensor) else v[:1]) for k, v in batch.items()}
     with FlopCounterMode(display=False) as counter:
         policy(one)["loss"].backward()
     return float(counter.get_total_flops())

@@ -142,6 +142,12 @@ def test_strategy_matches_single_process(engine, policy, sample_root, single_ref
     w = {r["name"]: load_file(str(out / f"{r['name']}.safetensors")) for r in runs}
     report = {r["name"]: json.loads((out / f"{r['name']}.json").read_text()) for r in runs}
 
+    figures = {"straight": rel_l2(w["straight"], ref), "worst tensor": worst_tensor(w["straight"], ref),
+               "accum": rel_l2(w["accum"], w["straight"]), "bf16": rel_l2(w["bf16"], ref),
+               "frozen": rel_l2(w["frozen"], single_reference["frozen"])}
+    if "ckpt" in w:
+        figures["ckpt"] = rel_l2(w["ckpt"], w["straight"])
+    print(f"parity {policy} {engine}: " + ", ".join(f"{k} {float(v):.2e}" for k, v in figures.items()))
     assert rel_l2(w["straight"], ref) < 1e-6
     assert worst_tensor(w["straight"], ref) < 1e-3
     # N steps straight == N/2, stop, resume from the strategy's own checkpoint, continue to N.
@@ -172,6 +178,8 @@ def test_world_size_four(engine, policy, sample_root, single_references, tmp_pat
     out = run_driver(tmp_path, 4, [*base_overrides(sample_root), *POLICIES[policy], f"engine={engine}", *extra],
                      [{"name": "straight"}])
     w = load_file(str(out / "straight.safetensors"))
+    print(f"parity {policy} {engine} world 4: straight {rel_l2(w, single_reference['fp32']):.2e}, worst tensor "
+          f"{float(worst_tensor(w, single_reference['fp32'])):.2e}")
     assert rel_l2(w, single_reference["fp32"]) < 1e-6
     assert worst_tensor(w, single_reference["fp32"]) < 1e-3
 
@@ -186,6 +194,7 @@ def test_fsdp_saved_at_world_four_resumes_at_world_two(policy, sample_root, sing
     report = json.loads((second / "resumed.json").read_text())
     assert report["resumed_from"].endswith("step_00000010") and report["step"] == STEPS
     w = load_file(str(second / "resumed.safetensors"))
+    print(f"parity {policy} fsdp_full saved at world 4, resumed at 2: {rel_l2(w, single_reference['fp32']):.2e}")
     assert rel_l2(w, single_reference["fp32"]) < 1e-6
 
 

@@ -320,3 +320,44 @@ def test_a_meta_device_build_materialises_to_the_same_weights(name):
     ref = whole.state_dict()
     assert ref.keys() == deferred.state_dict().keys()
     assert all(torch.equal(v, ref[k]) for k, v in deferred.state_dict().items())
+
+
+@pytest.mark.slow
+def test_pi0_trains_from_a_paligemma_directory_and_exports_without_it(make_cfg, paligemma_dir, tmp_path):
+    """Loss falls on the sample dataset; the export rebuilds the policy (tokenizer from the config's
+    directory) without reading the pretrained weights again, and acts as the trained policy."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from slurmvla.export import export, load_exported
+    from slurmvla.trainer import Trainer
+
+    folder = tmp_path / "paligemma"
+    shutil.copytree(paligemma_dir[0], folder)
+    cfg = make_cfg("policy=pi0_tiny", f"policy.pretrained_path={folder}", "trainer.max_steps=300", "optim.lr=1e-3",
+                   "trainer.global_batch_size=16", "trainer.log_every_steps=10", "checkpoint.every_steps=300")
+    trainer = Trainer(cfg, tmp_path / "run")
+    trainer.fit()
+    batch = next(trainer.data.iterate(0, 0))
+    trainer.close()
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert sum(losses[-3:]) / 3 < 0.6 * losses[0], losses
+    out = export(tmp_path / "run", tmp_path / "policy.safetensors")
+    for f in folder.glob("model*.safetensors*"):
+        f.unlink()  # the weights are gone; the tokenizer stays
+    loaded = load_exported(out)
+    trained = build_policy(dataclasses_replace(cfg.policy, pretrained_path=None))
+    trained.load_state_dict(load_file(str(out)))
+    noise = torch.randn(batch["actions"].shape, generator=torch.Generator().manual_seed(0))
+    obs = {k: batch[k] for k in ("images", "image_mask", "state", "text", "text_mask")}
+    assert torch.equal(loaded.policy.sample_actions(obs, noise=noise), trained.eval().sample_actions(obs, noise=noise))
+    assert loaded.policy.sample_actions(obs, noise=noise).shape == batch["actions"].shape
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)

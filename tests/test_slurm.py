@@ -167,6 +167,28 @@ def test_sbatch_trains_a_plug_in_policy_on_two_nodes_as_one_process_would(cluste
     assert any(k.startswith("encoder.") for k in final) and rel_l2(final, reference) < 1e-5
 
 
+def test_sbatch_trains_pi05_under_fsdp_on_two_nodes_as_one_process_would(cluster, sample_root, tmp_path):
+    """pi0.5 (transformers' Gemma / SigLIP modules) through sbatch -> launchers -> torchrun on two SLURM
+    nodes under fsdp_full: built on the meta device, materialised per shard, trained, checkpointed."""
+    from slurmvla.export import export
+
+    steps, run = 6, tmp_path / "run"
+    over = ["policy=pi05_tiny", *_overrides(sample_root, steps, 0)]
+    job = sbatch(cluster, "sbatch/train.sh", ["engine=fsdp_full", *over], tmp_path,
+                 {"NPROC_PER_NODE": "1", "RUN_DIR": str(run)})
+    wait_gone(cluster, job, 300)
+    log = (tmp_path / f"{job}.out").read_text()
+    assert sacct_state(cluster, job).startswith("COMPLETED"), log[-4000:]
+    meta = json.loads((run / "checkpoints" / f"step_{steps:08d}" / "meta.json").read_text())
+    assert meta["world_size"] == 2
+    trainer = Trainer(compose(over), tmp_path / "single")
+    trainer.fit()
+    reference = trainer.engine.model_state_dict()
+    trainer.close()
+    final = load_file(str(export(run, tmp_path / "pi05.safetensors")))
+    assert any(".expert.input_layernorm.dense." in k for k in final) and rel_l2(final, reference) < 1e-5
+
+
 def test_preemption_signal_requeues_and_resumes_to_the_same_weights(cluster, sample_root, tmp_path):
     steps = 60
     run = tmp_path / "run"

@@ -40,6 +40,7 @@ from slurmvla.collectives import agree
 from slurmvla.config import PolicyConfig
 from slurmvla.data.spec import DataFeatures, Draw, SampleSpec
 from slurmvla.policy.base import Policy
+from slurmvla.policy.flow_vla import attention, resolve_attention
 
 # Flow-matching time embedding periods (openpi's pi0).
 MIN_PERIOD, MAX_PERIOD = 4e-3, 4.0
@@ -119,9 +120,9 @@ class JointLayer(nn.Module):
     """Gemma layer ``i`` of the backbone and of the action expert, attending jointly: the unit a
     sharding engine wraps (its ``forward`` touches both layers' weights, nothing outside)."""
 
-    def __init__(self, backbone: nn.Module, expert: nn.Module, last: bool):
+    def __init__(self, backbone: nn.Module, expert: nn.Module, last: bool, impl: str = "sdpa"):
         super().__init__()
-        self.backbone, self.expert, self.last = backbone, expert, last
+        self.backbone, self.expert, self.last, self.impl = backbone, expert, last, impl
         if last:  # the prefix's output of the last layer is never read: no parameters for it
             backbone.self_attn.q_proj = None
             backbone.self_attn.o_proj = None
@@ -168,11 +169,11 @@ class JointLayer(nn.Module):
         groups = qs.shape[1] // ks.shape[1]
         k = torch.cat([kp, ks], dim=2).repeat_interleave(groups, dim=1)
         v = torch.cat([vp, vs], dim=2).repeat_interleave(groups, dim=1)
-        ys = F.scaled_dot_product_attention(qs, k, v, attn_mask=masks[1])
+        ys = attention(qs, k, v, masks[1], self.impl)
         suffix = self._finish(self.expert, suffix, ys, gate_s, cond)
         if prefix_kv is not None or self.last:
             return None, suffix, (kp, vp)
-        yp = F.scaled_dot_product_attention(qp, k[:, :, :p], v[:, :, :p], attn_mask=masks[0])
+        yp = attention(qp, k[:, :, :p], v[:, :, :p], masks[0], self.impl)
         return self._finish(self.backbone, prefix, yp, gate_p, None), suffix, (kp, vp)
 
 
@@ -210,9 +211,9 @@ class Pi0Policy(Policy):
         # One draw from the global RNG, before any module is built (a module built on the meta
         # device draws nothing), seeds every parameter's own generator: the same weights whether
         # built whole or parameter by parameter on each rank's shard.
-        self.init_seed = int(torch.randint(0, 2**62, ()).item())
+        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu").item())
         self.gradient_checkpointing = cfg.gradient_checkpointing
-        attn = "sdpa" if cfg.attention_implementation != "eager" else "eager"
+        attn = resolve_attention(cfg.attention_implementation)  # sdpa or eager
         GemmaDecoderLayer = _transformers()[2]
         self.vision = VisionTower(siglip_config(cfg, attn))
         self.projector = nn.Linear(cfg.vision_width, cfg.width)
@@ -220,7 +221,8 @@ class Pi0Policy(Policy):
         backbone = gemma_config(cfg.width, cfg.depth, cfg.mlp_dim, cfg, attn)
         expert = gemma_config(cfg.expert_width, cfg.depth, cfg.expert_mlp_dim, cfg, attn)
         self.layers = nn.ModuleList(
-            JointLayer(GemmaDecoderLayer(backbone, i), self._expert_layer(GemmaDecoderLayer(expert, i)), i == cfg.depth - 1)
+            JointLayer(GemmaDecoderLayer(backbone, i), self._expert_layer(GemmaDecoderLayer(expert, i)),
+                       last=i == cfg.depth - 1, impl=attn)
             for i in range(cfg.depth))
         w = cfg.expert_width
         self.expert_norm = AdaptiveRMSNorm(w, w) if self.ADAPTIVE_TIME else type(self.layers[0].expert.input_layernorm)(w)
