@@ -50,6 +50,33 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+
+def read_rows(path: Path, keys: list[str], where: tuple[str, int, int] | None = None) -> dict[str, np.ndarray]:
+    """Columns ``keys`` of a parquet file as numpy arrays; with ``where=(column, lo, hi)`` only the rows
+    with ``lo <= column < hi``, reading only the row groups whose statistics overlap that range.
+
+    Read through ``ParquetFile`` on the calling thread (``use_threads=False``), never through Arrow's
+    dataset scanner: data-loader workers are forked from a process that has used Arrow's thread
+    pools, and a scanner in the child can wait forever on a pool that did not survive the fork."""
+    f = pq.ParquetFile(path)
+    keys = list(dict.fromkeys(keys))
+    groups = list(range(f.num_row_groups))
+    if where is not None:
+        name, lo, hi = where
+        col = f.schema_arrow.get_field_index(name)
+
+        def overlaps(g: int) -> bool:
+            stats = f.metadata.row_group(g).column(col).statistics
+            return stats is None or not stats.has_min_max or (stats.max >= lo and stats.min < hi)
+
+        groups = [g for g in groups if overlaps(g)]
+    table = f.read_row_groups(groups, columns=keys, use_threads=False)
+    out = {k: to_numpy(table[k]) for k in keys}
+    if where is not None:
+        keep = (out[name] >= lo) & (out[name] < hi)
+        out = {k: v[keep] for k, v in out.items()}
+    return out
+
 class LeRobotMetadata:
     """Metadata of one LeRobot dataset plus per-episode column access."""
 
@@ -210,17 +237,15 @@ class LeRobotMetadata:
         lo, hi = int(self.episodes["dataset_from_index"][pos]), int(self.episodes["dataset_to_index"][pos])
         path = self.episode_data_path(pos)
         if self.version == "v2.1":
-            table = pq.read_table(path, columns=list(dict.fromkeys(["frame_index", *keys])))
-            order = np.argsort(np.asarray(table["frame_index"]), kind="stable")
+            columns = read_rows(path, ["frame_index", *keys])
+            order = np.argsort(columns["frame_index"], kind="stable")
         else:
-            # The filter on the global index skips row groups that hold other episodes.
-            table = pq.read_table(path, columns=list(dict.fromkeys(["index", *keys])),
-                                  filters=[("index", ">=", lo), ("index", "<", hi)])
-            order = np.argsort(np.asarray(table["index"]), kind="stable")
-        if table.num_rows != hi - lo:
-            raise ValueError(f"{path}: episode {int(self.episodes['episode_index'][pos])} has {table.num_rows} rows, "
+            columns = read_rows(path, ["index", *keys], ("index", lo, hi))
+            order = np.argsort(columns["index"], kind="stable")
+        if len(order) != hi - lo:
+            raise ValueError(f"{path}: episode {int(self.episodes['episode_index'][pos])} has {len(order)} rows, "
                              f"its metadata says {hi - lo}")
-        return {k: to_numpy(table[k])[order] for k in keys}
+        return {k: columns[k][order] for k in keys}
 
     def episode_constant_from_stats(self, key: str) -> np.ndarray | None:
         """Each episode's value of ``key`` from per-episode stats, where every episode has min == max

@@ -13,7 +13,9 @@ which inference shares).
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -42,6 +44,7 @@ class FrameReader:
         self._time_base = float(stream.time_base)
         self._frames = self._container.decode(stream)
         self._ahead: tuple[int, av.VideoFrame] | None = None  # a frame decoded past the last block
+        _OPEN.add(self)
 
     def read(self, n: int, out: np.ndarray | None = None) -> np.ndarray:
         """The next ``n`` frames (fewer at the range's end) into ``out`` (may be a strided view)."""
@@ -79,7 +82,33 @@ class FrameReader:
         return out
 
     def close(self) -> None:
-        self._container.close()
+        if self._container is not None:
+            self._container.close()
+
+    def _orphan(self) -> None:
+        """In a forked child: this reader's decoder was opened by the parent and its threads did not
+        survive the fork, so closing or freeing it would wait for them forever. Keep its native
+        objects alive, untouched, for the child's lifetime, and make the reader closed."""
+        _ORPHANS.append((self._container, self._frames, self._ahead))
+        self._container, self._frames, self._ahead = None, iter(()), None
+        self.next = self.num_frames
+
+
+# Readers open in this process. A data-loader worker is forked while the parent may hold open
+# readers (validation in the main process, a stream iterated in-process, garbage not yet collected):
+# their decoders' threads exist only in the parent. Before a fork, garbage is collected (in the
+# parent, where freeing a decoder works); in the child, every inherited reader is orphaned.
+_OPEN: weakref.WeakSet[FrameReader] = weakref.WeakSet()
+_ORPHANS: list = []
+
+
+def _orphan_inherited_readers() -> None:
+    for reader in list(_OPEN):
+        reader._orphan()
+    _OPEN.clear()
+
+
+os.register_at_fork(before=gc.collect, after_in_child=_orphan_inherited_readers)
 
 
 def decode_range(path: str | Path, from_ts: float, to_ts: float, fps: float, size: int | None,
