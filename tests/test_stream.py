@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -200,3 +202,33 @@ def test_windowed_pieces_equal_whole_episodes_and_hold_only_their_window(make_cf
     with pytest.raises(RuntimeError, match="moves forward only"):
         window.images(np.asarray([2, 5]))
     window.close()
+
+
+def test_a_reader_open_before_a_fork_is_closed_and_freed_in_the_child_without_waiting(sample_root):
+    """Data-loader workers are forked while the parent may hold open readers. An inherited decoder's
+    threads exist only in the parent: closing or freeing it in the child waited on them forever
+    (holding the GIL, so the whole worker hung). The child must close, drop and collect it at once."""
+    import gc
+    import multiprocessing
+
+    from slurmvla.data import video
+
+    path = sorted((Path(sample_root) / "videos").glob("**/*.mp4"))[0]
+    reader = video.FrameReader(path, 0.0, 20, 15.0, 64)
+    reader.read(8)  # the decoder's threads are running
+
+    def child() -> None:
+        nonlocal reader
+        reader.close()
+        reader = None
+        gc.collect()
+
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(60)
+    alive = proc.is_alive()
+    if alive:
+        proc.kill()
+        proc.join()
+    reader.close()
+    assert not alive and proc.exitcode == 0, "the forked child hung closing a decoder it inherited"
