@@ -3,10 +3,11 @@
 # sample dataset (written into ~/.cache/slurmvla on first use), then open-loop evaluation of the
 # trained policy on the held-out episodes (metrics.json and plots under RUN_DIR/eval/). Uses the GPU
 # when there is one. Extra arguments are Hydra overrides, e.g.  bash scripts/demo.sh trainer.max_steps=100
+# (bash scripts/demo.sh policy=pi05_tiny: the same demo with pi0.5's code path at toy size).
 # RUN_DIR (default outputs/demo/<date>_<time>) is the run directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh eval
+bash scripts/install.sh eval,vla
 PY=${PYTHON:-python3}
 RUN_DIR=${RUN_DIR:-outputs/demo/$(date +%Y-%m-%d_%H-%M-%S)}
 "$PY" -m slurmvla.train experiment=demo "hydra.run.dir=$RUN_DIR" "$@"
