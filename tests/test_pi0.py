@@ -152,6 +152,28 @@ def test_lerobot_checkpoint_loads_back_to_the_same_outputs(name, paligemma_dir, 
         assert torch.equal(loaded.sample_actions(batch, noise=noise), source.sample_actions(batch, noise=noise))
 
 
+def test_lerobot_heads_padded_to_32_dims_load_as_the_same_policy(paligemma_dir, tmp_path):
+    """LeRobot pads state and actions to 32 dims: its heads are wider than the data's 8. The loaded
+    policy must act exactly as LeRobot's would on zero-padded inputs (first rows / columns kept)."""
+    cfg = policy_cfg("pi0_tiny")
+    torch.manual_seed(4)
+    source = build_policy(cfg).eval()
+    state = lerobot_state_dict(source)
+    g = torch.Generator().manual_seed(0)
+    for key, dim in (("model.action_in_proj.weight", 1), ("model.state_proj.weight", 1),
+                     ("model.action_out_proj.weight", 0), ("model.action_out_proj.bias", 0)):
+        extra = list(state[key].shape)
+        extra[dim] = 32 - extra[dim]
+        state[key] = torch.cat([state[key], torch.randn(extra, generator=g)], dim=dim)  # never read
+    save_file(state, str(tmp_path / "model.safetensors"))
+    loaded = build_policy(policy_cfg("pi0_tiny", pretrained_path=str(tmp_path),
+                                     tokenizer_path=str(paligemma_dir[0]))).eval()
+    batch = batch_for(cfg)
+    noise = torch.randn(B, cfg.action_horizon, cfg.action_dim)
+    with torch.no_grad():
+        assert torch.equal(loaded.sample_actions(batch, noise=noise), source.sample_actions(batch, noise=noise))
+
+
 def lerobot_keys_from_transformers(cfg: PolicyConfig, adaptive: bool) -> set[str]:
     """LeRobot's PI0Pytorch module tree rebuilt from transformers' classes as LeRobot composes them
     (PaliGemmaForConditionalGeneration + a GemmaForCausalLM expert without embeddings, adaRMS norms

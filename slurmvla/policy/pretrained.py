@@ -59,6 +59,11 @@ LEROBOT_NAMES: tuple[tuple[str, str | None], ...] = (
     (r"^(?:model\.)?(action_in_proj|action_out_proj|state_proj|action_time_mlp_in|action_time_mlp_out|time_mlp_in|"
      r"time_mlp_out)\.(.*)$", r"\1.\2"),
 )
+# LeRobot pads state and actions with zeros to max_state_dim / max_action_dim (32): its heads are
+# wider than a policy built for the data's dims. Running them on zero-padded inputs and dropping the
+# padded outputs is the same as keeping the first rows / columns: (key, dim, which size).
+PADDED_HEADS = {"action_in_proj.weight": (1, "action"), "action_out_proj.weight": (0, "action"),
+                "action_out_proj.bias": (0, "action"), "state_proj.weight": (1, "state")}
 # Policy keys a pretrained file may hold but the policy does not have: the last layer's prefix
 # output (see slurmvla.policy.pi0.JointLayer).
 _UNUSED_IN_POLICY = re.compile(r"^layers\.\d+\.backbone\.(self_attn\.[qo]_proj|mlp\.|post_attention_layernorm)")
@@ -154,6 +159,11 @@ def load_pretrained(policy: nn.Module, path: str | Path) -> str:
     if missing:
         raise ValueError(f"{where}: {len(missing)} tensor(s) policy={policy.cfg.name} needs are missing from the "
                          f"{layout} checkpoint, first: {missing[:5]}")
+    if layout == "lerobot":
+        for k, (dim, _) in PADDED_HEADS.items():
+            if k in tensors and k in own and tensors[k].ndim == own[k].ndim \
+                    and tensors[k].shape[dim] > own[k].shape[dim]:
+                tensors[k] = tensors[k].narrow(dim, 0, own[k].shape[dim])
     wrong = [f"{k}: file {tuple(v.shape)} vs policy {tuple(own[k].shape)}" for k, v in tensors.items()
              if tuple(v.shape) != tuple(own[k].shape)]
     if wrong:
