@@ -64,6 +64,35 @@ class Policy(nn.Module):
             if value != expected:
                 raise ValueError(f"{key}={value} does not match {what}={expected} in {features.root}")
 
+    # -- helpers for built-in policies (not part of the contract) ---------------------------------
+
+    def register_normalization(self, cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None) -> None:
+        """``state_offset`` / ``state_scale`` / ``action_offset`` / ``action_scale`` as fp32 buffers
+        (identity without stats): they travel with the weights into checkpoints and exports, stay
+        fp32 whatever the compute dtype, and stay plain tensors under FSDP (never sharded)."""
+        for prefix, dim in (("state", cfg.state_dim), ("action", cfg.action_dim)):
+            offset = torch.zeros(dim) if stats is None else stats[f"{prefix}_offset"].float().reshape(dim)
+            scale = torch.ones(dim) if stats is None else stats[f"{prefix}_scale"].float().reshape(dim)
+            self.register_buffer(f"{prefix}_offset", offset.clone())
+            self.register_buffer(f"{prefix}_scale", scale.clamp_min(1e-4).clone())
+
+    def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        return (actions.float() - self.action_offset) / self.action_scale
+
+    def normalize_states(self, states: torch.Tensor) -> torch.Tensor:
+        return (states.float() - self.state_offset) / self.state_scale
+
+    def freeze(self, vision: nn.Module, cfg: PolicyConfig) -> None:
+        """``policy.freeze_vision_encoder``: no gradient for ``vision``; ``policy.train_expert_only``:
+        none for anything outside ``expert_modules()``."""
+        if cfg.freeze_vision_encoder or cfg.train_expert_only:
+            vision.requires_grad_(False)
+        if cfg.train_expert_only:
+            expert = {id(p) for m in self.expert_modules() for p in m.parameters()}
+            for p in self.parameters():
+                if id(p) not in expert:
+                    p.requires_grad_(False)
+
     def sample_actions(self, batch: dict) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__qualname__} has no sample_actions(batch): inference needs it")
 

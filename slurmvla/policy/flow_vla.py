@@ -28,6 +28,7 @@ from slurmvla.collectives import agree
 from slurmvla.config import ATTENTION_FALLBACKS, PolicyConfig
 from slurmvla.data.spec import Draw, SampleSpec
 from slurmvla.policy.base import Policy
+from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.tokenizer import VOCAB_SIZE, ByteTokenizer
 from slurmvla.registry import SAMPLE_MODES
 
@@ -224,22 +225,10 @@ class FlowMatchingVLA(Policy):
         self.expert_in = ActionTimeEmbedding(cfg.action_dim, cfg.expert_width)
         self.expert_out_norm = nn.RMSNorm(cfg.expert_width)
         self.expert_out = nn.Linear(cfg.expert_width, cfg.action_dim)
-        # Normalization (x - offset) / scale, from the data's stats in the mode data.*_normalization
-        # chose. Buffers: they travel with the weights into checkpoints and exports, and stay fp32
-        # whatever the compute dtype.
-        for prefix, dim in (("state", cfg.state_dim), ("action", cfg.action_dim)):
-            offset = torch.zeros(dim) if stats is None else stats[f"{prefix}_offset"].float().reshape(dim)
-            scale = torch.ones(dim) if stats is None else stats[f"{prefix}_scale"].float().reshape(dim)
-            self.register_buffer(f"{prefix}_offset", offset.clone())
-            self.register_buffer(f"{prefix}_scale", scale.clamp_min(1e-4).clone())
+        # Normalization (x - offset) / scale, from the data's stats in the mode data.*_normalization chose.
+        self.register_normalization(cfg, stats)
         self.apply(self._init)
-        if cfg.freeze_vision_encoder or cfg.train_expert_only:
-            self.vision.requires_grad_(False)
-        if cfg.train_expert_only:
-            expert = {id(p) for m in self.expert_modules() for p in m.parameters()}
-            for p in self.parameters():
-                if id(p) not in expert:
-                    p.requires_grad_(False)
+        self.freeze(self.vision, cfg)
 
     @staticmethod
     def _init(m: nn.Module) -> None:
@@ -307,12 +296,6 @@ class FlowMatchingVLA(Policy):
                 prefix, suffix, _ = layer(prefix, suffix, keep)
         return self.expert_out(self.expert_out_norm(suffix))
 
-    def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
-        return (actions.float() - self.action_offset) / self.action_scale
-
-    def normalize_states(self, states: torch.Tensor) -> torch.Tensor:
-        return (states.float() - self.state_offset) / self.state_scale
-
     def _dynamics_token(self, batch: dict) -> torch.Tensor:
         """Mode embedding + conditioning: forward dynamics sees the action chunk, inverse dynamics the
         future state; both projections run on every sample (zeroed where unused), so every parameter
@@ -346,31 +329,13 @@ class FlowMatchingVLA(Policy):
         return actions, mask
 
     def forward(self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None) -> dict:
-        """Flow-matching loss. Noise and time come from the batch (``noise``, ``time_u``: drawn per
-        sample by the data pipeline), from the arguments, or from the global RNG, in that order."""
+        """Flow-matching loss (slurmvla/policy/flow.py): noise and time from the arguments, the batch
+        (drawn per sample by the data pipeline) or the global RNG, in that order."""
         actions, action_mask = self._targets(batch)
-        b = actions.shape[0]
-        if noise is None:
-            noise = batch["noise"].float() if "noise" in batch else torch.randn_like(actions)
-        if t is None:
-            u = batch["time_u"].float() if "time_u" in batch else torch.rand(b, device=actions.device)
-            # pi0's time distribution: Beta(1.5, 1) (inverse CDF u ** (1 / 1.5)) leans towards the
-            # noisy end; kept off t = 0.
-            t = u.pow(1.0 / 1.5) * 0.999 + 0.001
-        x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
-        target = noise - actions
+        noise, t = noise_and_time(batch, actions, noise, t)
         prefix, keep = self._prefix(batch)
-        pred = self._velocity(prefix, keep, x_t, t).float()
-        mask = action_mask[:, :, None].expand_as(pred).float()
-        err = (pred - target).square() * mask
-        mse_sum = err.sum(dim=(1, 2))
-        mse_count = mask.sum(dim=(1, 2))
-        # Mean over every chunk element, masked ones counting as zero error. The denominator is a
-        # constant of the batch shape, so the loss of a global batch is exactly the mean of its
-        # shards' losses: the same training on any world size and accumulation split, with no
-        # collective to count valid elements first.
-        loss = mse_sum.sum() / pred.numel()
-        return {"loss": loss, "components": {"mse": (mse_sum.detach(), mse_count.detach())}}
+        pred = self._velocity(prefix, keep, noisy_actions(actions, noise, t), t)
+        return flow_matching_loss(pred, noise, actions, action_mask)
 
     @torch.no_grad()
     def sample_actions(self, batch: dict, noise: torch.Tensor | None = None, num_steps: int | None = None) -> torch.Tensor:

@@ -40,6 +40,7 @@ from slurmvla.collectives import agree
 from slurmvla.config import PolicyConfig
 from slurmvla.data.spec import DataFeatures, Draw, SampleSpec
 from slurmvla.policy.base import Policy
+from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.flow_vla import attention, resolve_attention
 
 # Flow-matching time embedding periods (openpi's pi0).
@@ -229,21 +230,11 @@ class Pi0Policy(Policy):
         self.action_in_proj = nn.Linear(cfg.action_dim, w)
         self.action_out_proj = nn.Linear(w, cfg.action_dim)
         self._time_modules(w)
-        for prefix, dim in (("state", cfg.state_dim), ("action", cfg.action_dim)):
-            offset = torch.zeros(dim) if stats is None else stats[f"{prefix}_offset"].float().reshape(dim)
-            scale = torch.ones(dim) if stats is None else stats[f"{prefix}_scale"].float().reshape(dim)
-            self.register_buffer(f"{prefix}_offset", offset.clone())
-            self.register_buffer(f"{prefix}_scale", scale.clamp_min(1e-4).clone())
+        self.register_normalization(cfg, stats)
         if not self.embed_tokens.weight.is_meta:  # built on the meta device: the engine materialises
             self.reset_parameters()
             self.load_initial_weights()
-        if cfg.freeze_vision_encoder or cfg.train_expert_only:
-            self.vision.requires_grad_(False)
-        if cfg.train_expert_only:
-            expert_ids = {id(p) for m in self.expert_modules() for p in m.parameters()}
-            for p in self.parameters():
-                if id(p) not in expert_ids:
-                    p.requires_grad_(False)
+        self.freeze(self.vision, cfg)
 
     def _expert_layer(self, layer: nn.Module) -> nn.Module:
         if self.ADAPTIVE_TIME:
@@ -318,12 +309,6 @@ class Pi0Policy(Policy):
 
     # -- model ------------------------------------------------------------------------------------
 
-    def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
-        return (actions.float() - self.action_offset) / self.action_scale
-
-    def normalize_states(self, states: torch.Tensor) -> torch.Tensor:
-        return (states.float() - self.state_offset) / self.state_scale
-
     def _pixels(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 ``[N, H, W, 3]`` -> SigLIP's input ``[N, 3, S, S]`` in [-1, 1], on the device; an image
         not at ``policy.image_size`` is resized with padding (aspect kept, black bars) first."""
@@ -388,22 +373,12 @@ class Pi0Policy(Policy):
         return self.action_out_proj(out[:, lead:])
 
     def forward(self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None) -> dict:
-        """Flow-matching loss (the reference policy's conventions: noise / time drawn per sample by the
-        data pipeline, the loss a mean over every chunk element)."""
-        actions, mask = self.normalize_actions(batch["actions"]), batch["action_mask"]
-        b = actions.shape[0]
-        if noise is None:
-            noise = batch["noise"].float() if "noise" in batch else torch.randn_like(actions)
-        if t is None:
-            u = batch["time_u"].float() if "time_u" in batch else torch.rand(b, device=actions.device)
-            t = u.pow(1.0 / 1.5) * 0.999 + 0.001
-        x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
+        """Flow-matching loss (slurmvla/policy/flow.py, the reference policy's conventions)."""
+        actions = self.normalize_actions(batch["actions"])
+        noise, t = noise_and_time(batch, actions, noise, t)
         prefix, keep = self._prefix(batch)
-        pred = self._velocity(prefix, keep, batch, x_t.to(prefix.dtype), t).float()
-        m = mask[:, :, None].expand_as(pred).float()
-        err = (pred - (noise - actions)).square() * m
-        mse_sum = err.sum(dim=(1, 2))
-        return {"loss": mse_sum.sum() / pred.numel(), "components": {"mse": (mse_sum.detach(), m.sum(dim=(1, 2)))}}
+        pred = self._velocity(prefix, keep, batch, noisy_actions(actions, noise, t).to(prefix.dtype), t)
+        return flow_matching_loss(pred, noise, actions, batch["action_mask"])
 
     @torch.no_grad()
     def sample_actions(self, batch: dict, noise: torch.Tensor | None = None, num_steps: int | None = None) -> torch.Tensor:
