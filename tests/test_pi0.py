@@ -4,6 +4,7 @@ LeRobot name table against a golden file, and the errors a bad file gives."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -371,15 +372,9 @@ def test_pi0_trains_from_a_paligemma_directory_and_exports_without_it(make_cfg, 
     for f in folder.glob("model*.safetensors*"):
         f.unlink()  # the weights are gone; the tokenizer stays
     loaded = load_exported(out)
-    trained = build_policy(dataclasses_replace(cfg.policy, pretrained_path=None))
+    trained = build_policy(dataclasses.replace(cfg.policy, pretrained_path=None))
     trained.load_state_dict(load_file(str(out)))
     noise = torch.randn(batch["actions"].shape, generator=torch.Generator().manual_seed(0))
     obs = {k: batch[k] for k in ("images", "image_mask", "state", "text", "text_mask")}
     assert torch.equal(loaded.policy.sample_actions(obs, noise=noise), trained.eval().sample_actions(obs, noise=noise))
     assert loaded.policy.sample_actions(obs, noise=noise).shape == batch["actions"].shape
-
-
-def dataclasses_replace(obj, **changes):
-    import dataclasses
-
-    return dataclasses.replace(obj, **changes)

@@ -124,6 +124,7 @@ class JointLayer(nn.Module):
     def __init__(self, backbone: nn.Module, expert: nn.Module, last: bool, impl: str = "sdpa"):
         super().__init__()
         self.backbone, self.expert, self.last, self.impl = backbone, expert, last, impl
+        self._apply_rotary = _transformers()[3]  # looked up once, not per forward
         if last:  # the prefix's output of the last layer is never read: no parameters for it
             backbone.self_attn.q_proj = None
             backbone.self_attn.o_proj = None
@@ -154,7 +155,7 @@ class JointLayer(nn.Module):
         time condition. With ``prefix_kv`` (an earlier call's prefix keys / values: the prefix never
         attends to the suffix, so they are the same at every denoising step) only the suffix runs.
         Returns ``(prefix or None, suffix, (k, v) of the prefix)``."""
-        apply_rotary = _transformers()[3]
+        apply_rotary = self._apply_rotary
         cos, sin = rotary
         p = cos.shape[1] - suffix.shape[1]
         qs, ks, vs, gate_s = self._project(self.expert, suffix, cond, True)
@@ -393,7 +394,8 @@ class Pi0Policy(Policy):
         for i in range(steps):
             t = torch.full((b,), 1.0 - i / steps, device=x.device)
             suffix, lead, cond = self._suffix(batch, x.to(prefix.dtype), t)
-            rotary, masks = self._masks(keep, suffix.shape[1], lead)
+            if i == 0:  # positions and masks are the same at every step
+                rotary, masks = self._masks(keep, suffix.shape[1], lead)
             h = prefix
             for j, layer in enumerate(self.layers):
                 h, suffix, kv = layer(h, suffix, rotary, masks, cond, cache[j] if i > 0 else None)
