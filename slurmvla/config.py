@@ -111,6 +111,23 @@ class PolicyConfig:
     # Where the tokenizer files are (default: pretrained_path when it holds them); without either, the
     # byte tokenizer (random-weight runs only).
     tokenizer_path: str | None = None
+    # pi0 / pi0.5: state and actions are zero-padded to these widths inside the model (the published
+    # heads are 32 wide; noise is drawn and the flow integrated in all of them, cut to the data's dims
+    # only at the output and in the loss), as openpi and LeRobot do.
+    max_state_dim: int = 32
+    max_action_dim: int = 32
+    # pi0.5: how the state enters: "discrete" (published: 256-bin ids of the normalized state written
+    # into the prompt, "Task: ..., State: ...;\nAction: ") or "continuous" (one projected prefix token).
+    state_input: str = "discrete"
+    # Normalization a policy was trained with (pi0.5: quantile); None: data.state/action_normalization.
+    state_normalization: str | None = None
+    action_normalization: str | None = None
+    # Where normalization statistics come from: "data" (the configured datasets) or "checkpoint" (the
+    # pretrained_path directory's: LeRobot's saved normalizer, or openpi's norm_stats.json).
+    stats_source: str = "data"
+    # Loading pretrained weights that leave some of the policy's tensors unset (they keep their random
+    # initialisation, named in the log) is an error unless this is true.
+    allow_partial_load: bool = False
 
     def __post_init__(self) -> None:
         entry = POLICIES.get(self.name)
@@ -130,6 +147,16 @@ class PolicyConfig:
                     "action_dim", "action_horizon", "num_inference_steps", "num_obs_history", "num_kv_heads",
                     "mlp_dim", "expert_mlp_dim", "vision_mlp_dim", "vocab_size"):
             _positive(f"policy.{key}", getattr(self, key))
+        _choice("policy.state_input", self.state_input, STATE_INPUTS)
+        _choice("policy.stats_source", self.stats_source, STATS_SOURCES)
+        for key in ("state_normalization", "action_normalization"):
+            if getattr(self, key) is not None:
+                _choice(f"policy.{key}", getattr(self, key), NORMALIZATIONS)
+        _positive("policy.max_state_dim", self.max_state_dim)
+        _positive("policy.max_action_dim", self.max_action_dim)
+        if self.stats_source == "checkpoint" and not self.pretrained_path:
+            raise ValueError("policy.stats_source=checkpoint reads the statistics saved beside policy.pretrained_path, "
+                             "which is not set; set it, or use policy.stats_source=data")
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"policy.image_size={self.image_size} must be a multiple of policy.patch_size={self.patch_size}"
@@ -161,6 +188,8 @@ DATA_LOADERS = ("stream", "map")
 # writes a new copy instead of reusing an older one.
 SAMPLE_REVISION = "v3.0_av1_r2"
 NORMALIZATIONS = ("mean_std", "min_max", "quantile", "identity")
+STATE_INPUTS = ("discrete", "continuous")
+STATS_SOURCES = ("data", "checkpoint")
 MISSING_CAMERA_CHOICES = ("fail", "pad")
 
 

@@ -32,6 +32,7 @@ from slurmvla.data.mixture import SPLITS, Mixture
 from slurmvla.data.prepare import inference_fields
 from slurmvla.eval.validate import bucket
 from slurmvla.export import Loaded, load_exported
+from slurmvla.policy.stats import resolve_stats
 
 METRICS_FILE = "metrics.json"
 
@@ -47,8 +48,10 @@ def evaluate(loaded: Loaded, split: str = "val", seed: int = 0, batch_size: int 
     if loader is None:
         raise ValueError(f"split {split!r} of {mixture.names} has no samples (data.val_fraction="
                          f"{cfg.data.val_fraction}); use --split all to evaluate every episode")
-    norm = mixture.normalization(cfg.data.state_normalization, cfg.data.action_normalization)
-    scale = norm["action_scale"].double().numpy()
+    # Errors in normalized units: the policy's own statistics (its buffers), whichever source made them.
+    own = getattr(policy, "action_scale", None)
+    scale = (own if isinstance(own, torch.Tensor) else resolve_stats(cfg, mixture, announce=False)["action_scale"]) \
+        .detach().double().cpu().numpy()
     cols: dict[str, list] = defaultdict(list)
     num_real = loader.dataset.num_real
     seen = 0

@@ -44,6 +44,7 @@ from slurmvla.launch.runtime import apply_process_defaults, write_snapshot
 from slurmvla.logger import MetricLogger
 from slurmvla.optim import build_scheduler
 from slurmvla.policy import build_policy, policy_class
+from slurmvla.policy.stats import resolve_stats
 from slurmvla.registry import ENGINES
 
 log = logging.getLogger("slurmvla")
@@ -168,7 +169,7 @@ class Trainer:
         cfg = self.cfg
         # The same seed on every rank: every rank builds identical initial weights.
         seed_everything(cfg.trainer.seed)
-        stats = self.mixture.normalization(cfg.data.state_normalization, cfg.data.action_normalization)
+        stats = resolve_stats(cfg, self.mixture, announce=self.env.is_main)
         # A sharding engine with a policy that can initialise parameter by parameter: build it on
         # the meta device and materialise each rank's shard only (slurmvla/engine/materialize.py).
         deferred = ENGINES.get(cfg.engine.name).deferred_init and supports_deferred_init(policy_class(cfg.policy))

@@ -135,19 +135,8 @@ class Mixture:
         out = {}
         for prefix, keys, mode in (("state", self.cfg.state_keys, state_mode), ("action", self.cfg.action_keys, action_mode)):
             dim = self.sources[0].state_dim if prefix == "state" else self.sources[0].action_dim
-            if mode == "identity":
-                offset, scale = np.zeros(dim), np.ones(dim)
-            else:
-                stats = pool_stats([s.raw_stats(keys) for s in self.sources])
-                need = {"mean_std": ("mean", "std"), "min_max": ("min", "max"), "quantile": ("q01", "q99")}[mode]
-                if not all(n in stats for n in need):
-                    raise ValueError(f"data.{prefix}_normalization={mode!r} needs {list(need)} stats for {keys}, "
-                                     f"which {self.names} do not all have; stats there: {sorted(stats)}; choose "
-                                     "mean_std, min_max or identity")
-                a, b = stats[need[0]], stats[need[1]]
-                offset, scale = (a, b) if mode == "mean_std" else ((a + b) / 2, (b - a) / 2)
-            out[f"{prefix}_offset"] = torch.as_tensor(offset, dtype=torch.float32)
-            out[f"{prefix}_scale"] = torch.as_tensor(np.maximum(scale, 1e-4), dtype=torch.float32)
+            stats = {} if mode == "identity" else pool_stats([s.raw_stats(keys) for s in self.sources])
+            out.update(offset_scale(stats, mode, dim, prefix, f"{keys} of {self.names}"))
         return out
 
     def summary(self) -> dict:
@@ -161,6 +150,26 @@ class Mixture:
                 "train_samples": s.train_index.num_samples, "val_samples": s.val_index.num_samples,
             }
         return out
+
+
+def offset_scale(stats: dict[str, np.ndarray], mode: str, dim: int, prefix: str, where: str) -> dict[str, torch.Tensor]:
+    """``{prefix}_offset`` / ``{prefix}_scale`` for ``normalized = (x - offset) / scale`` from raw stats
+    (mean / std / min / max / q01 / q99): mean_std, min_max and quantile (to [-1, 1] between q01 and
+    q99, as LeRobot's and openpi's quantile normalization) or identity."""
+    if mode == "identity":
+        offset, scale = np.zeros(dim), np.ones(dim)
+    else:
+        need = {"mean_std": ("mean", "std"), "min_max": ("min", "max"), "quantile": ("q01", "q99")}[mode]
+        if not all(n in stats for n in need):
+            raise ValueError(f"{prefix} normalization {mode!r} needs {list(need)} stats for {where}, which are not "
+                             f"all there; stats there: {sorted(stats)}; choose mean_std, min_max or identity")
+        a, b = (np.asarray(stats[n], dtype=np.float64).reshape(-1) for n in need)
+        if len(a) < dim:
+            raise ValueError(f"{prefix} statistics of {where} have {len(a)} dims, the data has {dim}")
+        a, b = a[:dim], b[:dim]
+        offset, scale = (a, b) if mode == "mean_std" else ((a + b) / 2, (b - a) / 2)
+    return {f"{prefix}_offset": torch.as_tensor(offset, dtype=torch.float32),
+            f"{prefix}_scale": torch.as_tensor(np.maximum(scale, 1e-4), dtype=torch.float32)}
 
 
 def pool_stats(stats: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

@@ -116,6 +116,7 @@ class Subject:
         from slurmvla.data.mixture import Mixture
         from slurmvla.data.synthetic import ensure_sample_dataset
         from slurmvla.policy import policy_class
+        from slurmvla.policy.stats import resolve_stats
 
         self.cfg, self.overrides = cfg, overrides
         ensure_sample_dataset(cfg.data)
@@ -123,7 +124,7 @@ class Subject:
         self.spec = self.cls.sample_spec(cfg.policy)
         mixture = Mixture(cfg.data, self.spec, cfg.trainer.seed)
         self.cls.check_data(cfg.policy, mixture.features)
-        self.stats = mixture.normalization(cfg.data.state_normalization, cfg.data.action_normalization)
+        self.stats = resolve_stats(cfg, mixture, announce=False)
         source = mixture.sources[0]
         a, b = (source.load_episode(int(e)) for e in source.index.episodes[:2])
         picks = [(a, len(a.state) - 2), (a, 0), (b, 1), (b, 2)]

@@ -22,8 +22,15 @@ gradient, which hangs DDP and wastes FSDP traffic); loading pretrained weights s
 
 pi0 vs pi0.5 here: pi0 feeds time through an MLP with the noisy actions and puts the state in the
 suffix; pi0.5 conditions every expert RMSNorm on time (adaptive RMSNorm: scale, shift and a
-residual gate) and puts the state in the prefix as one continuous token (openpi's pi0.5 writes it
-as discretised text tokens instead; that variant is not implemented).
+residual gate) and writes the state into its prompt as 256-bin ids of the normalized state
+(``policy.state_input=discrete``, as published; ``continuous`` projects it into one prefix token).
+
+What LeRobot 0.6.1 computes, these do (tests/test_pi0_parity.py holds them to its golden outputs):
+state and actions zero-padded to ``max_state_dim`` / ``max_action_dim`` (32) inside the model, the
+noise drawn and the flow integrated in all 32 dims, cut to the data's dims at the output and in the
+loss (a mean over every chunk element, steps past the episode end included: they repeat the last
+action, as LeRobot's loader makes them); images resized with padding by bilinear interpolation
+without antialiasing on [0, 1] floats, then scaled to [-1, 1].
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,6 +83,24 @@ def siglip_config(cfg: PolicyConfig, attn: str):
                                 image_size=cfg.image_size, patch_size=cfg.patch_size)
     config._attn_implementation = attn
     return config
+
+
+def pad_last(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Zero-pad the last dimension to ``dim`` (LeRobot's ``pad_vector``)."""
+    return x if x.shape[-1] == dim else F.pad(x, (0, dim - x.shape[-1]))
+
+
+def resize_with_pad(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``[N, C, H, W]`` floats in [0, 1] -> ``[N, C, size, size]``: scaled to fit (bilinear, no
+    antialiasing, clamped to [0, 1]), centred, padded with 0 (openpi's ``resize_with_pad_torch``)."""
+    h, w = x.shape[-2:]
+    if (h, w) == (size, size):
+        return x
+    ratio = max(w / size, h / size)
+    nh, nw = int(h / ratio), int(w / ratio)
+    x = F.interpolate(x, size=(nh, nw), mode="bilinear", align_corners=False).clamp(0.0, 1.0)
+    top, left = (size - nh) // 2, (size - nw) // 2
+    return F.pad(x, (left, size - nw - left, top, size - nh - top))
 
 
 def sinusoidal_time(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -228,8 +254,8 @@ class Pi0Policy(Policy):
             for i in range(cfg.depth))
         w = cfg.expert_width
         self.expert_norm = AdaptiveRMSNorm(w, w) if self.ADAPTIVE_TIME else type(self.layers[0].expert.input_layernorm)(w)
-        self.action_in_proj = nn.Linear(cfg.action_dim, w)
-        self.action_out_proj = nn.Linear(w, cfg.action_dim)
+        self.action_in_proj = nn.Linear(cfg.max_action_dim, w)
+        self.action_out_proj = nn.Linear(w, cfg.max_action_dim)
         self._time_modules(w)
         self.register_normalization(cfg, stats)
         if not self.embed_tokens.weight.is_meta:  # built on the meta device: the engine materialises
@@ -245,7 +271,7 @@ class Pi0Policy(Policy):
         return layer
 
     def _time_modules(self, w: int) -> None:
-        self.state_proj = nn.Linear(self.cfg.num_obs_history * self.cfg.state_dim, w)
+        self.state_proj = nn.Linear(self.cfg.num_obs_history * self.cfg.max_state_dim, w)
         self.action_time_mlp_in = nn.Linear(2 * w, w)
         self.action_time_mlp_out = nn.Linear(w, w)
 
@@ -286,13 +312,24 @@ class Pi0Policy(Policy):
 
         return SampleSpec(
             image_size=cfg.image_size, action_horizon=cfg.action_horizon, num_obs_history=cfg.num_obs_history,
-            tokenizer=tokenizer_for(cfg),
-            draws=(Draw("noise", "normal", (cfg.action_horizon, cfg.action_dim)), Draw("time_u", "uniform")),
+            tokenizer=tokenizer_for(cfg) if cls._data_tokenizes(cfg) else None,
+            draws=(Draw("noise", "normal", (cfg.action_horizon, cfg.max_action_dim)), Draw("time_u", "uniform")),
         )
+
+    @classmethod
+    def _data_tokenizes(cls, cfg: PolicyConfig) -> bool:
+        """pi0's prompt is the instruction alone: the data pipeline tokenizes it."""
+        return True
 
     @classmethod
     def check_data(cls, cfg: PolicyConfig, features: DataFeatures) -> None:
         super().check_data(cfg, features)
+        for what, dim, cap in (("state", features.state_dim, cfg.max_state_dim),
+                               ("action", features.action_dim, cfg.max_action_dim)):
+            if dim > cap:
+                raise ValueError(f"the data's {what} has {dim} dims, more than policy.max_{what}_dim={cap} "
+                                 f"(policy={cfg.name}); raise policy.max_{what}_dim (a pretrained checkpoint's "
+                                 "heads fix it: 32 for the published ones)")
         heads_fit = cfg.num_heads % cfg.num_kv_heads == 0
         if not heads_fit:
             raise ValueError(f"policy.num_heads={cfg.num_heads} must be a multiple of policy.num_kv_heads="
@@ -311,17 +348,17 @@ class Pi0Policy(Policy):
     # -- model ------------------------------------------------------------------------------------
 
     def _pixels(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 ``[N, H, W, 3]`` -> SigLIP's input ``[N, 3, S, S]`` in [-1, 1], on the device; an image
-        not at ``policy.image_size`` is resized with padding (aspect kept, black bars) first."""
-        x = images.permute(0, 3, 1, 2).float()
-        size, (h, w) = self.cfg.image_size, x.shape[-2:]
-        if (h, w) != (size, size):
-            ratio = max(h, w) / size
-            nh, nw = int(h / ratio), int(w / ratio)
-            x = F.interpolate(x, size=(nh, nw), mode="bilinear", align_corners=False, antialias=True)
-            top, left = (size - nh) // 2, (size - nw) // 2
-            x = F.pad(x, (left, size - nw - left, top, size - nh - top))
-        return x / 127.5 - 1.0
+        """uint8 ``[N, H, W, 3]`` -> SigLIP's input ``[N, 3, S, S]`` in [-1, 1], on the device, as openpi
+        and LeRobot preprocess: [0, 1] floats; an image not at ``policy.image_size`` resized with
+        padding (aspect kept, centred, black bars) by bilinear interpolation without antialiasing."""
+        return resize_with_pad(images.permute(0, 3, 1, 2).float() / 255.0, self.cfg.image_size) * 2.0 - 1.0
+
+    def _text(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The prompt's token ids and mask: pi0's come with the batch (the data pipeline tokenizes the
+        instruction)."""
+        if agree({"text": "text" in batch}, fields=batch.keys())["text"]:
+            return batch["text"], batch["text_mask"]
+        return None
 
     def _prefix(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         images = batch["images"]
@@ -330,9 +367,10 @@ class Pi0Policy(Policy):
         per_cam = img.shape[1]
         parts = [img.reshape(b, cams * per_cam, -1)]
         keep = [batch["image_mask"].repeat_interleave(per_cam, dim=1)]
-        if agree({"text": "text" in batch}, fields=batch.keys())["text"]:
-            parts.append(self.embed_tokens(batch["text"]) * math.sqrt(self.cfg.width))
-            keep.append(batch["text_mask"])
+        text = self._text(batch)
+        if text is not None:
+            parts.append(self.embed_tokens(text[0]) * math.sqrt(self.cfg.width))
+            keep.append(text[1])
         parts, keep = self._state_in_prefix(batch, parts, keep)
         dtype = parts[0].dtype
         return torch.cat([x.to(dtype) for x in parts], dim=1), torch.cat(keep, dim=1)
@@ -344,7 +382,8 @@ class Pi0Policy(Policy):
         """Expert-stream tokens, how many leading ones form their own attention block (pi0's state
         token), and the time condition (pi0.5)."""
         b = x_t.shape[0]
-        state = self.state_proj(self.normalize_states(batch["state"]).reshape(b, -1))[:, None, :]
+        state = self.state_proj(pad_last(self.normalize_states(batch["state"]), self.cfg.max_state_dim)
+                                .reshape(b, -1))[:, None, :]
         a = self.action_in_proj(x_t)
         time = sinusoidal_time(t, a.shape[-1])[:, None, :].expand_as(a).to(a.dtype)
         a = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat([a, time], dim=-1))))
@@ -374,12 +413,15 @@ class Pi0Policy(Policy):
         return self.action_out_proj(out[:, lead:])
 
     def forward(self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None) -> dict:
-        """Flow-matching loss (slurmvla/policy/flow.py, the reference policy's conventions)."""
-        actions = self.normalize_actions(batch["actions"])
+        """Flow-matching loss in the padded action space, reported over the data's dims: the mean over
+        every chunk element (LeRobot's and openpi's convention; see the module docstring)."""
+        actions = pad_last(self.normalize_actions(batch["actions"]), self.cfg.max_action_dim)
         noise, t = noise_and_time(batch, actions, noise, t)
         prefix, keep = self._prefix(batch)
         pred = self._velocity(prefix, keep, batch, noisy_actions(actions, noise, t).to(prefix.dtype), t)
-        return flow_matching_loss(pred, noise, actions, batch["action_mask"])
+        d = self.cfg.action_dim
+        every = torch.ones_like(batch["action_mask"], dtype=torch.bool)
+        return flow_matching_loss(pred[..., :d], noise[..., :d], actions[..., :d], every)
 
     @torch.no_grad()
     def sample_actions(self, batch: dict, noise: torch.Tensor | None = None, num_steps: int | None = None) -> torch.Tensor:
@@ -387,12 +429,13 @@ class Pi0Policy(Policy):
         reuse its keys / values. Returns actions in the dataset's units."""
         steps = num_steps or self.cfg.num_inference_steps
         b = batch["state"].shape[0]
-        x = torch.randn((b, self.cfg.action_horizon, self.cfg.action_dim), device=batch["state"].device) \
-            if noise is None else noise.float()
+        x = torch.randn((b, self.cfg.action_horizon, self.cfg.max_action_dim), device=batch["state"].device) \
+            if noise is None else pad_last(noise.float(), self.cfg.max_action_dim)
+        dt = -1.0 / steps
         prefix, keep = self._prefix(batch)
         cache: list[tuple] = []
         for i in range(steps):
-            t = torch.full((b,), 1.0 - i / steps, device=x.device)
+            t = torch.full((b,), 1.0 + i * dt, device=x.device)
             suffix, lead, cond = self._suffix(batch, x.to(prefix.dtype), t)
             if i == 0:  # positions and masks are the same at every step
                 rotary, masks = self._masks(keep, suffix.shape[1], lead)
@@ -402,28 +445,57 @@ class Pi0Policy(Policy):
                 if i == 0:
                     cache.append(kv)
             out, _ = _norm(self.expert_norm, suffix, cond)
-            x = x - self.action_out_proj(out[:, lead:]).float() / steps
-        return x * self.action_scale + self.action_offset
+            x = x + dt * self.action_out_proj(out[:, lead:]).float()
+        return x[..., : self.cfg.action_dim] * self.action_scale + self.action_offset
 
 
 class Pi05Policy(Pi0Policy):
-    """pi0.5: adaptive-RMSNorm time conditioning in every expert norm; the state is a prefix token."""
+    """pi0.5: adaptive-RMSNorm time conditioning in every expert norm; the state written into the
+    prompt as discretised text (published) or, with ``policy.state_input=continuous``, one projected
+    prefix token."""
 
     ADAPTIVE_TIME = True
-    # LeRobot's pi0.5 has no state projection (it writes the state as text): ours starts fresh.
-    FRESH_FROM_LEROBOT = ("state_proj.",)
 
     def _time_modules(self, w: int) -> None:
-        self.state_proj = nn.Linear(self.cfg.num_obs_history * self.cfg.state_dim, self.cfg.width)
+        if self.cfg.state_input == "continuous":
+            self.state_proj = nn.Linear(self.cfg.num_obs_history * self.cfg.max_state_dim, self.cfg.width)
+        else:
+            from slurmvla.policy.pretrained import tokenizer_for
+
+            self.prompt_tokenizer = tokenizer_for(self.cfg)
         self.time_mlp_in = nn.Linear(w, w)
         self.time_mlp_out = nn.Linear(w, w)
 
+    @classmethod
+    def _data_tokenizes(cls, cfg: PolicyConfig) -> bool:
+        """The discrete-state prompt holds the normalized state, which the policy's own statistics
+        define: the policy writes and tokenizes it."""
+        return cfg.state_input == "continuous"
+
     def expert_modules(self) -> list[nn.Module]:
-        return [m for m in super().expert_modules() if m is not self.state_proj]
+        return [m for m in super().expert_modules() if m is not getattr(self, "state_proj", None)]
+
+    def prompts(self, batch: dict) -> list[str]:
+        """LeRobot's / openpi's pi0.5 prompt per sample: ``Task: {instruction, cleaned}, State: {256-bin
+        ids of the normalized state};\nAction: `` (bins of [-1, 1]; below -1 gives -1, from 1 - 1/128 up 255)."""
+        state = self.normalize_states(batch["state"]).reshape(batch["state"].shape[0], -1)
+        bins = np.digitize(state.detach().float().cpu().numpy(), bins=np.linspace(-1, 1, 256 + 1)[:-1]) - 1
+        return [f"Task: {task.strip().replace('_', ' ').replace(chr(10), ' ')}, State: {' '.join(map(str, row))};\nAction: "
+                for task, row in zip(batch["instruction"], bins.tolist())]
+
+    def _text(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.cfg.state_input == "continuous":
+            return super()._text(batch)
+        ids, mask = zip(*(self.prompt_tokenizer.encode(p) for p in self.prompts(batch)))
+        device = batch["state"].device
+        return torch.stack(ids).to(device), torch.stack(mask).to(device)
 
     def _state_in_prefix(self, batch: dict, parts: list, keep: list) -> tuple[list, list]:
+        if self.cfg.state_input != "continuous":
+            return parts, keep
         b = batch["state"].shape[0]
-        state = self.state_proj(self.normalize_states(batch["state"]).reshape(b, -1))[:, None, :]
+        state = self.state_proj(pad_last(self.normalize_states(batch["state"]), self.cfg.max_state_dim)
+                                .reshape(b, -1))[:, None, :]
         return [*parts, state], [*keep, torch.ones(b, 1, dtype=torch.bool, device=state.device)]
 
     def _suffix(self, batch: dict, x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None]:

@@ -20,6 +20,7 @@ the first offending keys.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,15 +60,11 @@ LEROBOT_NAMES: tuple[tuple[str, str | None], ...] = (
     (r"^(?:model\.)?(action_in_proj|action_out_proj|state_proj|action_time_mlp_in|action_time_mlp_out|time_mlp_in|"
      r"time_mlp_out)\.(.*)$", r"\1.\2"),
 )
-# LeRobot pads state and actions with zeros to max_state_dim / max_action_dim (32): its heads are
-# wider than a policy built for the data's dims. Running them on zero-padded inputs and dropping the
-# padded outputs is the same as keeping the first rows / columns: (key, dim, which size).
-PADDED_HEADS = {"action_in_proj.weight": (1, "action"), "action_out_proj.weight": (0, "action"),
-                "action_out_proj.bias": (0, "action"), "state_proj.weight": (1, "state")}
 # Policy keys a pretrained file may hold but the policy does not have: the last layer's prefix
 # output (see slurmvla.policy.pi0.JointLayer).
 _UNUSED_IN_POLICY = re.compile(r"^layers\.\d+\.backbone\.(self_attn\.[qo]_proj|mlp\.|post_attention_layernorm)")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+log = logging.getLogger(__name__)
 
 
 def _rename(key: str, table) -> tuple[bool, str | None]:
@@ -141,62 +138,119 @@ def read_pretrained(path: str | Path) -> tuple[str, dict[str, torch.Tensor], lis
 
 def load_pretrained(policy: nn.Module, path: str | Path) -> str:
     """Copy a pretrained file's weights into ``policy`` (on its current device and dtype); returns
-    the layout read. Fails naming the file and the first mismatched keys."""
+    the layout read. Strict: a tensor that fits no entry of the layout's name table, a tensor the
+    policy needs and the file lacks, or a shape that differs fails naming the file and the first keys.
+    Tensors the tables name as computing nothing the policy reads (PaliGemma's LM head and final
+    norm, the last layer's prefix outputs, the expert's LM head) are logged; a PaliGemma directory
+    has no action expert, so the expert and heads start fresh. ``policy.allow_partial_load=true``
+    turns missing tensors into a warning that names them."""
     layout, tensors, files = read_pretrained(path)
     where = ", ".join(str(f) for f in files[:3]) + (" ..." if len(files) > 3 else "")
     own = dict(policy.named_parameters())
-    tensors = {k: v for k, v in tensors.items() if k in own or not _UNUSED_IN_POLICY.match(k)}
+    unused = sorted(k for k in tensors if k not in own and _UNUSED_IN_POLICY.match(k))
+    tensors = {k: v for k, v in tensors.items() if k not in unused}
     unexpected = sorted(set(tensors) - set(own))
     if unexpected:
         raise ValueError(f"{where}: {len(unexpected)} tensor(s) have no place in policy={policy.cfg.name} "
                          f"(size {policy.cfg.size}), first: {unexpected[:5]}")
+
     def backbone(k: str) -> bool:
         return k.startswith(("vision.", "projector.", "embed_tokens.")) or ".backbone." in k
 
-    fresh = getattr(policy, "FRESH_FROM_LEROBOT", ())  # parts LeRobot's model does not have
-    required = [k for k in own if (layout == "lerobot" and not k.startswith(fresh)) or backbone(k)]
+    required = [k for k in own if layout == "lerobot" or backbone(k)]
     missing = [k for k in required if k not in tensors]
-    if missing:
+    if missing and not policy.cfg.allow_partial_load:
+        hint = (" (policy.state_input=continuous has a state projection that LeRobot's pi0.5 does not)"
+                if any(k.startswith("state_proj.") for k in missing) else "")
         raise ValueError(f"{where}: {len(missing)} tensor(s) policy={policy.cfg.name} needs are missing from the "
-                         f"{layout} checkpoint, first: {missing[:5]}")
-    if layout == "lerobot":
-        for k, (dim, _) in PADDED_HEADS.items():
-            if k in tensors and k in own and tensors[k].ndim == own[k].ndim \
-                    and tensors[k].shape[dim] > own[k].shape[dim]:
-                tensors[k] = tensors[k].narrow(dim, 0, own[k].shape[dim])
+                         f"{layout} checkpoint{hint}, first: {missing[:5]}; policy.allow_partial_load=true keeps "
+                         "their random initialisation")
+    if missing:
+        log.warning("policy.allow_partial_load: %d tensor(s) keep their random initialisation: %s", len(missing),
+                    missing)
     wrong = [f"{k}: file {tuple(v.shape)} vs policy {tuple(own[k].shape)}" for k, v in tensors.items()
              if tuple(v.shape) != tuple(own[k].shape)]
     if wrong:
         raise ValueError(f"{where}: {len(wrong)} shape(s) differ from policy={policy.cfg.name} (size "
-                         f"{policy.cfg.size}; check policy.width / depth / heads / vocab_size), first: {wrong[:5]}")
+                         f"{policy.cfg.size}; check policy.width / depth / heads / vocab_size / max_action_dim / "
+                         f"max_state_dim), first: {wrong[:5]}")
     for k, v in tensors.items():
         copy_full_into(own[k], v)  # a sharded parameter takes this rank's part
+    log.info("loaded %d tensors from %s (%s layout); %d computing nothing the policy reads were left out "
+             "(kept by export: it re-reads them from this file)", len(tensors), where, layout, len(unused))
     return layout
 
 
-def lerobot_state_dict(policy: nn.Module) -> dict[str, torch.Tensor]:
-    """The policy's weights under LeRobot's names (the inverse of :data:`LEROBOT_NAMES`; for tests
-    and for handing a fine-tuned policy to LeRobot)."""
+def _lerobot_name(name: str) -> str:
     prefix = "model.paligemma_with_expert."
-    out = {}
-    for name, p in policy.named_parameters():
-        if name.startswith("vision."):
-            rest = name[len("vision."):]
-            rest = re.sub(r"^layers\.", "encoder.layers.", rest)
-            key = f"{prefix}paligemma.model.vision_tower.{rest}"
-        elif name.startswith("projector."):
-            key = f"{prefix}paligemma.model.multi_modal_projector.linear.{name[len('projector.'):]}"
-        elif name.startswith("embed_tokens."):
-            key = f"{prefix}paligemma.model.language_model.{name}"
-        elif m := re.match(r"^layers\.(\d+)\.backbone\.(.*)$", name):
-            key = f"{prefix}paligemma.model.language_model.layers.{m[1]}.{m[2]}"
-        elif m := re.match(r"^layers\.(\d+)\.expert\.(.*)$", name):
-            key = f"{prefix}gemma_expert.model.layers.{m[1]}.{m[2]}"
-        elif name.startswith("expert_norm."):
-            key = f"{prefix}gemma_expert.model.norm.{name[len('expert_norm.'):]}"
+    if name.startswith("vision."):
+        rest = re.sub(r"^layers\.", "encoder.layers.", name[len("vision."):])
+        return f"{prefix}paligemma.model.vision_tower.vision_model.{rest}"
+    if name.startswith("projector."):
+        return f"{prefix}paligemma.model.multi_modal_projector.linear.{name[len('projector.'):]}"
+    if name.startswith("embed_tokens."):
+        return f"{prefix}paligemma.model.language_model.{name}"
+    if m := re.match(r"^layers\.(\d+)\.backbone\.(.*)$", name):
+        return f"{prefix}paligemma.model.language_model.layers.{m[1]}.{m[2]}"
+    if m := re.match(r"^layers\.(\d+)\.expert\.(.*)$", name):
+        return f"{prefix}gemma_expert.model.layers.{m[1]}.{m[2]}"
+    if name.startswith("expert_norm."):
+        return f"{prefix}gemma_expert.model.norm.{name[len('expert_norm.'):]}"
+    return f"model.{name}"
+
+
+def lerobot_state_dict(policy: nn.Module, pretrained_path: str | Path | None = None) -> dict[str, torch.Tensor]:
+    """The policy's weights under LeRobot 0.6.1's names, complete: every key its ``PI0Policy`` /
+    ``PI05Policy`` state dict has, so LeRobot loads the file with ``strict=True``.
+
+    Tensors LeRobot's model holds but that compute nothing its actions read (PaliGemma's LM head and
+    final norm, the last layer's prefix outputs, the expert's LM head) are taken from the LeRobot
+    checkpoint the policy started from when ``pretrained_path`` is one (an exact round trip), else
+    written as LeRobot's model would tie or start them: the LM head equal to the token embeddings,
+    the others zero."""
+    cfg = policy.cfg
+    out = {_lerobot_name(n): p.detach().float().clone().contiguous() for n, p in policy.named_parameters()}
+    prefix = "model.paligemma_with_expert."
+    last = f"{prefix}paligemma.model.language_model.layers.{cfg.depth - 1}."
+    heads = cfg.num_heads * cfg.head_dim
+    absent = {
+        f"{prefix}paligemma.lm_head.weight": (cfg.vocab_size, cfg.width),
+        f"{prefix}paligemma.model.language_model.norm.weight": (cfg.width,),
+        f"{prefix}gemma_expert.lm_head.weight": (cfg.vocab_size, cfg.expert_width),
+        f"{last}self_attn.q_proj.weight": (heads, cfg.width), f"{last}self_attn.o_proj.weight": (cfg.width, heads),
+        f"{last}mlp.gate_proj.weight": (cfg.mlp_dim, cfg.width), f"{last}mlp.up_proj.weight": (cfg.mlp_dim, cfg.width),
+        f"{last}mlp.down_proj.weight": (cfg.width, cfg.mlp_dim), f"{last}post_attention_layernorm.weight": (cfg.width,),
+    }
+    kept = _lerobot_originals(pretrained_path, set(absent))
+    for key, shape in absent.items():
+        if key in out:
+            continue
+        if key in kept and tuple(kept[key].shape) == shape:
+            out[key] = kept[key].float().contiguous()
+        elif key.endswith("paligemma.lm_head.weight"):
+            out[key] = out[f"{prefix}paligemma.model.language_model.embed_tokens.weight"].clone()
         else:
-            key = f"model.{name}"
-        out[key] = p.detach().clone().contiguous()
+            out[key] = torch.zeros(shape)
+    return out
+
+
+def _lerobot_originals(path: str | Path | None, keys: set[str]) -> dict[str, torch.Tensor]:
+    """Those of ``keys`` a LeRobot checkpoint at ``path`` holds (nothing for another layout or no path)."""
+    if not path:
+        return {}
+    from safetensors import safe_open
+
+    try:
+        files = _safetensors_files(Path(path).expanduser())
+    except ValueError:
+        return {}
+    out = {}
+    for f in files:
+        with safe_open(str(f), "pt") as handle:
+            for k in handle.keys():  # noqa: SIM118
+                name = k if k.startswith("model.") else f"model.{k}"
+                if name in keys:
+                    out[name] = handle.get_tensor(k)
     return out
 
 
@@ -221,8 +275,9 @@ def _tokenizer_dir(cfg: PolicyConfig) -> Path | None:
 
 @dataclass(frozen=True)
 class PaliGemmaTokenizer:
-    """A Hugging Face tokenizer from a local directory, at a fixed length, as openpi prompts pi0:
-    ``<bos> instruction \\n``, padded on the right. Picklable (it loads lazily in each worker)."""
+    """A Hugging Face tokenizer from a local directory, at a fixed length, as LeRobot prompts pi0:
+    ``<bos> instruction \\n``, padded on the right (``encode``: any prompt, e.g. pi0.5's). Picklable (it
+    loads lazily in each worker)."""
 
     path: str
     max_len: int
@@ -239,9 +294,13 @@ class PaliGemmaTokenizer:
         return len(self._load())
 
     def __call__(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """pi0's prompt: the instruction as given, ending in a newline (LeRobot's Pi0NewLineProcessor)."""
+        return self.encode(text if text.endswith("\n") else text + "\n")
+
+    def encode(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``<bos>`` + the text's ids, cut to ``max_len`` and padded on the right."""
         tok = self._load()
-        text = text.strip().replace("_", " ")
-        ids = tok(text + "\n", add_special_tokens=False)["input_ids"]
+        ids = tok(text, add_special_tokens=False)["input_ids"]
         bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
         ids = (bos + ids)[: self.max_len]
         out = torch.full((self.max_len,), tok.pad_token_id or 0, dtype=torch.long)

@@ -37,3 +37,6 @@ class ByteTokenizer:
 
     def __call__(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
         return tokenize(text, self.max_len)
+
+    def encode(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return tokenize(text, self.max_len)

@@ -211,7 +211,10 @@ def run(kind: str, tokenizer_dir: Path) -> dict:
     model.sample_noise = lambda shape, device: x["noise"].clone()
     model.sample_time = lambda bsize, device: x["time"].clone()
     seen = {}
-    model.action_out_proj.register_forward_hook(lambda m, i, o: seen.setdefault("velocity", o.detach().clone()))
+    def keep_velocity(module, args, output):  # returns None: the output itself is left alone
+        seen.setdefault("velocity", output.detach().clone())
+
+    model.action_out_proj.register_forward_hook(keep_velocity)
     inner = model.forward
 
     def forward(*a, **kw):

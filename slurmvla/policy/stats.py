@@ -1,0 +1,76 @@
+"""Which normalization statistics a run uses: the configured datasets' (``policy.stats_source=data``)
+or those saved beside the pretrained weights (``checkpoint``): LeRobot's saved normalizer
+(``policy_preprocessor_step_*_normalizer_processor.safetensors``) or openpi's ``norm_stats.json``.
+The modes are the policy's when it names them (pi0.5: quantile), else the data config's."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from slurmvla.data.mixture import Mixture, offset_scale
+
+log = logging.getLogger(__name__)
+
+
+def normalization_modes(cfg) -> tuple[str, str]:
+    return (cfg.policy.state_normalization or cfg.data.state_normalization,
+            cfg.policy.action_normalization or cfg.data.action_normalization)
+
+
+def checkpoint_stats(path: str | Path) -> tuple[dict[str, dict[str, np.ndarray]], Path]:
+    """``({"state": {...}, "action": {...}}, file)`` from a LeRobot checkpoint directory or an openpi
+    one (``norm_stats.json`` there or under ``assets/*/``)."""
+    root = Path(path).expanduser()
+    root = root.parent if root.is_file() else root
+    lerobot = sorted(root.glob("policy_preprocessor*normalizer_processor.safetensors"))
+    if lerobot:
+        from safetensors.numpy import load_file
+
+        flat = load_file(str(lerobot[0]))
+        out = {"state": {}, "action": {}}
+        for key, value in flat.items():
+            feature, _, stat = key.rpartition(".")
+            if feature == "observation.state":
+                out["state"][stat] = value
+            elif feature == "action":
+                out["action"][stat] = value
+        return out, lerobot[0]
+    candidates = [root / "norm_stats.json", *sorted(root.glob("assets/*/norm_stats.json"))]
+    found = [c for c in candidates if c.exists()]
+    if len(found) > 1 and found[0] != root / "norm_stats.json":
+        raise ValueError(f"policy.stats_source=checkpoint: {root} holds several openpi norm_stats.json "
+                         f"({[str(f) for f in found]}); point policy.pretrained_path at the one directory")
+    if not found:
+        raise ValueError(f"policy.stats_source=checkpoint: {root} holds no normalization statistics (LeRobot's "
+                         "policy_preprocessor_step_*_normalizer_processor.safetensors or openpi's norm_stats.json); "
+                         "use policy.stats_source=data")
+    try:
+        stats = json.loads(found[0].read_text())["norm_stats"]
+        out = {"state": stats["state"], "action": stats["actions"]}
+    except (KeyError, json.JSONDecodeError) as e:
+        raise ValueError(f"{found[0]}: not openpi's norm_stats.json layout ({{'norm_stats': {{'state': ..., "
+                         f"'actions': ...}}}}): {e}") from None
+    return {k: {s: np.asarray(v, dtype=np.float64) for s, v in d.items() if v is not None} for k, d in out.items()}, \
+        found[0]
+
+
+def resolve_stats(cfg, mixture: Mixture, announce: bool = True) -> dict[str, torch.Tensor]:
+    """The policy's offset / scale buffers for this run, logged once (``announce``)."""
+    state_mode, action_mode = normalization_modes(cfg)
+    if cfg.policy.stats_source == "checkpoint":
+        raw, where = checkpoint_stats(cfg.policy.pretrained_path)
+        feats = mixture.features
+        out = {**offset_scale(raw["state"], state_mode, feats.state_dim, "state", str(where)),
+               **offset_scale(raw["action"], action_mode, feats.action_dim, "action", str(where))}
+    else:
+        where = f"the data ({', '.join(mixture.names)})"
+        out = mixture.normalization(state_mode, action_mode)
+    if announce:
+        log.info("normalization: state %s, action %s; statistics from %s (policy.stats_source=%s)", state_mode,
+                 action_mode, where, cfg.policy.stats_source)
+    return out
