@@ -1,6 +1,7 @@
 """Export a checkpoint as one full fp32 safetensors file, whatever engine wrote it, and load it back.
 
     python -m slurmvla.export CHECKPOINT_OR_RUN_DIR OUT.safetensors
+    python -m slurmvla.export CHECKPOINT_OR_RUN_DIR OUT_DIR --layout lerobot    # pi0 / pi0.5 for LeRobot 0.6.1
 
 The file's metadata carries the step, the engine and, when the run directory has it, the resolved
 config, so the policy can be rebuilt without the run directory. :func:`load_exported` rebuilds
@@ -88,14 +89,53 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
         raise ValueError(f"{str(path)!r} does not exist; give an exported .safetensors file, a checkpoint folder "
                          "or a run directory")
     cfg = _config(config_yaml, list(overrides), origin)
-    # The trained weights replace any pretrained ones: do not read (or need) the pretrained file.
-    policy = build_policy(dataclasses.replace(cfg.policy, pretrained_path=None))
+    # The trained weights (and normalization buffers) replace any pretrained ones: do not read (or
+    # need) the pretrained file; keep its tokenizer, which the policy's prompts are written with.
+    policy = build_policy(_without_pretrained(cfg.policy))
     missing, unexpected = _mismatch(policy.state_dict(), state)
     if missing or unexpected:
         raise ValueError(f"{origin}: the weights do not fit the policy its config builds ({cfg.policy.name}); "
                          f"missing: {missing[:5]}, unexpected: {unexpected[:5]}")
     policy.load_state_dict(state)
     return Loaded(policy.to(device).eval(), cfg, step, origin)
+
+
+def _without_pretrained(pc):
+    tokenizer = pc.tokenizer_path
+    if tokenizer is None and pc.pretrained_path:
+        from slurmvla.policy.pretrained import TOKENIZER_FILES
+
+        folder = Path(pc.pretrained_path).expanduser()
+        if folder.is_dir() and any((folder / f).exists() for f in TOKENIZER_FILES):
+            tokenizer = str(folder)
+    return dataclasses.replace(pc, pretrained_path=None, stats_source="data", tokenizer_path=tokenizer)
+
+
+LEROBOT_SIDE_FILES = ("config.json", "policy_preprocessor.json", "policy_postprocessor.json")
+
+
+def export_lerobot(source: str | Path, out: str | Path) -> Path:
+    """A pi0 / pi0.5 checkpoint as a LeRobot 0.6.1 checkpoint directory: ``model.safetensors`` with
+    every key LeRobot's PI0Policy / PI05Policy holds (it loads with ``strict=True``), plus LeRobot's
+    config and processor files when the run started from a LeRobot checkpoint directory."""
+    from slurmvla.policy.pretrained import lerobot_state_dict
+
+    loaded = load_exported(source)
+    pc = loaded.cfg.policy
+    if pc.name not in ("pi0", "pi05"):
+        raise ValueError(f"--layout lerobot writes pi0 / pi0.5 checkpoints; this run's policy is {pc.name!r}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = lerobot_state_dict(loaded.policy, pc.pretrained_path)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "source": loaded.source})
+    origin = Path(pc.pretrained_path).expanduser() if pc.pretrained_path else None
+    if origin is not None and origin.is_dir():
+        import shutil
+
+        for f in [*(origin / n for n in LEROBOT_SIDE_FILES), *origin.glob("policy_*processor*.safetensors")]:
+            if f.is_file():
+                shutil.copy(f, out / f.name)
+    return out
 
 
 def _config(config_yaml: str, overrides: list[str], origin: str) -> Config:
@@ -121,10 +161,12 @@ def _mismatch(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor])
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a checkpoint folder, or a run directory (its newest checkpoint)")
-    parser.add_argument("out", help="the .safetensors file to write")
+    parser.add_argument("out", help="the .safetensors file to write (--layout lerobot: a directory)")
+    parser.add_argument("--layout", choices=("slurmvla", "lerobot"), default="slurmvla",
+                        help="lerobot: a LeRobot 0.6.1 pi0 / pi0.5 checkpoint directory (strict-loadable)")
     args = parser.parse_args(argv)
     try:
-        out = export(args.source, args.out)
+        out = export(args.source, args.out) if args.layout == "slurmvla" else export_lerobot(args.source, args.out)
     except ValueError as e:
         parser.error(str(e))
     print(f"wrote {out}")

@@ -166,17 +166,30 @@ class PolicyRunner:
             raise ValueError(f"{serve.prompt}: expected a string, got {type(prompt).__name__}")
         return images, state, prompt
 
+    def _frame_shape(self, past: collections.deque) -> tuple[int, int, int]:
+        """One frame's shape: the policy's size, or (a policy that resizes frames itself) the size the
+        client sent, which every camera of every kept observation must share."""
+        if self.spec.image_size is not None:
+            return (self.spec.image_size,) * 2 + (3,)
+        shapes = {img.shape for cams, _, _ in past for img in cams if img is not None}
+        if len(shapes) > 1:
+            keys = [k for k in self.camera_keys if k]
+            raise ValueError(f"the images of {keys} differ in size ({sorted(shapes)}); this policy resizes them itself "
+                             "and needs one size per request: send every camera at one size (e.g. 224 x 224)")
+        return next(iter(shapes), (self.cfg.policy.image_size,) * 2 + (3,))
+
     def batch(self, past: collections.deque) -> dict:
         """The policy's batch of one from this connection's observations (newest last): the history
         frames training would take, the ones before the first observation masked (as in training)."""
         n, interval = self.spec.num_obs_history, self.cfg.data.history_interval
         images, mask, states = [], [], []
+        shape = self._frame_shape(past)
         for k in range(n - 1, -1, -1):
             i = len(past) - 1 - k * interval
             ok = i >= 0
             cams, state, prompt = past[max(i, 0)]
             for img in cams:
-                images.append(np.zeros((self.spec.image_size,) * 2 + (3,), np.uint8) if img is None else img)
+                images.append(np.zeros(shape, np.uint8) if img is None else img)
                 mask.append(ok and img is not None)
             states.append(state)
         state = states[0] if n == 1 else np.stack(states)

@@ -129,7 +129,11 @@ def test_the_built_in_policies_pass_every_check(policy, sample_root):
     print(res.stdout)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     lines = [line for line in res.stdout.splitlines() if line.split(" ", 1)[0] in ("pass", "fail", "skipped")]
-    assert len(lines) == len(CHECKS) and all(line.startswith("pass") for line in lines), res.stdout
+    assert len(lines) == len(CHECKS), res.stdout
+    # pi0.5 writes its own prompt from the state: its samples have no optional field to withhold.
+    allowed_skip = "skipped rank-divergent inputs" if policy == "pi05_tiny" else None
+    assert all(line.startswith("pass") or (allowed_skip and line.startswith(allowed_skip)) for line in lines), \
+        res.stdout
 
 
 @pytest.mark.slow

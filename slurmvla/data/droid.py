@@ -167,6 +167,7 @@ class DroidSource:
                 raise ValueError(f"feature {cam!r} in {meta.root} is not a video feature; video features: "
                                  f"{meta.video_keys}")
         self.present = np.asarray([c in meta.features for c in cfg.cameras])
+        self.frame_hw = self._frame_hw(sample_spec.image_size)
         # Frame offsets of the observation history, oldest first, the current frame last.
         self.history_offsets = -cfg.history_interval * np.arange(sample_spec.num_obs_history - 1, -1, -1)
         self.instruction_keys = [k for k in cfg.instruction_keys if k in meta.features]
@@ -274,6 +275,18 @@ class DroidSource:
             instructions = [[s for s in row if s] for row in zip(*(cols[k].reshape(-1) for k in self.instruction_keys))]
         return state, action, instructions
 
+    def _frame_hw(self, size: int | None) -> tuple[int, int]:
+        """``(H, W)`` of the frames samples carry: ``size`` x ``size``, or the videos' own size when the
+        policy resizes them itself (``SampleSpec.image_size=None``; every camera must share it)."""
+        if size is not None:
+            return size, size
+        shapes = {cam: tuple(int(x) for x in self.meta.features[cam]["shape"][:2]) for cam in self.cameras}
+        if len(set(shapes.values())) > 1:
+            raise ValueError(f"dataset {str(self.meta.root)!r}: the cameras' frames differ in size ({shapes}); this "
+                             "policy resizes frames itself from their recorded size, so a batch needs one size: choose "
+                             "cameras (data.cameras) that share it")
+        return next(iter(shapes.values()))
+
     def _frame_range(self, pos: int, first: int | None, last: int | None) -> tuple[int, int]:
         """Frames ``[lo, hi)`` that samples starting at ``first..last`` need, with their history."""
         length = int(self.meta.episodes["length"][pos])
@@ -288,7 +301,7 @@ class DroidSource:
         state, action, instructions = self._columns(pos)
         lo, hi = self._frame_range(pos, first, last)
         size = self.sample_spec.image_size
-        frames = np.empty((hi - lo, len(cfg.cameras), size, size, 3), dtype=np.uint8)
+        frames = np.empty((hi - lo, len(cfg.cameras), *self.frame_hw, 3), dtype=np.uint8)
         for c, cam in enumerate(cfg.cameras):
             if not self.present[c]:
                 frames[:, c] = 0
@@ -318,7 +331,7 @@ class DroidSource:
                 if r is not None:
                     r.close()
             raise
-        return EpisodeWindow(pos, state, action, instructions, self.present, readers, lo, hi - lo, (size, size, 3))
+        return EpisodeWindow(pos, state, action, instructions, self.present, readers, lo, hi - lo, (*self.frame_hw, 3))
 
     def _instruction(self, episode: Episode, t: int) -> str:
         options = episode.instructions[t]

@@ -72,6 +72,11 @@ class Mixture:
         """``sample_spec``: what the policy needs its samples to look like (``Policy.sample_spec``)."""
         self.cfg, self.sample_spec, self.seed = cfg, sample_spec, seed
         self.sources = [DroidSource(spec, cfg, sample_spec, seed, i) for i, spec in enumerate(dataset_specs(cfg))]
+        sizes = {s.name: s.frame_hw for s in self.sources}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"the datasets of one mixture record frames of different sizes ({sizes}) and this policy "
+                             "resizes frames itself from their recorded size, so a batch needs one size; mix datasets "
+                             "recorded at one size")
         dims = {(s.state_dim, s.action_dim) for s in self.sources}
         if len(dims) > 1:
             raise ValueError("the datasets of one mixture must share state and action dims (one policy reads them); "

@@ -61,7 +61,7 @@ def resize_frame(frame: av.VideoFrame, size: int | None, mode: str = "pad") -> n
     return out
 
 
-def prepare_image(image: np.ndarray, size: int, name: str = "image", mode: str = "pad") -> np.ndarray:
+def prepare_image(image: np.ndarray, size: int | None, name: str = "image", mode: str = "pad") -> np.ndarray:
     """An RGB image ``[H, W, 3]`` (uint8, or float in [0, 1] as openpi's client tools accept) -> the
     training layout ``[size, size, 3]`` uint8. A ValueError names ``name`` and what was expected."""
     image = np.asarray(image)
@@ -75,7 +75,7 @@ def prepare_image(image: np.ndarray, size: int, name: str = "image", mode: str =
         image = (np.clip(image, 0.0, 1.0) * 255).astype(np.uint8)
     elif image.dtype != np.uint8:
         raise ValueError(f"{name}: expected dtype uint8 (or float in [0, 1]), got {image.dtype}")
-    if image.shape[:2] == (size, size):
+    if size is None or image.shape[:2] == (size, size):  # None: the policy resizes it itself
         return np.ascontiguousarray(image)
     frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")
     return resize_frame(frame, size, mode)

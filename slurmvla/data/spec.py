@@ -47,13 +47,15 @@ class Draw:
 class SampleSpec:
     """What a policy needs its samples to look like.
 
-    Samples carry ``images`` ``[num_obs_history * cameras, image_size, image_size, 3]`` uint8,
+    Samples carry ``images`` ``[num_obs_history * cameras, image_size, image_size, 3]`` uint8 (at
+    the videos' own size when ``image_size`` is None),
     ``image_mask``, ``state``, ``actions`` ``[action_horizon, action_dim]`` with ``action_mask``,
     the raw ``instruction`` string and, when ``tokenizer`` is set, its ``text`` / ``text_mask``;
     plus one field per :class:`Draw`.
     """
 
-    image_size: int
+    # None: frames as recorded (the policy resizes them itself, e.g. pi0's reference preprocessing).
+    image_size: int | None
     action_horizon: int
     num_obs_history: int = 1
     tokenizer: Tokenizer | None = None

@@ -310,8 +310,10 @@ class Pi0Policy(Policy):
     def sample_spec(cls, cfg: PolicyConfig) -> SampleSpec:
         from slurmvla.policy.pretrained import tokenizer_for
 
+        # image_size=None: frames arrive as recorded; _pixels applies the reference preprocessing (a
+        # resize in the data layer first would be a second, different one).
         return SampleSpec(
-            image_size=cfg.image_size, action_horizon=cfg.action_horizon, num_obs_history=cfg.num_obs_history,
+            image_size=None, action_horizon=cfg.action_horizon, num_obs_history=cfg.num_obs_history,
             tokenizer=tokenizer_for(cfg) if cls._data_tokenizes(cfg) else None,
             draws=(Draw("noise", "normal", (cfg.action_horizon, cfg.max_action_dim)), Draw("time_u", "uniform")),
         )
