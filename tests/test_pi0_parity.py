@@ -236,3 +236,25 @@ def test_heads_are_padded_to_32_and_noise_is_drawn_there():
                                    "image_mask": torch.ones(1, 3, dtype=torch.bool), "state": torch.zeros(1, 8),
                                    "instruction": ["x"]})
     assert chunk.shape == (1, cfg.action_horizon, 7) and np.isfinite(chunk.numpy()).all()
+
+
+def test_openpi_norm_stats_json_gives_the_same_statistics_as_lerobots_normalizer(case, tmp_path):
+    """openpi's assets/<id>/norm_stats.json holding the same numbers as LeRobot's saved normalizer
+    gives the same offset / scale; a malformed one is named."""
+    kind, folder, _ = case
+    raw, _ = checkpoint_stats(folder)
+    assets = tmp_path / "assets" / "droid"
+    assets.mkdir(parents=True)
+    as_lists = {k: {s: np.asarray(v).tolist() for s, v in d.items()} for k, d in raw.items()}
+    (assets / "norm_stats.json").write_text(json.dumps({"norm_stats": {"state": as_lists["state"],
+                                                                       "actions": as_lists["action"]}}))
+    openpi, where = checkpoint_stats(tmp_path)
+    assert where == assets / "norm_stats.json"
+    for part, dim in (("state", META["state_dim"]), ("action", META["action_dim"])):
+        for mode in ("quantile", "mean_std"):
+            a = offset_scale(raw[part], mode, dim, part, "lerobot")
+            b = offset_scale(openpi[part], mode, dim, part, "openpi")
+            assert all(torch.allclose(a[k], b[k], rtol=1e-6) for k in a)
+    (assets / "norm_stats.json").write_text(json.dumps({"stats": {}}))
+    with pytest.raises(ValueError, match="norm_stats.json: not openpi's"):
+        checkpoint_stats(tmp_path)
