@@ -383,13 +383,16 @@ class Pi0Policy(Policy):
     def _suffix(self, batch: dict, x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         """Expert-stream tokens, how many leading ones form their own attention block (pi0's state
         token), and the time condition (pi0.5)."""
-        b = x_t.shape[0]
-        state = self.state_proj(pad_last(self.normalize_states(batch["state"]), self.cfg.max_state_dim)
-                                .reshape(b, -1))[:, None, :]
+        state = self._state_token(batch)
         a = self.action_in_proj(x_t)
         time = sinusoidal_time(t, a.shape[-1])[:, None, :].expand_as(a).to(a.dtype)
         a = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat([a, time], dim=-1))))
         return torch.cat([state.to(a.dtype), a], dim=1), 1, None
+
+    def _state_token(self, batch: dict) -> torch.Tensor:
+        """The normalized state, zero-padded to ``max_state_dim`` per history step, projected to one token."""
+        state = pad_last(self.normalize_states(batch["state"]), self.cfg.max_state_dim)
+        return self.state_proj(state.reshape(state.shape[0], -1))[:, None, :]
 
     def _masks(self, keep: torch.Tensor, s: int, lead: int) -> tuple[tuple, tuple]:
         b, p = keep.shape
@@ -495,10 +498,8 @@ class Pi05Policy(Pi0Policy):
     def _state_in_prefix(self, batch: dict, parts: list, keep: list) -> tuple[list, list]:
         if self.cfg.state_input != "continuous":
             return parts, keep
-        b = batch["state"].shape[0]
-        state = self.state_proj(pad_last(self.normalize_states(batch["state"]), self.cfg.max_state_dim)
-                                .reshape(b, -1))[:, None, :]
-        return [*parts, state], [*keep, torch.ones(b, 1, dtype=torch.bool, device=state.device)]
+        state = self._state_token(batch)
+        return [*parts, state], [*keep, torch.ones(state.shape[0], 1, dtype=torch.bool, device=state.device)]
 
     def _suffix(self, batch: dict, x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         a = self.action_in_proj(x_t)

@@ -7,9 +7,8 @@ Two layouts load, through one explicit name table each (:data:`PALIGEMMA_NAMES`,
   ``model.safetensors.index.json``, tokenizer files): the backbone (SigLIP, projector, Gemma)
   starts from it; the action expert and action heads start fresh;
 - a pi0 / pi0.5 checkpoint saved by LeRobot (``model.safetensors`` whose keys start with
-  ``model.paligemma_with_expert.``): everything but the normalization statistics (those come from
-  the data, as for every policy) and, for pi0.5, the state projection (LeRobot's pi0.5 writes the
-  state as text tokens; this one projects it, so that projection starts fresh).
+  ``model.paligemma_with_expert.``): every weight, strictly (its normalization statistics are
+  read by :mod:`slurmvla.policy.stats` when ``policy.stats_source=checkpoint``).
 
 A key a table maps to ``None`` is known and deliberately unused (PaliGemma's LM head and final
 norm, SigLIP's pooling head, the last layer's prefix-output weights). Anything else that does not

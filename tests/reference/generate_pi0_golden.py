@@ -122,7 +122,6 @@ def build(kind: str, tokenizer_dir: Path):
         from lerobot.policies.pi05.configuration_pi05 import PI05Config as Config
         from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors as make_processors
     patch_sizes(modeling)
-    Config.__post_init__.__globals__  # noqa: B018 (the variant check lists the published names only)
     config = Config(
         paligemma_variant="gemma_2b", action_expert_variant="gemma_300m", chunk_size=HORIZON, n_action_steps=HORIZON,
         image_resolution=(IMAGE_SIZE, IMAGE_SIZE), device="cpu",
