@@ -134,14 +134,16 @@ class Mixture:
         order = _rng("pieces", self.seed, epoch).permutation(len(cols[0]))
         return Plan(*(c[order] for c in cols))
 
-    def normalization(self, state_mode: str, action_mode: str) -> dict[str, torch.Tensor]:
+    def normalization(self, state_mode: str, action_mode: str, knobs: tuple[str | None, str | None] = (None, None)
+                      ) -> dict[str, torch.Tensor]:
         """Offset / scale per state and action dim from the datasets' stats, pooled across the mixture:
         ``normalized = (x - offset) / scale``."""
         out = {}
-        for prefix, keys, mode in (("state", self.cfg.state_keys, state_mode), ("action", self.cfg.action_keys, action_mode)):
+        for (prefix, keys, mode), knob in zip((("state", self.cfg.state_keys, state_mode),
+                                               ("action", self.cfg.action_keys, action_mode)), knobs):
             dim = self.sources[0].state_dim if prefix == "state" else self.sources[0].action_dim
             stats = {} if mode == "identity" else pool_stats([s.raw_stats(keys) for s in self.sources])
-            out.update(offset_scale(stats, mode, dim, prefix, f"{keys} of {self.names}"))
+            out.update(offset_scale(stats, mode, dim, prefix, f"{keys}, which {self.names} do not all have", knob))
         return out
 
     def summary(self) -> dict:
@@ -157,17 +159,19 @@ class Mixture:
         return out
 
 
-def offset_scale(stats: dict[str, np.ndarray], mode: str, dim: int, prefix: str, where: str) -> dict[str, torch.Tensor]:
+def offset_scale(stats: dict[str, np.ndarray], mode: str, dim: int, prefix: str, where: str,
+                 knob: str | None = None) -> dict[str, torch.Tensor]:
     """``{prefix}_offset`` / ``{prefix}_scale`` for ``normalized = (x - offset) / scale`` from raw stats
     (mean / std / min / max / q01 / q99): mean_std, min_max and quantile (to [-1, 1] between q01 and
-    q99, as LeRobot's and openpi's quantile normalization) or identity."""
+    q99, as LeRobot's and openpi's quantile normalization) or identity. ``knob``: the setting that
+    chose ``mode``, named in the error (default ``data.{prefix}_normalization``)."""
     if mode == "identity":
         offset, scale = np.zeros(dim), np.ones(dim)
     else:
         need = {"mean_std": ("mean", "std"), "min_max": ("min", "max"), "quantile": ("q01", "q99")}[mode]
         if not all(n in stats for n in need):
-            raise ValueError(f"{prefix} normalization {mode!r} needs {list(need)} stats for {where}, which are not "
-                             f"all there; stats there: {sorted(stats)}; choose mean_std, min_max or identity")
+            raise ValueError(f"{knob or f'data.{prefix}_normalization'}={mode!r} needs {list(need)} stats for {where}; "
+                             f"stats there: {sorted(stats)}; choose mean_std, min_max or identity")
         a, b = (np.asarray(stats[n], dtype=np.float64).reshape(-1) for n in need)
         if len(a) < dim:
             raise ValueError(f"{prefix} statistics of {where} have {len(a)} dims, the data has {dim}")

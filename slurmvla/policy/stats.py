@@ -17,9 +17,10 @@ from slurmvla.data.mixture import Mixture, offset_scale
 log = logging.getLogger(__name__)
 
 
-def normalization_modes(cfg) -> tuple[str, str]:
-    return (cfg.policy.state_normalization or cfg.data.state_normalization,
-            cfg.policy.action_normalization or cfg.data.action_normalization)
+def normalization_modes(cfg) -> tuple[tuple[str, str], tuple[str, str]]:
+    """``((state mode, the setting that chose it), (action mode, its setting))``."""
+    return tuple((getattr(cfg.policy, k), f"policy.{k}") if getattr(cfg.policy, k) else (getattr(cfg.data, k), f"data.{k}")
+                 for k in ("state_normalization", "action_normalization"))
 
 
 def checkpoint_stats(path: str | Path) -> tuple[dict[str, dict[str, np.ndarray]], Path]:
@@ -61,15 +62,15 @@ def checkpoint_stats(path: str | Path) -> tuple[dict[str, dict[str, np.ndarray]]
 
 def resolve_stats(cfg, mixture: Mixture, announce: bool = True) -> dict[str, torch.Tensor]:
     """The policy's offset / scale buffers for this run, logged once (``announce``)."""
-    state_mode, action_mode = normalization_modes(cfg)
+    (state_mode, state_knob), (action_mode, action_knob) = normalization_modes(cfg)
     if cfg.policy.stats_source == "checkpoint":
         raw, where = checkpoint_stats(cfg.policy.pretrained_path)
         feats = mixture.features
-        out = {**offset_scale(raw["state"], state_mode, feats.state_dim, "state", str(where)),
-               **offset_scale(raw["action"], action_mode, feats.action_dim, "action", str(where))}
+        out = {**offset_scale(raw["state"], state_mode, feats.state_dim, "state", str(where), state_knob),
+               **offset_scale(raw["action"], action_mode, feats.action_dim, "action", str(where), action_knob)}
     else:
         where = f"the data ({', '.join(mixture.names)})"
-        out = mixture.normalization(state_mode, action_mode)
+        out = mixture.normalization(state_mode, action_mode, (state_knob, action_knob))
     if announce:
         log.info("normalization: state %s, action %s; statistics from %s (policy.stats_source=%s)", state_mode,
                  action_mode, where, cfg.policy.stats_source)
