@@ -101,14 +101,11 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
 
 
 def _without_pretrained(pc):
-    tokenizer = pc.tokenizer_path
-    if tokenizer is None and pc.pretrained_path:
-        from slurmvla.policy.pretrained import TOKENIZER_FILES
+    from slurmvla.policy.pretrained import tokenizer_dir
 
-        folder = Path(pc.pretrained_path).expanduser()
-        if folder.is_dir() and any((folder / f).exists() for f in TOKENIZER_FILES):
-            tokenizer = str(folder)
-    return dataclasses.replace(pc, pretrained_path=None, stats_source="data", tokenizer_path=tokenizer)
+    tokenizer = tokenizer_dir(pc) if pc.name in ("pi0", "pi05") else pc.tokenizer_path
+    return dataclasses.replace(pc, pretrained_path=None, stats_source="data",
+                               tokenizer_path=None if tokenizer is None else str(tokenizer))
 
 
 LEROBOT_SIDE_FILES = ("config.json", "policy_preprocessor.json", "policy_postprocessor.json")

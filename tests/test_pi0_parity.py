@@ -258,3 +258,19 @@ def test_openpi_norm_stats_json_gives_the_same_statistics_as_lerobots_normalizer
     (assets / "norm_stats.json").write_text(json.dumps({"stats": {}}))
     with pytest.raises(ValueError, match="norm_stats.json: not openpi's"):
         checkpoint_stats(tmp_path)
+
+
+def test_a_pi05_prompt_that_fills_max_text_len_is_warned_about_once(caplog):
+    cfg = policy_cfg("pi05_tiny", max_text_len=40)
+    policy = build_policy(cfg)
+    batch = {"state": torch.zeros(2, 8), "instruction": ["pick up the red block", "x"]}
+    with caplog.at_level("WARNING", logger="slurmvla.policy.pi0"):
+        policy._text(batch)
+        policy._text(batch)
+    assert [r.getMessage() for r in caplog.records].count(
+        "a pi0.5 prompt filled policy.max_text_len=40 tokens and may be cut (the state ids and 'Action: ' come last); "
+        "raise policy.max_text_len") == 1
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="slurmvla.policy.pi0"):
+        build_policy(policy_cfg("pi05_tiny"))._text(batch)  # 128 holds these prompts
+    assert not caplog.records

@@ -35,6 +35,7 @@ without antialiasing on [0, 1] floats, then scaled to [-1, 1].
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -51,6 +52,7 @@ from slurmvla.policy.base import Policy
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.flow_vla import attention, resolve_attention
 
+log = logging.getLogger(__name__)
 # Flow-matching time embedding periods (openpi's pi0).
 MIN_PERIOD, MAX_PERIOD = 4e-3, 4.0
 
@@ -460,6 +462,7 @@ class Pi05Policy(Pi0Policy):
     prefix token."""
 
     ADAPTIVE_TIME = True
+    _warned_full_prompt = False
 
     def _time_modules(self, w: int) -> None:
         if self.cfg.state_input == "continuous":
@@ -492,8 +495,13 @@ class Pi05Policy(Pi0Policy):
         if self.cfg.state_input == "continuous":
             return super()._text(batch)
         ids, mask = zip(*(self.prompt_tokenizer.encode(p) for p in self.prompts(batch)))
+        ids, mask = torch.stack(ids), torch.stack(mask)
+        if mask[:, -1].any() and not self._warned_full_prompt:
+            self._warned_full_prompt = True
+            log.warning("a pi0.5 prompt filled policy.max_text_len=%d tokens and may be cut (the state ids and "
+                        "'Action: ' come last); raise policy.max_text_len", self.cfg.max_text_len)
         device = batch["state"].device
-        return torch.stack(ids).to(device), torch.stack(mask).to(device)
+        return ids.to(device), mask.to(device)
 
     def _state_in_prefix(self, batch: dict, parts: list, keep: list) -> tuple[list, list]:
         if self.cfg.state_input != "continuous":

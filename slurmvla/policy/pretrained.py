@@ -256,7 +256,9 @@ def _lerobot_originals(path: str | Path | None, keys: set[str]) -> dict[str, tor
 # -- tokenizer --------------------------------------------------------------------------------------
 
 
-def _tokenizer_dir(cfg: PolicyConfig) -> Path | None:
+def tokenizer_dir(cfg: PolicyConfig) -> Path | None:
+    """Where the policy's tokenizer is: ``tokenizer_path``, else ``pretrained_path`` when it holds one;
+    None for the byte tokenizer. A ValueError names a directory that holds none."""
     if cfg.tokenizer_path:
         path = Path(cfg.tokenizer_path).expanduser()
         if not any((path / f).exists() for f in TOKENIZER_FILES):
@@ -314,7 +316,7 @@ _LOADED: dict[str, object] = {}
 
 def tokenizer_for(cfg: PolicyConfig):
     """The pretrained directory's tokenizer, or the byte tokenizer for a randomly initialised policy."""
-    path = _tokenizer_dir(cfg)
+    path = tokenizer_dir(cfg)
     if path is None:
         if cfg.vocab_size < VOCAB_SIZE:
             raise ValueError(f"policy.vocab_size={cfg.vocab_size} is below the byte tokenizer's {VOCAB_SIZE} ids "
