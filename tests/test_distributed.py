@@ -177,8 +177,7 @@ def test_strategy_matches_single_process(engine, policy, sample_root, single_ref
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("engine", "policy"), [("hsdp", "reference"), ("zero2", "reference"), ("hsdp", "pi0_tiny"),
-                                                ("hsdp", "pi05_tiny")])
+@pytest.mark.parametrize(("engine", "policy"), [("hsdp", "reference"), ("zero2", "reference"), ("hsdp", "pi05_tiny")])
 def test_world_size_four(engine, policy, sample_root, single_references, tmp_path):
     """hsdp as 2 x 2 (replicate x shard), and a ZeRO stage, at world size 4."""
     single_reference = single_references(policy)
@@ -193,7 +192,7 @@ def test_world_size_four(engine, policy, sample_root, single_references, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("policy", ["reference", "pi05_tiny"])  # pi0_tiny: the same units and DCP state
 def test_fsdp_saved_at_world_four_resumes_at_world_two(policy, sample_root, single_references, tmp_path):
     single_reference = single_references(policy)
     base = [*base_overrides(sample_root), *POLICIES[policy], "engine=fsdp_full"]
