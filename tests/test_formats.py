@@ -264,3 +264,20 @@ def test_pad_resize_keeps_the_aspect_ratio_as_openpi_does():
     assert not portrait[:, :49].any() and (portrait[:, 49:175] == 200).all() and not portrait[:, 175:].any()
     with pytest.raises(ValueError, match="data.image_resize='crop' is not valid; choose one of \\['pad', 'squash'\\]"):
         prepare_image(image, 224, mode="crop")
+
+
+def test_writing_av1_leaves_the_writers_scheduling_policy_alone(tmp_path):
+    """SVT-AV1, run as root, turns the thread that opens an encoder into SCHED_FIFO 99; whatever that
+    process starts afterwards (torchrun ranks, a policy server) would inherit it and could starve the
+    machine. The writer restores the thread's own policy (checked in a fresh process)."""
+    import subprocess
+    import sys
+
+    code = ("import os; from slurmvla.data.synthetic import write_droid_sample; "
+            "b = (os.sched_getscheduler(0), os.sched_getparam(0).sched_priority); "
+            f"write_droid_sample({str(tmp_path / 'd')!r}, num_episodes=1); "
+            "print(b, (os.sched_getscheduler(0), os.sched_getparam(0).sched_priority))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = out.stdout.strip().splitlines()[-1].split(") (")
+    assert before + ")" == "(" + after, out.stdout

@@ -19,6 +19,7 @@ last steps cut from long episodes, every fifth episode left out), to exercise th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -99,11 +100,29 @@ ENCODERS = {"av1": ("libsvtav1", {"crf": "30", "preset": "10"}), "h264": ("libx2
 DEFAULT_GOP = {"av1": 2, "h264": FPS}
 
 
+@contextlib.contextmanager
+def _scheduling_kept():
+    """Restore the calling thread's scheduling policy afterwards. SVT-AV1, run as root, switches the
+    thread that opens an encoder to SCHED_FIFO priority 99; every process started from it later
+    (torchrun ranks, data workers, a policy server) would inherit real-time priority, and on a small
+    machine spinning real-time threads starve the rest (a server that never exits, a test that hangs)."""
+    try:
+        policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    except (AttributeError, OSError):  # not Linux
+        yield
+        return
+    try:
+        yield
+    finally:
+        if (os.sched_getscheduler(0), os.sched_getparam(0).sched_priority) != (policy, param.sched_priority):
+            os.sched_setscheduler(0, policy, param)
+
+
 def _encode(path: Path, frames: np.ndarray, codec: str = "av1", gop: int | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its banner per encoder otherwise; errors only
     name, options = ENCODERS[codec]
-    with av.open(str(path), mode="w") as container:
+    with _scheduling_kept(), av.open(str(path), mode="w") as container:
         stream = container.add_stream(name, rate=Fraction(FPS))
         stream.width, stream.height, stream.pix_fmt = WIDTH, HEIGHT, "yuv420p"
         stream.options = {**options, "g": str(gop or DEFAULT_GOP[codec])}
