@@ -54,7 +54,7 @@ def main() -> None:
             if change == "one bin off" and kind == "pi0":
                 continue
             _, policy = built(kind, folder)
-            noise, real, prompts = g["noise"].clone(), pi0.F.interpolate, type(policy).prompts
+            noise, real, prompts = g["noise"].clone(), pi0.F.interpolate, getattr(type(policy), "prompts", None)
             if change == "antialias":
                 pi0.F.interpolate = lambda *a, real=real, **kw: real(*a, **{**kw, "antialias": True})
             elif change == "unpadded noise":
@@ -66,7 +66,9 @@ def main() -> None:
                 with torch.no_grad():
                     loss = policy(batch_of(policy, g), noise=noise, t=g["time"])["loss"]
             finally:
-                pi0.F.interpolate, type(policy).prompts = real, prompts
+                pi0.F.interpolate = real
+                if prompts is not None:
+                    type(policy).prompts = prompts
             reverted[change] = f"{rel(loss.reshape(1), g['loss']):.2e}"
         print(f"{kind}: loss moves by (relative) when reverted: {reverted}")
 
