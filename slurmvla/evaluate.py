@@ -2,7 +2,8 @@
 
     python -m slurmvla.evaluate SOURCE [--split val|all] [--out DIR] [--seed 0] [overrides ...]
 
-``SOURCE``: an exported .safetensors file, a checkpoint folder or a run directory. Overrides change
+``SOURCE``: an exported .safetensors file, a checkpoint folder, a run directory or a LeRobot pi0 / pi0.5
+checkpoint directory (with its own statistics; ``data.root=...`` names the episodes). Overrides change
 the run's config, e.g. ``data.root=/data/other`` (then ``--split all`` evaluates every episode).
 
 Every sample of the split is run through the policy's own inference path (``sample_actions``) and
@@ -32,6 +33,7 @@ from slurmvla.data.mixture import SPLITS, Mixture
 from slurmvla.data.prepare import inference_fields
 from slurmvla.eval.validate import bucket
 from slurmvla.export import Loaded, load_exported
+from slurmvla.lerobot_checkpoint import lerobot_type
 from slurmvla.policy.stats import resolve_stats
 
 METRICS_FILE = "metrics.json"
@@ -174,13 +176,16 @@ def default_out(source: str, loaded: Loaded, split: str) -> Path:
     path = Path(source)
     if path.is_file():
         return path.with_name(f"{path.stem}_eval_{split}")
+    if lerobot_type(path):  # beside LeRobot's directory, not inside it
+        return path.resolve().with_name(f"{path.resolve().name}_eval_{split}")
     checkpoint = Path(loaded.source)
     return checkpoint.parent.parent / "eval" / f"{checkpoint.name}_{split}"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("source", help="an exported .safetensors file, a checkpoint folder or a run directory")
+    parser.add_argument("source", help="an exported .safetensors file, a checkpoint folder, a run directory or a "
+                                           "LeRobot pi0 / pi0.5 checkpoint directory")
     parser.add_argument("--split", default="val", help=f"which samples: {' or '.join(SPLITS)} (default val)")
     parser.add_argument("--out", help="output folder (default: RUN_DIR/eval/<checkpoint>_<split>)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling noise (default 0)")

@@ -6,7 +6,10 @@
 The file's metadata carries the step, the engine and, when the run directory has it, the resolved
 config, so the policy can be rebuilt without the run directory. :func:`load_exported` rebuilds
 the policy from such a file (or from a run directory / checkpoint folder) and its config alone:
-the server and the evaluator load through it.
+the server and the evaluator load through it. A LeRobot pi0 / pi0.5 checkpoint directory is a source
+too (:mod:`slurmvla.lerobot_checkpoint`): its weights, statistics and config, loaded strictly.
+
+    python -m slurmvla.export LEROBOT_DIR OUT.safetensors policy.tokenizer_path=PALIGEMMA_DIR
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,12 +29,21 @@ from safetensors.torch import load_file, save_file
 from slurmvla.checkpoint import META_FILE, load_model_file, resolve_checkpoint
 from slurmvla.compose import check_override_keys, to_config
 from slurmvla.config import Config
+from slurmvla.lerobot_checkpoint import lerobot_config, lerobot_type
 from slurmvla.policy import Policy, build_policy
 
 CONFIG_FILE = "config.resolved.yaml"
+log = logging.getLogger(__name__)
 
 
-def export(source: str | Path, out: str | Path) -> Path:
+def export(source: str | Path, out: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Path:
+    """``source`` as one fp32 file. ``overrides`` are read for a LeRobot checkpoint directory only (its
+    size when it is not a published one, its tokenizer): a slurmvla checkpoint is written as it is."""
+    if lerobot_type(source):
+        return _export_loaded(load_exported(source, overrides), out)
+    if overrides:
+        raise ValueError(f"overrides {list(overrides)} apply to a LeRobot checkpoint directory; {str(source)!r} is "
+                         "a slurmvla checkpoint, exported as it was trained (give overrides to serve or evaluate)")
     checkpoint = resolve_checkpoint(source)
     state = load_model_file(checkpoint)
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
@@ -39,6 +52,20 @@ def export(source: str | Path, out: str | Path) -> Path:
     config = checkpoint.parent.parent / CONFIG_FILE
     if config.is_file():
         metadata["config_yaml"] = config.read_text()
+    return _write(state, metadata, out)
+
+
+def _export_loaded(loaded: Loaded, out: str | Path) -> Path:
+    """A loaded policy (e.g. a LeRobot checkpoint directory's) as a self-contained slurmvla file."""
+    config_dict = OmegaConf.to_container(OmegaConf.structured(loaded.cfg))
+    state = {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
+             for k, v in loaded.policy.state_dict().items()}
+    metadata = {"step": str(loaded.step), "engine": "none", "source": loaded.source,
+                "config_yaml": OmegaConf.to_yaml(config_dict)}
+    return _write(state, metadata, out)
+
+
+def _write(state: dict[str, torch.Tensor], metadata: dict[str, str], out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -65,6 +92,8 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
     (e.g. ``policy.num_inference_steps=5``, ``data.root=...``). A ValueError names the file and what
     is wrong with it."""
     path = Path(source)
+    if lerobot_type(path):
+        return _load_lerobot(path, overrides, device)
     if path.is_file():
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -100,6 +129,17 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
     return Loaded(policy.to(device).eval(), cfg, step, origin)
 
 
+def _load_lerobot(path: Path, overrides, device) -> Loaded:
+    """LeRobot's own checkpoint directory: its weights (strictly), its statistics and its config."""
+    from slurmvla.policy.stats import checkpoint_normalization
+
+    cfg = lerobot_config(path, list(overrides))
+    stats, where = checkpoint_normalization(cfg, cfg.policy.state_dim, cfg.policy.action_dim)
+    log.info("LeRobot %s checkpoint %s; statistics from %s", cfg.policy.name, path, where)
+    policy = build_policy(cfg.policy, stats)
+    return Loaded(policy.to(device).eval(), cfg, 0, str(path))
+
+
 def _without_pretrained(pc):
     from slurmvla.policy.pretrained import tokenizer_dir
 
@@ -111,13 +151,13 @@ def _without_pretrained(pc):
 LEROBOT_SIDE_FILES = ("config.json", "policy_preprocessor.json", "policy_postprocessor.json")
 
 
-def export_lerobot(source: str | Path, out: str | Path) -> Path:
+def export_lerobot(source: str | Path, out: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Path:
     """A pi0 / pi0.5 checkpoint as a LeRobot 0.6.1 checkpoint directory: ``model.safetensors`` with
     every key LeRobot's PI0Policy / PI05Policy holds (it loads with ``strict=True``), plus LeRobot's
     config and processor files when the run started from a LeRobot checkpoint directory."""
     from slurmvla.policy.pretrained import lerobot_state_dict
 
-    loaded = load_exported(source)
+    loaded = load_exported(source, overrides)
     pc = loaded.cfg.policy
     if pc.name not in ("pi0", "pi05"):
         raise ValueError(f"--layout lerobot writes pi0 / pi0.5 checkpoints; this run's policy is {pc.name!r}")
@@ -157,13 +197,16 @@ def _mismatch(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor])
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("source", help="a checkpoint folder, or a run directory (its newest checkpoint)")
+    parser.add_argument("source", help="a checkpoint folder, a run directory (its newest checkpoint), or a LeRobot "
+                                           "pi0 / pi0.5 checkpoint directory")
     parser.add_argument("out", help="the .safetensors file to write (--layout lerobot: a directory)")
     parser.add_argument("--layout", choices=("slurmvla", "lerobot"), default="slurmvla",
                         help="lerobot: a LeRobot 0.6.1 pi0 / pi0.5 checkpoint directory (strict-loadable)")
-    args = parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", help="for a LeRobot source: e.g. policy.tokenizer_path=DIR")
+    args = parser.parse_intermixed_args(argv)
     try:
-        out = export(args.source, args.out) if args.layout == "slurmvla" else export_lerobot(args.source, args.out)
+        write = export if args.layout == "slurmvla" else export_lerobot
+        out = write(args.source, args.out, args.overrides)
     except ValueError as e:
         parser.error(str(e))
     print(f"wrote {out}")

@@ -2,8 +2,8 @@
 
     python -m slurmvla.serve SOURCE [--host H] [--port 8000] [overrides ...]
 
-``SOURCE``: a file written by ``python -m slurmvla.export``, a checkpoint folder or a run
-directory. Overrides change the run's config (``serve.cameras=[...]``, ``policy.num_inference_steps=5``).
+``SOURCE``: a file written by ``python -m slurmvla.export``, a checkpoint folder, a run directory
+or a LeRobot pi0 / pi0.5 checkpoint directory (its weights, statistics and config). Overrides change the run's config (``serve.cameras=[...]``, ``policy.num_inference_steps=5``).
 
 The wire protocol is that of openpi's ``openpi-client`` package: on connect the server sends one
 msgpack frame of metadata; each request is a msgpack observation dict whose numpy arrays are maps
@@ -313,7 +313,8 @@ def address(host: str, port: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("source", help="an exported .safetensors file, a checkpoint folder or a run directory")
+    parser.add_argument("source", help="an exported .safetensors file, a checkpoint folder, a run directory or a "
+                                           "LeRobot pi0 / pi0.5 checkpoint directory")
     parser.add_argument("--host", help="address to listen on (serve.host, default 0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, help="port to listen on (serve.port, default 8000; 0: a free one)")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. serve.cameras=[...] policy.num_inference_steps=5")

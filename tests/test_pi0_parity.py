@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from tiny_weights import fingerprint, tiny_state_dict  # noqa: E402
 
 from tests.test_pi0 import policy_cfg  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "lerobot061"
 META = json.loads((GOLDEN / "meta.json").read_text())
 RTOL = 1e-5
@@ -274,3 +276,103 @@ def test_a_pi05_prompt_that_fills_max_text_len_is_warned_about_once(caplog):
     with caplog.at_level("WARNING", logger="slurmvla.policy.pi0"):
         build_policy(policy_cfg("pi05_tiny"))._text(batch)  # 128 holds these prompts
     assert not caplog.records
+
+
+# -- a LeRobot checkpoint directory as the source of export, evaluate and serve -------------------
+
+def lerobot_source_overrides(kind: str) -> list[str]:
+    # The golden checkpoint's sizes are LeRobot's patched tiny tables; LeRobot saves no tokenizer.
+    return [f"policy={NAMES[kind]}", f"policy.tokenizer_path={GOLDEN / 'tokenizer'}"]
+
+
+def golden_chunk_of(policy, g: dict) -> torch.Tensor:
+    batch = batch_of(policy, g)
+    with torch.no_grad():
+        return policy.sample_actions({k: v for k, v in batch.items() if k not in ("actions", "action_mask")},
+                                     noise=g["sample_noise"])
+
+
+def test_a_lerobot_checkpoint_directory_loads_with_its_config_statistics_and_weights(case):
+    from slurmvla.export import load_exported
+
+    kind, folder, g = case
+    loaded = load_exported(folder, lerobot_source_overrides(kind))
+    pc = loaded.cfg.policy
+    assert (pc.stats_source, pc.action_horizon, pc.max_text_len, pc.image_size) == \
+        ("checkpoint", META["horizon"], 200 if kind == "pi05" else 48, META["image_size"])
+    assert list(loaded.cfg.data.cameras) == META["cameras"]
+    assert rel(golden_chunk_of(loaded.policy, g), g["chunk"]) < RTOL
+
+
+def test_a_lerobot_checkpoint_directory_exports_in_both_layouts(case, tmp_path):
+    from slurmvla.export import load_exported
+
+    kind, folder, g = case
+    args = [str(folder), str(tmp_path / "policy.safetensors"), *lerobot_source_overrides(kind)]
+    subprocess.run([sys.executable, "-m", "slurmvla.export", *args], check=True, cwd=REPO)
+    from_file = load_exported(tmp_path / "policy.safetensors")
+    assert rel(golden_chunk_of(from_file.policy, g), g["chunk"]) < RTOL
+    args = [str(folder), str(tmp_path / "lerobot"), "--layout", "lerobot", *lerobot_source_overrides(kind)]
+    subprocess.run([sys.executable, "-m", "slurmvla.export", *args], check=True, cwd=REPO)
+    again, source = load_file(str(tmp_path / "lerobot" / "model.safetensors")), load_file(str(folder / "model.safetensors"))
+    assert sorted(again) == sorted(source) and all(torch.equal(again[k], source[k]) for k in source)
+    assert (tmp_path / "lerobot" / "config.json").read_text() == (folder / "config.json").read_text()
+
+
+def test_a_lerobot_checkpoint_directory_serves_lerobots_actions_to_openpis_client(case):
+    """The server's whole path (client keys -> frames, state, prompt -> the policy -> dataset units)
+    on LeRobot's checkpoint gives LeRobot's chunk; only the noise is LeRobot's instead of the seed's."""
+    import asyncio
+    import threading
+
+    wcp = pytest.importorskip("openpi_client.websocket_client_policy", reason="pip install --no-deps openpi-client")
+    from slurmvla.serve import build_server
+
+    kind, folder, g = case
+    server = build_server(str(folder), [*lerobot_source_overrides(kind), "serve.host=127.0.0.1", "serve.port=0",
+                                        "serve.cameras=[observation/exterior_image_1_left,"
+                                        "observation/exterior_image_2_left,null]"], device="cpu")
+    policy, sample = server.runner.policy, server.runner.policy.sample_actions
+    ready, loop, stop = threading.Event(), asyncio.new_event_loop(), None
+
+    def run() -> None:
+        nonlocal stop
+        stop = asyncio.Event()
+        loop.run_until_complete(server.run(ready, stop))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(60), "the server did not start"
+        client = wcp.WebsocketClientPolicy("127.0.0.1", server.port)
+        for i, task in enumerate(META["tasks"]):
+            policy.sample_actions = lambda batch, i=i: sample(batch, noise=g["sample_noise"][i:i + 1])
+            state = g["state"][i].numpy()
+            reply = client.infer({"observation/exterior_image_1_left": g["frames"][i, 0].numpy(),
+                                  "observation/exterior_image_2_left": g["frames"][i, 1].numpy(),
+                                  "observation/joint_position": state[:7], "observation/gripper_position": state[7:],
+                                  "prompt": task})
+            assert rel(torch.from_numpy(np.array(reply["actions"])), g["chunk"][i]) < RTOL
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+
+
+def test_a_lerobot_checkpoint_directory_is_evaluated_on_episodes(case, sample_root, tmp_path):
+    kind, folder, _ = case
+    res = subprocess.run([sys.executable, "-m", "slurmvla.evaluate", str(folder), "--out", str(tmp_path),
+                          "--split", "all", "--plot-episodes", "0", "--batch-size", "64", *lerobot_source_overrides(kind),
+                          f"data.root={sample_root}", "data.num_workers=0"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["num_samples"] > 0 and np.isfinite(metrics["chunk_mse"])
+
+
+def test_a_lerobot_checkpoint_directory_without_its_tokenizer_or_at_an_unknown_size_is_one_line(case):
+    kind, folder, _ = case
+    for args, expected in (([f"policy={NAMES[kind]}"], "holds no tokenizer"),
+                           ([], "are not the published sizes")):
+        res = subprocess.run([sys.executable, "-m", "slurmvla.serve", str(folder), "--port", "0", *args],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and expected in res.stderr and "Traceback" not in res.stderr, res.stderr

@@ -60,14 +60,19 @@ def checkpoint_stats(path: str | Path) -> tuple[dict[str, dict[str, np.ndarray]]
         found[0]
 
 
+def checkpoint_normalization(cfg, state_dim: int, action_dim: int) -> tuple[dict[str, torch.Tensor], Path]:
+    """The offset / scale buffers from the statistics saved beside ``policy.pretrained_path``, and their file."""
+    (state_mode, state_knob), (action_mode, action_knob) = normalization_modes(cfg)
+    raw, where = checkpoint_stats(cfg.policy.pretrained_path)
+    return {**offset_scale(raw["state"], state_mode, state_dim, "state", str(where), state_knob),
+            **offset_scale(raw["action"], action_mode, action_dim, "action", str(where), action_knob)}, where
+
+
 def resolve_stats(cfg, mixture: Mixture, announce: bool = True) -> dict[str, torch.Tensor]:
     """The policy's offset / scale buffers for this run, logged once (``announce``)."""
     (state_mode, state_knob), (action_mode, action_knob) = normalization_modes(cfg)
     if cfg.policy.stats_source == "checkpoint":
-        raw, where = checkpoint_stats(cfg.policy.pretrained_path)
-        feats = mixture.features
-        out = {**offset_scale(raw["state"], state_mode, feats.state_dim, "state", str(where), state_knob),
-               **offset_scale(raw["action"], action_mode, feats.action_dim, "action", str(where), action_knob)}
+        out, where = checkpoint_normalization(cfg, mixture.features.state_dim, mixture.features.action_dim)
     else:
         where = f"the data ({', '.join(mixture.names)})"
         out = mixture.normalization(state_mode, action_mode, (state_knob, action_knob))
