@@ -39,8 +39,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
 from slurmvla.collectives import gather_objects
+from slurmvla.engine.ema import EMA_FILE
 from slurmvla.registry import ENGINES
 
 log = logging.getLogger("slurmvla")
@@ -206,8 +208,10 @@ class CheckpointManager:
 
     # -- saving -----------------------------------------------------------------------------------
 
-    def save(self, step: int, engine: Any, trainer_state: dict[str, Any], rank_state: dict[str, Any]) -> Path:
+    def save(self, step: int, engine: Any, trainer_state: dict[str, Any], rank_state: dict[str, Any],
+             ema: Any = None) -> Path:
         """Every rank calls this; ``rank_state`` (RNG streams) is per rank, the rest is written once.
+        ``ema``: a :class:`slurmvla.engine.ema.MovingAverage`, gathered now, written as ``ema.safetensors``.
         Returns the final path (complete on return, or once ``wait()`` returns when in background)."""
         self.wait()
         final = self.root / f"step_{step:08d}"
@@ -230,6 +234,14 @@ class CheckpointManager:
                 writer.append(engine.snapshot())  # the large files are written later, by rank 0's thread
             else:
                 engine.save(tmp)
+            if ema is not None:
+                averaged = ema.state_dict()  # a collective where the engine shards: every rank, now
+                write_ema = (lambda d: save_file({k: v.contiguous() for k, v in averaged.items()}, str(d / EMA_FILE))) \
+                    if self.is_main else (lambda d: None)
+                if background:
+                    writer.append(write_ema)
+                else:
+                    write_ema(tmp)
             torch.save(rank_state, tmp / RANK_FILE.format(rank=self.rank))
             if self.is_main:
                 torch.save(trainer_state, tmp / TRAINER_FILE)
@@ -241,7 +253,7 @@ class CheckpointManager:
             if self.is_main:
                 self._pending_error = None
                 self._pending = threading.Thread(target=self._write_in_background,
-                                                 args=(step, tmp, final, writer[0], meta),
+                                                 args=(step, tmp, final, lambda d: [w(d) for w in writer], meta),
                                                  name="slurmvla-checkpoint", daemon=True)
                 self._pending.start()
             return final
@@ -353,7 +365,7 @@ class CheckpointManager:
 
     # -- loading ----------------------------------------------------------------------------------
 
-    def load(self, path: Path, engine: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    def load(self, path: Path, engine: Any, ema: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
         meta = json.loads((path / META_FILE).read_text())
         if meta["engine"] != engine.name:
             raise ValueError(
@@ -365,7 +377,13 @@ class CheckpointManager:
                 f"checkpoint {path} was written at world size {meta['world_size']}, this run has "
                 f"{engine.env.world_size}; engine={engine.name!r} resumes at the same world size only"
             )
+        if ema is not None and (path / EMA_FILE).is_file():
+            ema.load_state_dict(load_file(str(path / EMA_FILE)))  # first: it passes through the weights
         engine.load(path)
+        if ema is not None and not (path / EMA_FILE).is_file():
+            ema.reset()
+            log.warning("checkpoint %s holds no moving average (written without trainer.ema_decay): it starts "
+                        "from the resumed weights", path)
         state = torch.load(path / TRAINER_FILE, map_location="cpu", weights_only=True)
         rank_file = path / RANK_FILE.format(rank=self.rank)
         # A rank that did not exist when the checkpoint was written (resumed on more ranks) starts
@@ -374,8 +392,14 @@ class CheckpointManager:
         return state, rank_state
 
 
-def load_model_file(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The full fp32 policy state of a checkpoint, whatever engine wrote it, in one process."""
+def load_model_file(checkpoint: Path, ema: bool = False) -> dict[str, torch.Tensor]:
+    """The full fp32 policy state of a checkpoint, whatever engine wrote it, in one process
+    (``ema``: the moving average of its weights instead)."""
+    if ema:
+        if not (checkpoint / EMA_FILE).is_file():
+            raise ValueError(f"checkpoint {checkpoint} holds no moving average ({EMA_FILE}): its run had no "
+                             "trainer.ema_decay; export its weights without --ema")
+        return load_file(str(checkpoint / EMA_FILE))
     meta = json.loads((checkpoint / META_FILE).read_text())
     return ENGINES.get(meta["engine"]).load_full_state(checkpoint)
 

@@ -353,8 +353,16 @@ class TrainerConfig:
     # it has none: a resumed GPU run then repeats the uninterrupted one as closely as the kernels allow.
     # Slower; CPU runs are deterministic without it.
     deterministic: bool = False
+    # An exponential moving average of the fp32 master weights (openpi's ema_decay; 0.99 in its DROID
+    # fine-tuning), updated after every optimizer step, held as the optimizer state is held (sharded
+    # where the engine shards it), saved in each checkpoint (ema.safetensors) and resumed bitwise;
+    # python -m slurmvla.export --ema writes it. null: none.
+    ema_decay: float | None = None
 
     def __post_init__(self) -> None:
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ValueError(f"trainer.ema_decay={self.ema_decay} must lie strictly between 0 and 1 (e.g. 0.99), "
+                             "or be null for no moving average")
         _positive("trainer.max_steps", self.max_steps)
         _positive("trainer.global_batch_size", self.global_batch_size)
         _positive("trainer.grad_accum_steps", self.grad_accum_steps)

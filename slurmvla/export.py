@@ -2,6 +2,7 @@
 
     python -m slurmvla.export CHECKPOINT_OR_RUN_DIR OUT.safetensors
     python -m slurmvla.export CHECKPOINT_OR_RUN_DIR OUT_DIR --layout lerobot    # pi0 / pi0.5 for LeRobot 0.6.1
+    python -m slurmvla.export CHECKPOINT_OR_RUN_DIR OUT.safetensors --ema       # the moving average (trainer.ema_decay)
 
 The file's metadata carries the step, the engine and, when the run directory has it, the resolved
 config, so the policy can be rebuilt without the run directory. :func:`load_exported` rebuilds
@@ -36,19 +37,23 @@ CONFIG_FILE = "config.resolved.yaml"
 log = logging.getLogger(__name__)
 
 
-def export(source: str | Path, out: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Path:
+def export(source: str | Path, out: str | Path, overrides: list[str] | tuple[str, ...] = (), ema: bool = False) -> Path:
     """``source`` as one fp32 file. ``overrides`` are read for a LeRobot checkpoint directory only (its
-    size when it is not a published one, its tokenizer): a slurmvla checkpoint is written as it is."""
+    size when it is not a published one, its tokenizer): a slurmvla checkpoint is written as it is.
+    ``ema``: the checkpoint's moving average of the weights (``trainer.ema_decay``) instead of them."""
     if lerobot_type(source):
+        if ema:
+            raise ValueError(f"--ema: {str(source)!r} is a LeRobot checkpoint directory, which holds one set of weights")
         return _export_loaded(load_exported(source, overrides), out)
     if overrides:
         raise ValueError(f"overrides {list(overrides)} apply to a LeRobot checkpoint directory; {str(source)!r} is "
                          "a slurmvla checkpoint, exported as it was trained (give overrides to serve or evaluate)")
     checkpoint = resolve_checkpoint(source)
-    state = load_model_file(checkpoint)
+    state = load_model_file(checkpoint, ema=ema)
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     meta = json.loads((checkpoint / META_FILE).read_text())
-    metadata = {"step": str(meta["step"]), "engine": meta["engine"], "source": str(checkpoint.resolve())}
+    metadata = {"step": str(meta["step"]), "engine": meta["engine"], "source": str(checkpoint.resolve()),
+                "weights": "moving average" if ema else "trained"}
     config = checkpoint.parent.parent / CONFIG_FILE
     if config.is_file():
         metadata["config_yaml"] = config.read_text()
@@ -83,7 +88,7 @@ class Loaded:
 
 
 def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (),
-                  device: str | torch.device = "cpu") -> Loaded:
+                  device: str | torch.device = "cpu", ema: bool = False) -> Loaded:
     """The trained policy, rebuilt from its config alone and loaded with its weights.
 
     ``source``: a file written by :func:`export` (its metadata carries the config), a checkpoint
@@ -92,7 +97,10 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
     (e.g. ``policy.num_inference_steps=5``, ``data.root=...``). A ValueError names the file and what
     is wrong with it."""
     path = Path(source)
-    if lerobot_type(path):
+    if ema and not path.is_dir() or lerobot_type(path):
+        if ema:
+            raise ValueError(f"--ema reads a slurmvla checkpoint's moving average; {str(path)!r} is not a checkpoint "
+                             "folder or run directory")
         return _load_lerobot(path, overrides, device)
     if path.is_file():
         try:
@@ -113,7 +121,7 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
                              "the policy cannot be rebuilt without its config")
         config_yaml = config.read_text()
         step = int(json.loads((checkpoint / META_FILE).read_text())["step"])
-        origin, state = str(checkpoint), load_model_file(checkpoint)
+        origin, state = str(checkpoint), load_model_file(checkpoint, ema=ema)
     else:
         raise ValueError(f"{str(path)!r} does not exist; give an exported .safetensors file, a checkpoint folder "
                          "or a run directory")
@@ -151,13 +159,14 @@ def _without_pretrained(pc):
 LEROBOT_SIDE_FILES = ("config.json", "policy_preprocessor.json", "policy_postprocessor.json")
 
 
-def export_lerobot(source: str | Path, out: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Path:
+def export_lerobot(source: str | Path, out: str | Path, overrides: list[str] | tuple[str, ...] = (),
+                   ema: bool = False) -> Path:
     """A pi0 / pi0.5 checkpoint as a LeRobot 0.6.1 checkpoint directory: ``model.safetensors`` with
     every key LeRobot's PI0Policy / PI05Policy holds (it loads with ``strict=True``), plus LeRobot's
     config and processor files when the run started from a LeRobot checkpoint directory."""
     from slurmvla.policy.pretrained import lerobot_state_dict
 
-    loaded = load_exported(source, overrides)
+    loaded = load_exported(source, overrides, ema=ema)
     pc = loaded.cfg.policy
     if pc.name not in ("pi0", "pi05"):
         raise ValueError(f"--layout lerobot writes pi0 / pi0.5 checkpoints; this run's policy is {pc.name!r}")
@@ -202,11 +211,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", help="the .safetensors file to write (--layout lerobot: a directory)")
     parser.add_argument("--layout", choices=("slurmvla", "lerobot"), default="slurmvla",
                         help="lerobot: a LeRobot 0.6.1 pi0 / pi0.5 checkpoint directory (strict-loadable)")
+    parser.add_argument("--ema", action="store_true",
+                        help="the moving average of the weights the checkpoint holds (trainer.ema_decay)")
     parser.add_argument("overrides", nargs="*", help="for a LeRobot source: e.g. policy.tokenizer_path=DIR")
     args = parser.parse_intermixed_args(argv)
     try:
         write = export if args.layout == "slurmvla" else export_lerobot
-        out = write(args.source, args.out, args.overrides)
+        out = write(args.source, args.out, args.overrides, ema=args.ema)
     except ValueError as e:
         parser.error(str(e))
     print(f"wrote {out}")

@@ -1,7 +1,7 @@
 """The Trainer: builds the components, runs ``train_step`` until ``max_steps``, checkpoints, resumes.
 
-``fit`` reads as a list of hand-offs: take micro-batches -> engine step -> schedule -> log ->
-checkpoint. Everything strategy-specific sits behind the engine; there is no branch on its name here.
+``fit`` reads as a list of hand-offs: take micro-batches -> engine step (-> moving average) ->
+schedule -> log -> checkpoint. Everything strategy-specific sits behind the engine; there is no branch on its name here.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from slurmvla.engine.distributed import (
     set_determinism,
     shutdown_process_group,
 )
+from slurmvla.engine.ema import MovingAverage
 from slurmvla.engine.liveness import CollectiveFailure, Heartbeats, is_collective_failure
 from slurmvla.engine.materialize import parameters_on_meta, supports_deferred_init
 from slurmvla.engine.precision import check_fp32_master_state
@@ -181,6 +182,10 @@ class Trainer:
         self.model, self.optimizer = self.engine.prepare(self.policy, cfg.optim)
         # Built on the optimizer the engine returned, i.e. the one that actually steps.
         self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, cfg.trainer.max_steps)
+        self.ema = MovingAverage(self.engine, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None
+        if self.ema is not None and self.env.is_main:
+            log.info("moving average of the fp32 master weights, decay %g: %.1f MiB on rank 0", cfg.trainer.ema_decay,
+                     self.ema.num_bytes() / 2**20)
         self._numerics_checked = False
         # Per-rank streams for any randomness drawn outside the data pipeline (the training noise
         # itself comes with each sample).
@@ -237,6 +242,8 @@ class Trainer:
         grad_norm = self.engine.clip_grad_norm()
         timer.mark("grad clip")
         self.engine.step()
+        if self.ema is not None:
+            self.ema.update()
         timer.mark("optimizer step + zero-grad")
         self.scheduler.step()
         timer.mark("scheduler")
@@ -363,7 +370,7 @@ class Trainer:
         return state
 
     def save(self) -> Path:
-        path = self.checkpoints.save(self.step, self.engine, self.state_dict(), self.rank_state_dict())
+        path = self.checkpoints.save(self.step, self.engine, self.state_dict(), self.rank_state_dict(), self.ema)
         if self.env.is_main and not self.checkpoints.pending:
             log.info("saved checkpoint %s", path)  # a background save says so when it is in place
         return path
@@ -372,7 +379,7 @@ class Trainer:
         latest = self.checkpoints.latest_intact()
         if latest is None:
             return
-        state, rank_state = self.checkpoints.load(latest, self.engine)
+        state, rank_state = self.checkpoints.load(latest, self.engine, self.ema)
         self.step, self.epoch = state["step"], state["epoch"]
         self.batches_in_epoch = self.data.resume_position(state["data"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -399,6 +406,6 @@ class Trainer:
             if torch.distributed.is_initialized():
                 # The DDP / FSDP / DeepSpeed objects hold the process group's communicators: let them
                 # go before the group is destroyed, not at interpreter exit after it.
-                self.model = self.engine = self.optimizer = self.scheduler = None
+                self.model = self.engine = self.optimizer = self.scheduler = self.ema = None
                 gc.collect()
             shutdown_process_group(failed)

@@ -4,7 +4,7 @@
 
 SPEC: {"out": DIR, "base": [overrides...], "runs": [{"name", "overrides", "stop_at", "fresh"}...]}
 For each run, rank 0 writes OUT/<name>.safetensors (the full fp32 weights, gathered through the
-engine) and OUT/<name>.json (optimizer parameter and state dtypes, the last metrics).
+engine), OUT/<name>.ema.safetensors (their moving average, with trainer.ema_decay) and OUT/<name>.json (optimizer parameter and state dtypes, the last metrics).
 Starting processes and importing torch / DeepSpeed costs more than a tiny training, hence one job.
 """
 
@@ -31,6 +31,7 @@ def main() -> None:
         try:
             metrics = trainer.fit(stop_at=run.get("stop_at"))
             weights = trainer.engine.model_state_dict()
+            ema = trainer.ema.state_dict() if trainer.ema is not None else None  # a collective, like the weights
             dtypes = sorted({str(p.dtype) for g in trainer.optimizer.param_groups for p in g["params"]})
             state = sorted({f"{k}:{v.dtype}" for s in trainer.optimizer.state.values() for k, v in s.items()
                             if torch.is_tensor(v)})
@@ -39,6 +40,8 @@ def main() -> None:
             raise
         if trainer.env.is_main:
             save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"{run['name']}.safetensors"))
+            if ema is not None:
+                save_file({k: v.contiguous() for k, v in ema.items()}, str(out / f"{run['name']}.ema.safetensors"))
             report = {"param_dtypes": dtypes, "state_dtypes": state, "metrics": metrics, "step": trainer.step,
                       "resumed_from": str(trainer.resumed_from) if trainer.resumed_from else None}
             (out / f"{run['name']}.json").write_text(json.dumps(report))

@@ -38,6 +38,9 @@ from .conftest import rel_l2
 pytestmark = pytest.mark.multiproc
 DRIVER = Path(__file__).with_name("dist_driver.py")
 STEPS = 20
+# Every run keeps a moving average of its weights (it changes nothing in training): each strategy's
+# must match one process's and resume bitwise, like the weights.
+EMA_DECAY = 0.9
 
 
 def base_overrides(root) -> list[str]:
@@ -45,7 +48,7 @@ def base_overrides(root) -> list[str]:
     # trains on the same global batches (the stream shards per rank and worker).
     return [f"data.root={root}", "data.loader=map", "logging.wandb.mode=disabled", "trainer.progress_bar=false", "data.num_workers=0",
             f"trainer.max_steps={STEPS}", "trainer.global_batch_size=8", "checkpoint.every_steps=10",
-            "trainer.log_every_steps=5", "optim.lr=1e-3"]
+            "trainer.log_every_steps=5", "optim.lr=1e-3", f"trainer.ema_decay={EMA_DECAY}"]
 
 
 def run_driver(tmp: Path, nproc: int, base: list[str], runs: list[dict], deadline_s: int = 420) -> Path:
@@ -110,6 +113,7 @@ def single_references(sample_root, tmp_path_factory):
                 trainer = Trainer(cfg, tmp_path_factory.mktemp(f"single_{policy}_{name}"))
                 trainer.fit()
                 out[name] = trainer.engine.model_state_dict()
+                out[f"{name} ema"] = trainer.ema.state_dict()
                 trainer.close()
             cache[policy] = out
         return cache[policy]
@@ -148,11 +152,13 @@ def test_strategy_matches_single_process(engine, policy, sample_root, single_ref
     out = run_driver(tmp_path, 2, [*base_overrides(sample_root), *POLICIES[policy], f"engine={engine}"], runs)
     ref = single_reference["fp32"]
     w = {r["name"]: load_file(str(out / f"{r['name']}.safetensors")) for r in runs}
+    ema = {r["name"]: load_file(str(out / f"{r['name']}.ema.safetensors")) for r in runs}
     report = {r["name"]: json.loads((out / f"{r['name']}.json").read_text()) for r in runs}
 
     figures = {"straight": rel_l2(w["straight"], ref), "worst tensor": worst_tensor(w["straight"], ref),
                "accum": rel_l2(w["accum"], w["straight"]), "bf16": rel_l2(w["bf16"], ref),
-               "frozen": rel_l2(w["frozen"], single_reference["frozen"])}
+               "frozen": rel_l2(w["frozen"], single_reference["frozen"]),
+               "ema": rel_l2(ema["straight"], single_reference["fp32 ema"])}
     if "ckpt" in w:
         figures["ckpt"] = rel_l2(w["ckpt"], w["straight"])
     print(f"parity {policy} {engine}: " + ", ".join(f"{k} {float(v):.2e}" for k, v in figures.items()))
@@ -161,6 +167,11 @@ def test_strategy_matches_single_process(engine, policy, sample_root, single_ref
     # N steps straight == N/2, stop, resume from the strategy's own checkpoint, continue to N.
     assert report["half"]["step"] == 10 and report["resumed"]["resumed_from"].endswith("step_00000010")
     assert all(torch.equal(w["straight"][k], w["resumed"][k]) for k in ref), "resume is bitwise on CPU"
+    # The moving average, held as the strategy holds its optimizer state: one process's, and resumed bitwise.
+    assert rel_l2(ema["straight"], single_reference["fp32 ema"]) < 1e-6
+    assert rel_l2(ema["straight"], w["straight"]) > 1e-4, "the average must lag the weights"
+    assert all(torch.equal(ema["straight"][k], ema["resumed"][k]) for k in ref), "the average resumes bitwise"
+    assert rel_l2(ema["bf16"], single_reference["fp32 ema"]) < 2e-2
     # The strategy's checkpoint exports (one process, no process group) to the same weights.
     exported = load_file(str(export(out / "straight", tmp_path / "export.safetensors")))
     assert all(torch.equal(exported[k], w["straight"][k]) for k in ref)
@@ -201,8 +212,11 @@ def test_fsdp_saved_at_world_four_resumes_at_world_two(policy, sample_root, sing
     report = json.loads((second / "resumed.json").read_text())
     assert report["resumed_from"].endswith("step_00000010") and report["step"] == STEPS
     w = load_file(str(second / "resumed.safetensors"))
-    print(f"parity {policy} fsdp_full saved at world 4, resumed at 2: {rel_l2(w, single_reference['fp32']):.2e}")
+    ema = load_file(str(second / "resumed.ema.safetensors"))
+    print(f"parity {policy} fsdp_full saved at world 4, resumed at 2: {rel_l2(w, single_reference['fp32']):.2e}, "
+          f"moving average {rel_l2(ema, single_reference['fp32 ema']):.2e}")
     assert rel_l2(w, single_reference["fp32"]) < 1e-6
+    assert rel_l2(ema, single_reference["fp32 ema"]) < 1e-6
 
 
 @pytest.mark.slow

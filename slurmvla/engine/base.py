@@ -69,6 +69,15 @@ class Engine(Protocol):
         every rank calls it)."""
         ...
 
+    def master_tensors(self) -> list[torch.Tensor]:
+        """The fp32 tensors the optimizer steps, as this rank holds them (its shards or partitions);
+        the same list, in the same order, at every call. The moving average is kept of these."""
+        ...
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the trained fp32 weights from a full state (every rank passes it)."""
+        ...
+
     def save(self, directory: Path) -> None:
         """Write this rank's part of a checkpoint into ``directory`` (the checkpoint layer makes it atomic).
 

@@ -125,6 +125,14 @@ class FSDPEngine:
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
+    def master_tensors(self) -> list[torch.Tensor]:
+        """This rank's shards of the fp32 parameters the optimizer steps."""
+        return [p.to_local() if isinstance(p, DTensor) else p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the sharded weights from a full fp32 state (every rank passes the full state)."""
+        set_model_state_dict(self.module, state, options=StateDictOptions(full_state_dict=True))
+
     def _sharded_state(self) -> dict:
         return {"model": get_model_state_dict(self.module),
                 "optim": get_optimizer_state_dict(self.module, self.optimizer)}

@@ -73,6 +73,14 @@ class SingleEngine:
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         return self.weights.full_state(self.module)
 
+    def master_tensors(self) -> list[torch.Tensor]:
+        """The fp32 tensors the optimizer steps (the masters under bf16)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the weights (and masters) from a full fp32 state."""
+        self.weights.load_full_state(self.module, state)
+
     def snapshot(self) -> Callable[[Path], None]:
         """The state as it is now, copied to the host, and a writer for it that may run in a
         background thread while training goes on (replicated: rank 0 writes it once)."""

@@ -121,6 +121,20 @@ class DeepSpeedEngine:
             state[name] = full.detach().to("cpu", torch.float32, copy=True)
         return state
 
+    def master_tensors(self) -> list[torch.Tensor]:
+        """This rank's flat fp32 partitions, which DeepSpeed's optimizer steps (its ``param_groups`` hold
+        them only during a step under ZeRO-3)."""
+        ds = self._ds.optimizer
+        return list(ds.fp32_partitioned_groups_flat if self.stage == 3 else ds.single_partition_of_fp32_groups)
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the fp32 partitions of the trained parameters from a full fp32 state (every rank passes it)."""
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        for name, p in self.module.named_parameters():
+            if p.requires_grad:
+                safe_set_full_fp32_param(p, state[name].to(self.device))
+
     def save(self, directory: Path) -> None:
         self._ds.save_checkpoint(str(directory / DS_DIR), tag=DS_TAG, save_latest=False)
 

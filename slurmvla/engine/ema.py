@@ -1,0 +1,71 @@
+"""An exponential moving average of the fp32 master weights, on every engine (``trainer.ema_decay``).
+
+The average is kept of exactly the tensors the optimizer steps (``engine.master_tensors()``): the
+fp32 parameters under fp32, the fp32 masters under bf16, each rank's FSDP shard or ZeRO partition.
+So it is held as the optimizer state is held (sharded where the engine shards it: one more fp32 copy
+of this rank's part) and costs one fused ``lerp`` per step, no communication. After each step
+``ema = ema + (1 - decay) * (weights - ema)``, i.e. openpi's ``decay * ema + (1 - decay) * weights``;
+it starts from the weights training starts from.
+
+Its full state (what :meth:`state_dict` returns, and what a checkpoint's ``ema.safetensors`` holds)
+is the policy's state dict with the averaged values: the engine gathers it as it gathers the
+weights, with the average swapped into the masters for the duration (frozen parameters and buffers
+are the live ones: they never change). Loading goes the other way through the engine's
+``load_model_state_dict``; a checkpoint's own weights are loaded after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+EMA_FILE = "ema.safetensors"
+
+
+class MovingAverage:
+    def __init__(self, engine: Any, decay: float):
+        self.engine, self.decay = engine, decay
+        self.shadow = self._copy_masters()
+
+    def _copy_masters(self) -> list[torch.Tensor]:
+        return [t.detach().clone() for t in self.engine.master_tensors()]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """After an optimizer step (every rank; no communication)."""
+        torch._foreach_lerp_(self.shadow, list(self.engine.master_tensors()), 1.0 - self.decay)
+
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.shadow)
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The average in the masters' place until the block ends (the masters are put back exactly)."""
+        masters = list(self.engine.master_tensors())
+        kept = [m.detach().clone() for m in masters]
+        with torch.no_grad():
+            torch._foreach_copy_(masters, self.shadow)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(masters, kept)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The averaged policy as full fp32 CPU tensors (a collective where the engine shards; on rank 0
+        where the engine gathers there only)."""
+        with self.swapped_in():
+            return self.engine.model_state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Take the average from a full state. The engine's weights are overwritten on the way: load the
+        checkpoint's own weights after this."""
+        self.engine.load_model_state_dict(state)
+        self.shadow = self._copy_masters()
+
+    def reset(self) -> None:
+        """Start the average from the current weights (a checkpoint written without one)."""
+        self.shadow = self._copy_masters()
