@@ -320,8 +320,9 @@ class OptimConfig:
 class SchedulerConfig:
     name: str = "cosine"
     warmup_steps: int = 0
-    # cosine decays to lr * min_lr_ratio at trainer.max_steps.
+    # cosine decays to lr * min_lr_ratio at scheduler.decay_steps (0: at trainer.max_steps) and stays there.
     min_lr_ratio: float = 0.1
+    decay_steps: int = 0
     # frozen_backbone: the backbone's lr is 0 for this many steps while the action expert trains.
     frozen_backbone_steps: int = 0
 
@@ -329,6 +330,10 @@ class SchedulerConfig:
         SCHEDULERS.check(self.name)
         _positive("scheduler.warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("scheduler.frozen_backbone_steps", self.frozen_backbone_steps, allow_zero=True)
+        _positive("scheduler.decay_steps", self.decay_steps, allow_zero=True)
+        if self.decay_steps and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"scheduler.decay_steps={self.decay_steps} must exceed scheduler.warmup_steps="
+                             f"{self.warmup_steps} (the cosine runs between them), or be 0 for trainer.max_steps")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"scheduler.min_lr_ratio={self.min_lr_ratio!r} is not valid; it must be in [0, 1]")
 

@@ -50,7 +50,7 @@ Factors = list[Callable[[int], float]]
 # -- schedules: one function per entry of slurmvla.registry.SCHEDULERS ---------------------------
 
 def cosine_schedule(cfg: SchedulerConfig, max_steps: int, group_names: list[str]) -> Factors:
-    fn = lambda s: warmup_cosine(s, cfg.warmup_steps, max_steps, cfg.min_lr_ratio)  # noqa: E731
+    fn = lambda s: warmup_cosine(s, cfg.warmup_steps, cfg.decay_steps or max_steps, cfg.min_lr_ratio)  # noqa: E731
     return [fn for _ in group_names]
 
 
@@ -72,7 +72,7 @@ def frozen_backbone_schedule(cfg: SchedulerConfig, max_steps: int, group_names: 
         )
 
     def expert(s: int) -> float:
-        return warmup_cosine(s, cfg.warmup_steps, max_steps, cfg.min_lr_ratio)
+        return warmup_cosine(s, cfg.warmup_steps, cfg.decay_steps or max_steps, cfg.min_lr_ratio)
 
     def backbone(s: int) -> float:
         # Frozen, then its own warmup, then the same cosine tail as the expert.

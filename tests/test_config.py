@@ -26,7 +26,9 @@ def test_groups_named_by_the_contract_exist():
 @pytest.mark.parametrize("option", [f"{g}={p.stem}" for g in GROUPS for p in sorted((config_dir() / g).glob("*.yaml"))])
 def test_every_shipped_option_composes_and_validates(option):
     # An option with a required value gets one (policy=custom names a class; nothing is imported here).
-    required = {"policy=custom": ["policy.target=my_pkg.policies.MyPolicy"]}.get(option, [])
+    # experiment=pi05_droid normalizes with the statistics saved beside the weights it starts from.
+    required = {"policy=custom": ["policy.target=my_pkg.policies.MyPolicy"],
+                "experiment=pi05_droid": ["policy.pretrained_path=/any/pi05_droid"]}.get(option, [])
     cfg = compose([option, "data.root=/any/where", *required])
     group, name = option.split("=")
     if group not in ("experiment", "trainer", "checkpoint", "logging", "optim"):

@@ -37,6 +37,15 @@ def test_warmup_cosine_by_hand():
     assert lrs[100][0] == pytest.approx(0.1)
 
 
+def test_cosine_with_its_own_decay_horizon_by_hand():
+    """openpi's pi05_droid_finetune: the cosine runs over 30000 steps while training stops at 20000."""
+    lrs = _lrs(SchedulerConfig(name="cosine", warmup_steps=10, min_lr_ratio=0.1, decay_steps=310), 300, max_steps=200)
+    assert lrs[160][0] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 150 / 300)))
+    assert lrs[199][0] > 0.3 and lrs[299][0] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 289 / 300)))
+    with pytest.raises(ValueError, match="scheduler.decay_steps=10 must exceed scheduler.warmup_steps=10"):
+        SchedulerConfig(name="cosine", warmup_steps=10, decay_steps=10)
+
+
 def test_constant_and_warmup_constant():
     assert {lr[0] for lr in _lrs(SchedulerConfig(name="constant"), 20)} == {1.0}
     lrs = _lrs(SchedulerConfig(name="warmup_constant", warmup_steps=4), 10)
