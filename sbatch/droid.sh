@@ -11,6 +11,7 @@
 #
 #   DROID_ROOT=/data/droid_1.0.1 KEEP_RANGES_PATH=/data/keep_ranges_1_0_1.json \
 #   EPISODE_ID_TO_PATH=/data/episode_id_to_path.json sbatch --gpus-per-node=8 sbatch/droid.sh [OVERRIDES]
+#   EXPERIMENT=pi05_droid ... sbatch/droid.sh policy.pretrained_path=...    # openpi's pi0.5 recipe
 #
 # Everything sbatch/train.sh documents applies; this only picks the DROID wrapper.
 export LAUNCHER=launchers/droid.sh SLURMVLA_SBATCH_SCRIPT=${SLURMVLA_SBATCH_SCRIPT:-$0} SLURMVLA_JOB_NAME=droid

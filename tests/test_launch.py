@@ -229,6 +229,16 @@ def test_dry_runs_match_golden_files(script, args, golden, tmp_path):
     assert out == path.read_text()
 
 
+def test_the_droid_wrapper_runs_the_recipe_experiment_names():
+    repo = Path(__file__).resolve().parents[1]
+    env = {**_clean_env(), "DRY_RUN": "1", "NPROC_PER_NODE": "1"}
+    default = subprocess.run(["bash", "launchers/droid.sh"], cwd=repo, env=env, capture_output=True, text=True, check=True)
+    openpi = subprocess.run(["bash", "launchers/droid.sh", "x=1"], cwd=repo, env={**env, "EXPERIMENT": "pi05_droid"},
+                            capture_output=True, text=True, check=True)
+    assert default.stdout.strip().endswith("-m slurmvla.train experiment=droid")
+    assert openpi.stdout.strip().endswith("-m slurmvla.train experiment=pi05_droid x=1")
+
+
 def test_python_dry_runs_print_and_submit_nothing(tmp_path):
     env = {**_clean_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     res = subprocess.run([sys.executable, "-m", "slurmvla.train", "--dry-run", "-m", "hydra/launcher=slurm_cluster",
