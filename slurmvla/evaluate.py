@@ -34,6 +34,7 @@ from slurmvla.data.prepare import inference_fields
 from slurmvla.eval.validate import bucket
 from slurmvla.export import Loaded, load_exported
 from slurmvla.lerobot_checkpoint import lerobot_type
+from slurmvla.policy.base import seeded_sample_actions
 from slurmvla.policy.stats import resolve_stats
 
 METRICS_FILE = "metrics.json"
@@ -45,7 +46,8 @@ def evaluate(loaded: Loaded, split: str = "val", seed: int = 0, batch_size: int 
     """``(metrics, per_sample)``: the JSON-ready metrics and, per sample, its provenance, predicted and
     recorded chunk (for plots)."""
     cfg, policy = loaded.cfg, loaded.policy.to(device).eval()
-    mixture = Mixture(cfg.data, type(policy).sample_spec(cfg.policy), cfg.trainer.seed)
+    spec = type(policy).sample_spec(cfg.policy)
+    mixture = Mixture(cfg.data, spec, cfg.trainer.seed)
     loader = build_validation_loader(mixture, cfg.data, batch_size, split=split)
     if loader is None:
         raise ValueError(f"split {split!r} of {mixture.names} has no samples (data.val_fraction="
@@ -60,9 +62,8 @@ def evaluate(loaded: Loaded, split: str = "val", seed: int = 0, batch_size: int 
     for i, batch in enumerate(loader):
         batch = to_device(batch, device)
         out = policy(batch)
-        with torch.random.fork_rng(devices=[torch.device(device)] if torch.device(device).type == "cuda" else []):
-            torch.manual_seed(seed * 1_000_003 + i)
-            pred = policy.sample_actions(inference_fields(batch))  # what the server would give it
+        # What the server would give it, with the noise of this batch's seed (the same on any device).
+        pred = seeded_sample_actions(policy, spec, inference_fields(batch), seed * 1_000_003 + i)
         take = min(len(pred), num_real - seen)
         seen += take
         for name, (s, c) in out["components"].items():

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import http
 import logging
 import signal
@@ -38,6 +39,7 @@ import torch
 
 from slurmvla.data.prepare import observation_batch, prepare_image
 from slurmvla.export import Loaded, load_exported
+from slurmvla.policy.base import seeded_sample_actions
 
 log = logging.getLogger("slurmvla.serve")
 
@@ -198,16 +200,11 @@ class PolicyRunner:
     @torch.no_grad()
     def infer(self, batch: dict) -> np.ndarray:
         """The action chunk ``[action_horizon, action_dim]`` float32 in dataset units. Noise is seeded by
-        ``serve.seed`` for each request: the same observation always gives the same chunk."""
+        ``serve.seed`` for each request and drawn on the CPU: the same observation always gives the same
+        chunk, on any server and device (up to the device's precision)."""
         batch = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-        devices = [self.device] if self.device.type == "cuda" else []
-        with self.lock, torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.cfg.serve.seed)
-            if self.autocast is not None:
-                with self.autocast():
-                    actions = self.policy.sample_actions(batch)
-            else:
-                actions = self.policy.sample_actions(batch)
+        with self.lock, (self.autocast() if self.autocast is not None else contextlib.nullcontext()):
+            actions = seeded_sample_actions(self.policy, self.spec, batch, self.cfg.serve.seed)
         return actions[0].float().cpu().numpy()
 
 

@@ -1,6 +1,7 @@
 """DistributedDataParallel: replicated weights, gradients all-reduced in backward."""
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -9,6 +10,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from slurmvla.engine.single import SingleEngine
+
+
+# DDP's broadcast_buffers became forward_sync_buffers after torch 2.11 (2.13 deprecates the old name; 2.11
+# has only the old one): the name this torch has.
+_NO_BUFFER_SYNC = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(
+    DistributedDataParallel.__init__).parameters else "broadcast_buffers"
 
 
 # (No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime.)
@@ -35,9 +42,9 @@ class DDPEngine(SingleEngine):
         self._ddp = DistributedDataParallel(
             policy,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            # Normalization statistics are identical on every rank; no per-forward broadcast.
-            forward_sync_buffers=False,
             gradient_as_bucket_view=True,
+            # Normalization statistics are identical on every rank; no per-forward broadcast.
+            **{_NO_BUFFER_SYNC: False},
         )
         if self.weights.compute_dtype != torch.float32 and self.cfg.reduce_dtype == "fp32":
             self._ddp.register_comm_hook(dist.group.WORLD, _allreduce_in_fp32)

@@ -8,7 +8,9 @@ A policy is a ``torch.nn.Module`` built as ``Class(policy_cfg, stats, **policy.k
   must be a mean whose denominator depends only on the batch shape, so that a global batch's loss
   is exactly the mean of its shards' losses, on any world size and accumulation split.
 - ``sample_actions(batch)`` returns the action chunk ``[B, action_horizon, action_dim]`` in the
-  dataset's units (inference: the server and the evaluator call only this).
+  dataset's units (inference: the server and the evaluator call only this, through
+  :func:`seeded_sample_actions`). A policy whose ``sample_actions`` also takes ``noise=`` (shaped as its
+  spec's ``noise`` draw) gets it drawn on the CPU from the seed: the same chunk on every device.
 - ``stats`` holds ``state_offset`` / ``state_scale`` / ``action_offset`` / ``action_scale``
   (``normalized = (x - offset) / scale``, from the data's statistics); keep them as buffers so they
   travel with the weights.
@@ -175,3 +177,21 @@ def construct(cls: type[Policy], cfg: PolicyConfig, stats: dict[str, torch.Tenso
                          f"{inspect.signature(cls)} ({e}); a policy is built as Class(policy_cfg, stats, "
                          "**policy.kwargs)") from None
     return cls(cfg, stats, **kwargs)
+
+
+def seeded_sample_actions(policy: nn.Module, spec: SampleSpec, batch: dict, seed: int) -> torch.Tensor:
+    """``policy.sample_actions(batch)`` with its randomness fixed by ``seed``, the same on every device.
+
+    The starting noise is drawn on the CPU from a generator of its own and moved to the batch's device
+    (a GPU's generator draws other numbers from the same seed: the chunk would depend on the device)
+    when the policy takes ``noise=``; otherwise the devices' generators are seeded for the call."""
+    draw = next((d for d in spec.draws if d.name == "noise"), None)
+    state = batch["state"]
+    if draw is not None and "noise" in inspect.signature(policy.sample_actions).parameters:
+        generator = torch.Generator().manual_seed(seed)
+        noise = torch.randn((state.shape[0], *draw.shape), generator=generator).to(state.device)
+        return policy.sample_actions(batch, noise=noise)
+    devices = [state.device] if state.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        return policy.sample_actions(batch)
