@@ -22,11 +22,15 @@ What is patched in LeRobot 0.4.4, and nothing else: the same size tables as in 0
     ``patch_sizes`` subclasses those two names; here they are aliased to 0.4.4's names around that call, so
     the same tiny SigLIP sizes, projection_dim = backbone width and the 320-id vocabulary go in before
     the model is built.
-Two import shims, which compute nothing: 0.4.4's ``lerobot.configs`` is a namespace package without the
+Import shims, which compute nothing: 0.4.4's ``_transformers_available`` is forced to True (it looks for a
+distribution named ``transformers`` and finds ``transformers-openpi``, so without this its modeling modules
+bind the transformers classes to None); 0.4.4's ``lerobot.configs`` is a namespace package without the
 ``FeatureType`` / ``PolicyFeature`` re-exports that ``build`` imports (they are taken from
 ``lerobot.configs.types``), and ``_stats`` returns the statistics read from the committed checkpoint
 (tests/golden/lerobot061/{kind}/checkpoint/*normalizer_processor.safetensors) instead of recomputing them
-(they are compared with the recomputed ones and recorded).
+(they are compared with the recomputed ones and recorded). The committed tokenizer is loaded from a temporary
+copy whose tokenizer_config.json names ``PreTrainedTokenizerFast`` instead of transformers 5's
+``TokenizersBackend`` (unknown to transformers 4.53); tokenizer.json is used as committed.
 
 Inputs are the golden ones (frames, state, actions, noise, time, sampling noise) read from
 tests/golden/lerobot061/{kind}/golden.safetensors. Two passes per policy:
@@ -59,6 +63,17 @@ QUANTITIES = ("pixels", "prompt_ids", "velocity", "losses", "loss", "chunk_norma
 
 
 # ----------------------------------------------------------------------------------------------- patches
+def _shim_transformers_available() -> None:
+    """0.4.4 decides whether transformers is installed from the *distribution* name ``transformers``
+    (importlib.metadata.version); openpi's is installed as ``transformers-openpi``, so 0.4.4 finds no
+    transformers and its modeling modules bind PaliGemmaForConditionalGeneration / GemmaForCausalLM /
+    CONFIG_MAPPING to None (the import succeeds, building a policy fails). Set the flag before those
+    modules are imported."""
+    import lerobot.utils.import_utils as iu
+
+    iu._transformers_available = True
+
+
 def _shim_configs() -> None:
     import lerobot.configs as configs
 
@@ -78,6 +93,24 @@ def _patch_sizes_044(modeling) -> None:
     _generator_patch_sizes(modeling)
     modeling.PaliGemmaForConditionalGeneration = modeling.PaliGemmaForConditionalGenerationWithPiGemma
     modeling.GemmaForCausalLM = modeling.PiGemmaForCausalLM
+
+
+def _tokenizer_dir_044() -> Path:
+    """The committed tokenizer, readable by transformers 4.53: transformers 5 wrote
+    ``"tokenizer_class": "TokenizersBackend"`` (a class 4.53 does not have) into tokenizer_config.json; the
+    copy names ``PreTrainedTokenizerFast`` instead. tokenizer.json (vocabulary, <bos> template) is unchanged."""
+    import atexit
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="tokenizer044_"))
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
+    shutil.copy(GOLD / "tokenizer" / "tokenizer.json", d / "tokenizer.json")
+    cfg = json.loads((GOLD / "tokenizer" / "tokenizer_config.json").read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg.pop("backend", None)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+    return d
 
 
 def _checkpoint_stats(kind: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -221,7 +254,7 @@ def _where(obj, needle: str) -> str:
     return f"{rel}: '{needle}' not found"
 
 
-def _behaviour_differences(kind, modeling, proc_module, e2e, golden, tokenizer) -> list[dict]:
+def _behaviour_differences(kind, modeling, proc_module, e2e, golden, tokenizer, weights) -> list[dict]:
     diffs = []
     # Image padding: 0.4.4's resize_with_pad_torch pads float images with -1.0 *before* the [0,1] -> [-1,1]
     # map (so pads become -3), 0.6.1's pads with 0.0 (pads become -1).
@@ -241,6 +274,16 @@ def _behaviour_differences(kind, modeling, proc_module, e2e, golden, tokenizer) 
             "where_044": [_where(modeling.resize_with_pad_torch, "constant_value = "),
                           _where(modeling.resize_with_pad_torch, "clamp(-1.0, 1.0)"),
                           _where(_policy_cls(modeling)._preprocess_images, "img * 2.0 - 1.0")],
+        })
+    if weights["ties_044"] != weights["ties_061"]:
+        diffs.append({
+            "what": "PaliGemma lm_head tied to the token embeddings",
+            "detail": f"0.4.4 (transformers 4.53) ties {weights['ties_044']}; 0.6.1 (transformers 5.5.4) has "
+                      f"ties {weights['ties_061']}, so its state dict holds an lm_head of its own (the golden "
+                      "weights give it its own seeded values). Here lm_head takes the embedding's values. No "
+                      "effect on any output: pi0 / pi0.5 never call lm_head.",
+            "where_044": ["transformers PaliGemmaForConditionalGeneration._tied_weights_keys / "
+                          "tie_word_embeddings (transformers-openpi 4.53.3)"],
         })
     if kind == "pi05":
         ids = e2e["prompt_ids"]
@@ -309,7 +352,7 @@ def run(kind: str) -> dict:
         from lerobot.policies.pi05 import processor_pi05 as proc_module
         from lerobot.policies.pi05.configuration_pi05 import PI05Config as Config
 
-    tokenizer_dir = GOLD / "tokenizer"
+    tokenizer_dir = _tokenizer_dir_044()
     ckpt_stats = _checkpoint_stats(kind)
     recomputed = {"observation.state": gen._stats(gen.STATE_DIM, 1), "action": gen._stats(gen.ACTION_DIM, 2)}
     stats_gap = max(float((ckpt_stats[f][s] - recomputed[f][s]).abs().max()) for f in recomputed for s in recomputed[f])
@@ -338,7 +381,7 @@ def run(kind: str) -> dict:
                                                 if q not in ("pixels", "prompt_ids")},
         "also_compared_end_to_end": {q: _diff(e2e[q], golden[q])
                                      for q in ("prompt_mask", "image_masks", "normalized_state", "normalized_actions")},
-        "behaviour_differences": _behaviour_differences(kind, modeling, proc_module, e2e, golden, tokenizer),
+        "behaviour_differences": _behaviour_differences(kind, modeling, proc_module, e2e, golden, tokenizer, weights),
         "weights": weights,
         "checkpoint_stats_vs_recomputed_max_abs": stats_gap,
         "golden_inputs_regenerate_under_this_torch": inputs_regenerate,
@@ -351,6 +394,7 @@ def run(kind: str) -> dict:
 
 
 def main() -> None:
+    _shim_transformers_available()
     _shim_configs()
     gen.patch_sizes = _patch_sizes_044
     torch.set_num_threads(1)
@@ -372,6 +416,17 @@ def main() -> None:
                        "vision config / vocabulary set to the tiny sizes before the (openpi-patched) transformers "
                        "PaliGemmaForConditionalGeneration / GemmaForCausalLM are built",
     }
+    out["compatibility_notes_044"] = [
+        "lerobot.utils.import_utils._transformers_available is False with transformers-openpi (0.4.4 asks "
+        "importlib.metadata for a distribution named 'transformers'), so lerobot/policies/{pi0,pi05}/modeling_*.py "
+        "bind PaliGemmaForConditionalGeneration / GemmaForCausalLM / CONFIG_MAPPING to None: the policies import "
+        "but cannot be built. Forced to True here before the import.",
+        "The committed tokenizer's tokenizer_config.json (written by transformers 5) names tokenizer_class "
+        "'TokenizersBackend', which transformers 4.53 cannot load; read through a copy naming "
+        "'PreTrainedTokenizerFast' (tokenizer.json unchanged).",
+        "lerobot.configs has no FeatureType / PolicyFeature re-exports in 0.4.4 (lerobot.configs.types).",
+        "0.6.1's saved config.json and processor JSONs do not load in 0.4.4 (see other_checks per policy).",
+    ]
     for kind in ("pi0", "pi05"):
         out[kind] = run(kind)
         print(kind, {q: (v.get("max_abs"), v.get("max_rel")) for q, v in out[kind]["end_to_end"].items()})
