@@ -67,7 +67,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from slurmvla.config import DataConfig
-    from slurmvla.data.mixture import EpisodeStream, Mixture
+    from slurmvla.data.mixture import Mixture
+    from slurmvla.data.readers import EpisodeStream
 
     lengths, ids, rel, keep = synthetic_droid(args.episodes, args.frames)
     with tempfile.TemporaryDirectory() as tmp:

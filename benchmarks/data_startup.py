@@ -30,9 +30,9 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).parent))
 from data_index import synthetic_droid  # noqa: E402
 
-from slurmvla.config import DataConfig, KeepRangesConfig, PolicyConfig  # noqa: E402
-from slurmvla.data.features import DROID_CAMERAS  # noqa: E402
+from slurmvla.config import DataConfig, FlowVLAConfig, KeepRangesConfig  # noqa: E402
 from slurmvla.data.mixture import Mixture  # noqa: E402
+from slurmvla.droid_features import DROID_CAMERAS  # noqa: E402
 from slurmvla.policy import sample_spec  # noqa: E402
 
 FPS = 15
@@ -135,7 +135,7 @@ def start(root: Path, cache: Path, success_only: bool, keep: tuple[Path, Path] |
     cfg = DataConfig(root=str(root), cache_dir=str(cache), success_only=success_only, keep_ranges=kr,
                      val_fraction=0.01, missing_cameras="fail")
     t0 = time.perf_counter()
-    mixture = Mixture(cfg, sample_spec(PolicyConfig(action_horizon=16)), seed=0)
+    mixture = Mixture(cfg, sample_spec(FlowVLAConfig(action_horizon=16)), seed=0)
     mixture.plan(0)
     return time.perf_counter() - t0, mixture
 

@@ -37,9 +37,10 @@ import psutil
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-from slurmvla.config import DataConfig, PolicyConfig
-from slurmvla.data.mixture import EpisodeStream, Mixture
+from slurmvla.config import DataConfig, FlowVLAConfig
+from slurmvla.data.mixture import Mixture
 from slurmvla.data.prepare import resize_frame
+from slurmvla.data.readers import EpisodeStream
 from slurmvla.data.synthetic import CODECS, write_droid_sample
 from slurmvla.data.video import decode_range
 from slurmvla.policy import sample_spec
@@ -149,7 +150,7 @@ def stream_loader(stream_cls, mixture: Mixture, batch_size: int, workers: int) -
 
 def build(root: Path, args, workers: int) -> Mixture:
     cfg = DataConfig(root=str(root), num_workers=workers, interleave_episodes=args.interleave, stream_cache_episodes=0)
-    spec = sample_spec(PolicyConfig(image_size=args.image_size, patch_size=16, action_horizon=16, max_text_len=48))
+    spec = sample_spec(FlowVLAConfig(image_size=args.image_size, patch_size=16, action_horizon=16, max_text_len=48))
     return Mixture(cfg, spec, seed=0)
 
 

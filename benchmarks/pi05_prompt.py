@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from slurmvla.config import PolicyConfig
+from slurmvla.config import Pi05Config
 from slurmvla.policy import build_policy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,8 +29,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
-    raw = yaml.safe_load((REPO / "conf" / "policy" / "pi05_tiny.yaml").read_text())
-    cfg = PolicyConfig(**{**raw, "tokenizer_path": str(REPO / "tests" / "golden" / "lerobot061" / "tokenizer")})
+    raw = {k: v for k, v in yaml.safe_load((REPO / "conf" / "policy" / "pi05_tiny.yaml").read_text()).items()
+           if k != "defaults"}
+    cfg = Pi05Config(**{**raw, "tokenizer_path": str(REPO / "tests" / "golden" / "lerobot061" / "tokenizer")})
     policy = build_policy(cfg).eval()
     b, h = args.batch, cfg.action_horizon
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""One rank of a multi-rank policy check (``python -m slurmvla.policy.check`` starts these under torchrun).
+"""One rank of a multi-rank policy check (``python -m slurmvla.check`` starts these under torchrun).
 
 Each rank writes ``rank<N>.json`` into the spec's folder: its figures, or ``{"error": ...}``. A rank
 that fails leaves the process group without a barrier, so the checker can stop its peers.
@@ -6,7 +6,8 @@ that fails leaves the process group without a barrier, so the checker can stop i
 - ``fsdp``: every rank shards the policy with FSDP2 (``fsdp_full``) and runs its half of the batch;
   the averaged loss and the full gradients are compared with the unwrapped policy on the whole batch.
 - ``zero3``: DeepSpeed ZeRO-3 builds the policy and takes one optimizer step on the halves.
-- ``divergent``: as ``fsdp``, but rank 1's half lacks the optional instruction-token fields.
+- ``divergent``: as ``fsdp``, but every sample of rank 1's half has an empty instruction (the same fields,
+  other values).
 """
 
 from __future__ import annotations
@@ -27,27 +28,32 @@ from slurmvla.engine.base import StepSettings
 from slurmvla.engine.distributed import init_process_group
 from slurmvla.launch import DistEnv
 from slurmvla.policy import build_policy
-from slurmvla.policy.check import OPTIONAL_FIELDS, grads_rel, halves, rel, seed_all
+from slurmvla.policy.check import grads_rel, halves, rel
+from slurmvla.seeding import seed_everything
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def fsdp(policy: torch.nn.Module, batch: dict, env: DistEnv, drop_optional: bool) -> dict:
+def fsdp(policy: torch.nn.Module, batch: dict, env: DistEnv, empty_text: tuple | None = None) -> dict:
+    """``empty_text``: the tokens of an empty instruction, which rank 1's half carries instead of its own
+    (divergent mode: the same fields on every rank, as the trainer's first-batch check guarantees, but
+    one rank's samples all without an instruction)."""
     from slurmvla.engine.fsdp import FSDPEngine
 
     reference = copy.deepcopy(policy)
-    seed_all(1)
+    seed_everything(1)
     ref_loss = reference(batch)["loss"]
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     engine = FSDPEngine(EngineConfig(name="fsdp_full"), env, "fp32", torch.device("cpu"), StepSettings(1, 1, 0.0))
     engine.shard(policy)
     mine = halves(batch)[env.rank]
-    if drop_optional and env.rank == 1:
-        mine = {k: v for k, v in mine.items() if k not in OPTIONAL_FIELDS}
-    seed_all(1)
+    if empty_text is not None and env.rank == 1:
+        n = len(mine["text"])
+        mine = {**mine, "text": empty_text[0].expand(n, -1).clone(), "text_mask": empty_text[1].expand(n, -1).clone()}
+    seed_everything(1)
     loss = policy(mine)["loss"]
     loss.backward()
     # FSDP averages gradients over ranks: with a shard-invariant loss, the whole batch's gradients.
@@ -63,7 +69,7 @@ def zero3(policy: torch.nn.Module, batch: dict, env: DistEnv) -> dict:
 
     mine = halves(batch)[env.rank]
     reference = copy.deepcopy(policy)
-    seed_all(1)
+    seed_everything(1)
     ref_loss = reference(mine)["loss"].detach()
     engine = DeepSpeedEngine(EngineConfig(name="zero3"), env, "fp32", torch.device("cpu"),
                              StepSettings(len(mine["actions"]), 1, 1.0), stage=3,
@@ -74,7 +80,7 @@ def zero3(policy: torch.nn.Module, batch: dict, env: DistEnv) -> dict:
                                            "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0})
     model, _ = engine.prepare(policy, OptimConfig(lr=1e-3))
     before = engine.model_state_dict()
-    seed_all(1)
+    seed_everything(1)
     loss = model(mine)["loss"]
     engine.backward(loss)
     engine.clip_grad_norm()
@@ -94,13 +100,14 @@ def main(spec_path: str) -> None:
         init_process_group(env, torch.device("cpu"), "gloo", spec["timeout_s"])
         cfg = compose(spec["overrides"])
         inputs = torch.load(spec["inputs"], weights_only=True)
-        seed_all(0)
+        seed_everything(0)
         policy = build_policy(cfg.policy, inputs["stats"])
         policy.train()
         if spec["mode"] == "zero3":
             result = zero3(policy, inputs["batch"], env)
         else:
-            result = fsdp(policy, inputs["batch"], env, drop_optional=spec["mode"] == "divergent")
+            empty = type(policy).sample_spec(cfg.policy).tokenizer("") if spec["mode"] == "divergent" else None
+            result = fsdp(policy, inputs["batch"], env, empty_text=empty)
     except Exception as e:
         failed = True
         last = traceback.extract_tb(e.__traceback__)[-1]

@@ -4,7 +4,9 @@ A branch that decides whether a collective runs (an FSDP all-gather of a module 
 some inputs, say) must go the same way on every rank, or the job hangs. ``agree`` settles several
 such flags in one small all-reduce and, in the same call, checks that every rank's batch has the
 same fields: a field present on some ranks and absent on others is a ``RuntimeError`` naming it,
-never a hang.
+never a hang. ``check_same_fields`` is that field check alone (a ``ValueError``): models decide
+their inputs at build time and never call a collective, so the trainer runs it once, on its first
+batch, before the first forward.
 """
 
 from __future__ import annotations
@@ -61,11 +63,29 @@ def agree(flags: Mapping[str, bool], fields: Iterable[str] | None = None) -> dic
     if fields is not None and out[-2] != -out[-1]:
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, field_list, group=group)
-        union = set().union(*map(set, everyone))
-        partial = {f: [r for r, fs in enumerate(everyone) if f in fs] for f in sorted(union) if any(f not in fs for fs in everyone)}
-        detail = "; ".join(f"{f!r} only on ranks {ranks}" for f, ranks in partial.items())
+        detail = _fields_only_on(everyone)
         raise RuntimeError(f"batch fields differ between ranks (a rank-dependent branch would hang the job): {detail}")
     return {n: bool(v) for n, v in zip(names, out[: len(names)])}
+
+
+def _fields_only_on(everyone: list[list[str]]) -> str:
+    """``'text' only on ranks [0]; ...`` for each field that some ranks' lists lack ('' when none does)."""
+    union = set().union(*map(set, everyone))
+    partial = {f: [r for r, fs in enumerate(everyone) if f in fs] for f in sorted(union) if any(f not in fs for fs in everyone)}
+    return "; ".join(f"{f!r} only on ranks {ranks}" for f, ranks in partial.items())
+
+
+def check_same_fields(fields: Iterable[str], what: str = "batch") -> None:
+    """Raise the same ``ValueError`` on every rank when the ranks' ``fields`` (a batch's keys) differ,
+    naming each field and the ranks that have it; one object all-gather on the CPU control group, so
+    every rank must call it. A model reads the fields it was built for without asking other ranks: a
+    rank whose batch lacks one would stop alone and leave the others waiting in a collective, so the
+    caller checks once, before the first forward (the trainer on its first batch)."""
+    everyone = gather_objects(sorted(fields))
+    detail = _fields_only_on(everyone)
+    if detail:
+        raise ValueError(f"{what} fields differ between ranks: {detail}; every rank's data must yield the same "
+                         "fields (the policy's sample spec and the data config decide them, alike on every rank)")
 
 
 def gather_objects(value: object) -> list:

@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from slurmvla.data.features import DROID_CAMERAS, DROID_INSTRUCTION_KEYS
+from slurmvla.droid_features import DROID_CAMERAS, DROID_INSTRUCTION_KEYS
 from slurmvla.registry import DATA_MODES, ENGINES, IMAGE_RESIZE_MODES, POLICIES, SCHEDULERS
 
 log = logging.getLogger("slurmvla")
@@ -67,24 +67,19 @@ class EngineConfig:
 
 @dataclass
 class PolicyConfig:
+    """What every policy has, built-in or a user's (``policy=custom``): the shapes the data is built and
+    checked against, and the switches the framework reads. Each built-in policy extends it with its own
+    options (below, one schema per policy, chosen by ``policy.name``): an option the chosen policy
+    does not have is an error naming the policy and its options, never silently ignored."""
+
     # A registered policy (slurmvla.registry.POLICIES), or custom: the class policy.target names.
-    name: str = "flow_vla"
+    name: str = "custom"
     # policy=custom: the import path of an nn.Module class, built as Class(policy_cfg, stats, **kwargs).
     target: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
-    size: str = "tiny"
+    size: str = "custom"
     image_size: int = 64
-    patch_size: int = 16
     num_cameras: int = 3
-    vision_width: int = 64
-    vision_depth: int = 1
-    vision_heads: int = 2
-    width: int = 64
-    depth: int = 2
-    num_heads: int = 2
-    head_dim: int = 32
-    expert_width: int = 48
-    mlp_ratio: float = 2.0
     max_text_len: int = 24
     state_dim: int = 8
     action_dim: int = 8
@@ -94,40 +89,12 @@ class PolicyConfig:
     # A conditioning token and a mode embedding for data.mode=joint / forward_dynamics / inverse_dynamics.
     dynamics: bool = False
     num_inference_steps: int = 10
-    attention_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
     freeze_vision_encoder: bool = False
     train_expert_only: bool = False
-    # pi0 / pi0.5 (policy=pi0, pi05 and their _tiny sizes): Gemma's grouped key/value heads, MLP
-    # widths of the backbone, the action expert and the vision tower, and the text vocabulary.
-    num_kv_heads: int = 1
-    mlp_dim: int = 128
-    expert_mlp_dim: int = 96
-    vision_mlp_dim: int = 128
-    vocab_size: int = 512
-    # A local Hugging Face PaliGemma directory, or a pi0 / pi0.5 checkpoint saved by LeRobot (its
-    # model.safetensors): the weights a pi0-family policy starts from. Never downloaded.
-    pretrained_path: str | None = None
-    # Where the tokenizer files are (default: pretrained_path when it holds them); without either, the
-    # byte tokenizer (random-weight runs only).
-    tokenizer_path: str | None = None
-    # pi0 / pi0.5: state and actions are zero-padded to these widths inside the model (the published
-    # heads are 32 wide; noise is drawn and the flow integrated in all of them, cut to the data's dims
-    # only at the output and in the loss), as openpi and LeRobot do.
-    max_state_dim: int = 32
-    max_action_dim: int = 32
-    # pi0.5: how the state enters: "discrete" (published: 256-bin ids of the normalized state written
-    # into the prompt, "Task: ..., State: ...;\nAction: ") or "continuous" (one projected prefix token).
-    state_input: str = "discrete"
     # Normalization a policy was trained with (pi0.5: quantile); None: data.state/action_normalization.
     state_normalization: str | None = None
     action_normalization: str | None = None
-    # Where normalization statistics come from: "data" (the configured datasets) or "checkpoint" (the
-    # pretrained_path directory's: LeRobot's saved normalizer, or openpi's norm_stats.json).
-    stats_source: str = "data"
-    # Loading pretrained weights that leave some of the policy's tensors unset (they keep their random
-    # initialisation, named in the log) is an error unless this is true.
-    allow_partial_load: bool = False
 
     def __post_init__(self) -> None:
         entry = POLICIES.get(self.name)
@@ -137,26 +104,39 @@ class PolicyConfig:
         if entry.target and self.target:
             raise ValueError(f"policy.target={self.target!r} is read only with policy=custom, not with "
                              f"policy.name={self.name!r}; choose policy=custom or drop policy.target")
-        _choice(
-            "policy.attention_implementation",
-            self.attention_implementation,
-            ATTENTION_IMPLEMENTATIONS + ATTENTION_FALLBACKS,
-        )
-        for key in ("image_size", "patch_size", "num_cameras", "vision_width", "vision_depth", "vision_heads",
-                    "width", "depth", "num_heads", "head_dim", "expert_width", "max_text_len", "state_dim",
-                    "action_dim", "action_horizon", "num_inference_steps", "num_obs_history", "num_kv_heads",
-                    "mlp_dim", "expert_mlp_dim", "vision_mlp_dim", "vocab_size"):
+        if type(self) is not POLICY_SCHEMAS.get(self.name, PolicyConfig):
+            raise ValueError(f"policy.name={self.name!r} has the schema {POLICY_SCHEMAS[self.name].__name__}, not "
+                             f"{type(self).__name__}: build it with slurmvla.config.policy_schema({self.name!r})")
+        for key in ("image_size", "num_cameras", "max_text_len", "state_dim", "action_dim", "action_horizon",
+                    "num_inference_steps", "num_obs_history"):
             _positive(f"policy.{key}", getattr(self, key))
-        _choice("policy.state_input", self.state_input, STATE_INPUTS)
-        _choice("policy.stats_source", self.stats_source, STATS_SOURCES)
         for key in ("state_normalization", "action_normalization"):
             if getattr(self, key) is not None:
                 _choice(f"policy.{key}", getattr(self, key), NORMALIZATIONS)
-        _positive("policy.max_state_dim", self.max_state_dim)
-        _positive("policy.max_action_dim", self.max_action_dim)
-        if self.stats_source == "checkpoint" and not self.pretrained_path:
-            raise ValueError("policy.stats_source=checkpoint reads the statistics saved beside policy.pretrained_path, "
-                             "which is not set; set it, or use policy.stats_source=data")
+
+
+@dataclass
+class TransformerPolicyConfig(PolicyConfig):
+    """The built-in policies' shared shape: a vision tower, a backbone and an action expert."""
+
+    patch_size: int = 16
+    vision_width: int = 64
+    vision_depth: int = 1
+    vision_heads: int = 2
+    width: int = 64
+    depth: int = 2
+    num_heads: int = 2
+    head_dim: int = 32
+    expert_width: int = 48
+    attention_implementation: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _choice("policy.attention_implementation", self.attention_implementation,
+                ATTENTION_IMPLEMENTATIONS + ATTENTION_FALLBACKS)
+        for key in ("patch_size", "vision_width", "vision_depth", "vision_heads", "width", "depth", "num_heads",
+                    "head_dim", "expert_width"):
+            _positive(f"policy.{key}", getattr(self, key))
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"policy.image_size={self.image_size} must be a multiple of policy.patch_size={self.patch_size}"
@@ -165,6 +145,94 @@ class PolicyConfig:
             raise ValueError(
                 f"policy.vision_width={self.vision_width} must be divisible by policy.vision_heads={self.vision_heads}"
             )
+
+
+@dataclass
+class FlowVLAConfig(TransformerPolicyConfig):
+    """policy=tiny|small|base: slurmvla's reference flow-matching policy (slurmvla/policy/flow_vla.py)."""
+
+    name: str = "flow_vla"
+    size: str = "tiny"
+    mlp_ratio: float = 2.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive("policy.mlp_ratio", self.mlp_ratio)
+
+
+@dataclass
+class Pi0Config(TransformerPolicyConfig):
+    """policy=pi0|pi0_tiny: pi0 on transformers' PaliGemma (slurmvla/policy/pi0.py)."""
+
+    name: str = "pi0"
+    size: str = "pi0_tiny"
+    # Gemma's grouped key/value heads, MLP widths of the backbone, the action expert and the vision
+    # tower, and the text vocabulary.
+    num_kv_heads: int = 1
+    mlp_dim: int = 128
+    expert_mlp_dim: int = 96
+    vision_mlp_dim: int = 128
+    vocab_size: int = 512
+    # A local Hugging Face PaliGemma directory, or a pi0 / pi0.5 checkpoint saved by LeRobot (its
+    # model.safetensors): the weights the policy starts from. Never downloaded.
+    pretrained_path: str | None = None
+    # Where the tokenizer files are (default: pretrained_path when it holds them); without either, the
+    # byte tokenizer (random-weight runs only).
+    tokenizer_path: str | None = None
+    # State and actions are zero-padded to these widths inside the model (the published heads are 32
+    # wide; noise is drawn and the flow integrated in all of them, cut to the data's dims only at the
+    # output and in the loss), as openpi and LeRobot do.
+    max_state_dim: int = 32
+    max_action_dim: int = 32
+    # Where normalization statistics come from: "data" (the configured datasets) or "checkpoint" (the
+    # pretrained_path directory's: LeRobot's saved normalizer, or openpi's norm_stats.json).
+    stats_source: str = "data"
+    # Loading pretrained weights that leave some of the policy's tensors unset (they keep their random
+    # initialisation, named in the log) is an error unless this is true.
+    allow_partial_load: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("num_kv_heads", "mlp_dim", "expert_mlp_dim", "vision_mlp_dim", "vocab_size", "max_state_dim",
+                    "max_action_dim"):
+            _positive(f"policy.{key}", getattr(self, key))
+        _choice("policy.stats_source", self.stats_source, STATS_SOURCES)
+        if self.stats_source == "checkpoint" and not self.pretrained_path:
+            raise ValueError("policy.stats_source=checkpoint reads the statistics saved beside policy.pretrained_path, "
+                             "which is not set; set it, or use policy.stats_source=data")
+
+
+@dataclass
+class Pi05Config(Pi0Config):
+    """policy=pi05|pi05_tiny: pi0.5 (adaptive-RMSNorm time conditioning, the state in the prompt)."""
+
+    name: str = "pi05"
+    size: str = "pi05_tiny"
+    # How the state enters: "discrete" (published: 256-bin ids of the normalized state written into the
+    # prompt, "Task: ..., State: ...;\nAction: ") or "continuous" (one projected prefix token).
+    state_input: str = "discrete"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _choice("policy.state_input", self.state_input, STATE_INPUTS)
+
+
+# policy.name -> its schema (policy=custom: the shared one; a plug-in's own options go in policy.kwargs,
+# checked against its class's constructor when it is built).
+POLICY_SCHEMAS: dict[str, type[PolicyConfig]] = {"flow_vla": FlowVLAConfig, "pi0": Pi0Config, "pi05": Pi05Config,
+                                                 "custom": PolicyConfig}
+
+
+def policy_schema(name: str) -> type[PolicyConfig]:
+    """The schema of ``policy.name=name`` (a ValueError lists the policies)."""
+    POLICIES.check(name)
+    return POLICY_SCHEMAS.get(name, PolicyConfig)
+
+
+def policy_options(name: str) -> list[str]:
+    import dataclasses
+
+    return sorted(f.name for f in dataclasses.fields(policy_schema(name)))
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Feature names of LeRobot's DROID 1.0.1 port: the defaults of ``data.*`` and what the sample writer writes.
 
-Constants only (no imports), so the config schemas can take their defaults from here.
+Constants only (no imports), so the config schemas (below the data package) can take their defaults from here.
 """
 
 DROID_CAMERAS = (

@@ -29,9 +29,10 @@ import numpy as np
 import torch
 
 from slurmvla.data.loader import build_validation_loader, to_device
-from slurmvla.data.mixture import SPLITS, Mixture
+from slurmvla.data.mixture import Mixture
 from slurmvla.data.prepare import inference_fields
-from slurmvla.eval.validate import bucket
+from slurmvla.data.readers import SPLITS
+from slurmvla.eval.validate import bucket, per_sample
 from slurmvla.export import Loaded, load_exported
 from slurmvla.lerobot_checkpoint import lerobot_type
 from slurmvla.policy.base import seeded_sample_actions
@@ -66,17 +67,13 @@ def evaluate(loaded: Loaded, split: str = "val", seed: int = 0, batch_size: int 
         pred = seeded_sample_actions(policy, spec, inference_fields(batch), seed * 1_000_003 + i)
         take = min(len(pred), num_real - seen)
         seen += take
-        for name, (s, c) in out["components"].items():
-            cols[f"{name}/sum"].append(s[:take].double().cpu())
-            cols[f"{name}/count"].append(c[:take].double().cpu())
+        for key, value in per_sample(out, batch, mixture.control_modes, torch.float64, take).items():
+            cols[key].append(value.cpu())
         cols["pred"].append(pred[:take].double().cpu())
         cols["actions"].append(batch["actions"][:take].double().cpu())
         cols["mask"].append(batch["action_mask"][:take].cpu())
-        for key in ("dataset_index", "episode_index", "frame_index"):
+        for key in ("episode_index", "frame_index"):  # for the plots: which episode, where along it
             cols[key].append(batch[key][:take].cpu())
-        cols["control_mode"].append(torch.tensor([mixture.control_modes.index(m) for m in batch["control_mode"][:take]]))
-        if "mode" in batch:
-            cols["mode"].append(batch["mode"][:take].cpu())
     v = {k: torch.cat(x).numpy() for k, x in cols.items()}
     val = bucket({k: torch.as_tensor(x) for k, x in v.items() if "/" in k or k in ("dataset_index", "control_mode", "mode")},
                  mixture.names, mixture.control_modes, list(mixture.weights))

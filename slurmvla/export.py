@@ -151,7 +151,9 @@ def _load_lerobot(path: Path, overrides, device) -> Loaded:
 def _without_pretrained(pc):
     from slurmvla.policy.pretrained import tokenizer_dir
 
-    tokenizer = tokenizer_dir(pc) if pc.name in ("pi0", "pi05") else pc.tokenizer_path
+    if pc.name not in ("pi0", "pi05"):
+        return pc
+    tokenizer = tokenizer_dir(pc)
     return dataclasses.replace(pc, pretrained_path=None, stats_source="data",
                                tokenizer_path=None if tokenizer is None else str(tokenizer))
 
@@ -185,7 +187,7 @@ def export_lerobot(source: str | Path, out: str | Path, overrides: list[str] | t
 
 
 def _config(config_yaml: str, overrides: list[str], origin: str) -> Config:
-    check_override_keys(overrides, groups=[])
+    check_override_keys(overrides, groups=[], policy_name=(OmegaConf.create(config_yaml).get("policy") or {}).get("name"))
     bad = [o for o in overrides if "=" not in o or o.startswith(("+", "~"))]
     if bad:
         raise ValueError(f"override {bad[0]!r} is not key=value; overrides change the run's config, e.g. "

@@ -1,7 +1,7 @@
 """Print what the configured data yields, as JSON, without training.
 
-    python -m slurmvla.data.inspect [the same overrides as slurmvla.train]
-    python -m slurmvla.data.inspect data.root=/data/droid data.keep_ranges.path=... data.keep_ranges.episode_id_to_path=...
+    python -m slurmvla.inspect [the same overrides as slurmvla.train]
+    python -m slurmvla.inspect data.root=/data/droid data.keep_ranges.path=... data.keep_ranges.episode_id_to_path=...
 
 Per dataset: format version, episodes and frames in total, episodes and frames kept by the filters,
 episodes whose keep-ranges key could not be built, samples per epoch under each keep-ranges
@@ -17,8 +17,8 @@ import sys
 
 from slurmvla.compose import compose
 from slurmvla.config import Config
-from slurmvla.data.droid import DroidSource, dataset_specs
 from slurmvla.data.mixture import Mixture
+from slurmvla.data.source import LeRobotSource, dataset_specs
 from slurmvla.data.synthetic import ensure_sample_dataset
 from slurmvla.policy import sample_spec
 
@@ -37,7 +37,7 @@ def summarize(cfg: Config) -> dict:
         per_mode = {}
         for semantics in ("frame", "window"):
             other = dataclasses.replace(spec, keep_ranges=dataclasses.replace(spec.keep_ranges, semantics=semantics))
-            source = DroidSource(other, cfg.data, samples, cfg.trainer.seed, i)
+            source = LeRobotSource(other, cfg.data, samples, cfg.trainer.seed, i)
             per_mode[semantics] = {"samples": source.index.num_samples, "train_samples": source.train_index.num_samples}
         entry["samples_by_semantics"] = per_mode
     return {

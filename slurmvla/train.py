@@ -13,7 +13,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from slurmvla.compose import check_override_keys, config_dir, config_groups, to_config
+from slurmvla.compose import check_overrides, config_dir, to_config
 from slurmvla.launch.preempt import REQUEUE_EXIT_CODE
 
 __all__ = ["cli", "config_dir", "main"]
@@ -78,7 +78,7 @@ def cli() -> None:
     ``--dry-run`` prints what would be run or submitted and runs nothing."""
     overrides = [a for a in sys.argv[1:] if not a.startswith("-")]
     try:
-        check_override_keys(overrides, config_groups())
+        check_overrides(overrides)
         if "--dry-run" in sys.argv:
             dry_run(overrides)
             return

@@ -15,13 +15,12 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from slurmvla.checkpoint import CheckpointManager
-from slurmvla.collectives import agree
+from slurmvla.collectives import agree, check_same_fields
 from slurmvla.config import Config
 from slurmvla.data.loader import TrainData, build_validation_loader, to_device
 from slurmvla.data.mixture import Mixture
@@ -47,14 +46,9 @@ from slurmvla.optim import build_scheduler
 from slurmvla.policy import build_policy, policy_class
 from slurmvla.policy.stats import resolve_stats
 from slurmvla.registry import ENGINES
+from slurmvla.seeding import seed_everything
 
 log = logging.getLogger("slurmvla")
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 class PhaseMarks(Protocol):
@@ -187,6 +181,7 @@ class Trainer:
             log.info("moving average of the fp32 master weights, decay %g: %.1f MiB on rank 0", cfg.trainer.ema_decay,
                      self.ema.num_bytes() / 2**20)
         self._numerics_checked = False
+        self._fields_checked = False
         # Per-rank streams for any randomness drawn outside the data pipeline (the training noise
         # itself comes with each sample).
         seed_everything(cfg.trainer.seed + 1_000 * (self.env.rank + 1))
@@ -226,6 +221,8 @@ class Trainer:
 
         ``timer`` (the profiler's) gets a mark at the end of each phase; nothing waits on it here."""
         timer = timer or _NO_MARKS
+        if not self._fields_checked:
+            self._check_batch_fields(micro_batches[0])
         self.model.train()
         n = len(micro_batches)
         loss_sum = torch.zeros((), device=self.device)
@@ -248,6 +245,15 @@ class Trainer:
         self.scheduler.step()
         timer.mark("scheduler")
         return {"loss": loss_sum / n, "grad_norm": grad_norm.detach()}
+
+    def _check_batch_fields(self, batch: dict[str, Any]) -> None:
+        """Every rank's first batch has the same fields, or every rank stops with the same ValueError
+        naming the field and the ranks that have it. The policy reads the fields it was built for and
+        raises on its own rank only: with peers already inside a sharded forward's collectives, that
+        would be a hang until the timeout, not an error. One small collective, once: the data builds
+        every batch to the policy's sample spec and the data config, so the first speaks for the rest."""
+        check_same_fields(batch.keys())
+        self._fields_checked = True
 
     def run_step(self, timer: PhaseMarks | None = None) -> dict[str, torch.Tensor]:
         """One optimizer step: take grad_accum_steps micro-batches, train on them, count the step."""

@@ -1,4 +1,4 @@
-"""Negative controls for ``python -m slurmvla.policy.check``: a small sound policy, and one broken
+"""Negative controls for ``python -m slurmvla.check``: a small sound policy, and one broken
 variant per check, each with a bug that costs GPU hours in the field and that its check catches (the
 multi-rank ones pass every single-process check; some single-process bugs trip more than one check).
 
@@ -115,8 +115,8 @@ class PenaltyOverParameters(Sound):
 
 
 class LocalOptionalBranch(Sound):
-    """rank-divergent inputs: an extra unit runs when this rank's batch carries instruction tokens,
-    decided locally, so under FSDP one rank all-gathers a unit the other never asks for."""
+    """rank-divergent inputs: an extra unit runs when this rank's batch holds an instruction, decided on
+    its local values, so under FSDP one rank all-gathers a unit the other never asks for."""
 
     def __init__(self, cfg, stats=None, width: int = 32):  # noqa: ANN001
         super().__init__(cfg, stats, width)
@@ -128,7 +128,7 @@ class LocalOptionalBranch(Sound):
 
     def trunk(self, batch: dict) -> torch.Tensor:
         h = super().trunk(batch)
-        if "text" in batch:
+        if bool((batch["text_mask"].sum(dim=1) > 2).any()):  # some sample has more than BOS / EOS
             h = h + self.text_block(self.text(batch["text"]).mean(dim=1))
         return h
 
@@ -168,7 +168,7 @@ NEGATIVE_CONTROLS = {
     "wrap units": ("NestedUnits", "is in units"),
     "fsdp safety": ("ReachesIntoAUnit", "DTensor"),
     "zero-3 construction": ("PenaltyOverParameters", "rank 0: RuntimeError"),
-    "rank-divergent inputs": ("LocalOptionalBranch", "rank 1 without ['text', 'text_mask']"),
+    "rank-divergent inputs": ("LocalOptionalBranch", "rank 1's samples all without an instruction: "),
     "gradient checkpointing": ("DetachedCheckpoint", "get no gradient"),
     "determinism": ("UnseededNoise", "seeded forwards differ"),
 }

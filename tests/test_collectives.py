@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from slurmvla.collectives import agree
-from slurmvla.config import OptimConfig, PolicyConfig
+from slurmvla.collectives import agree, check_same_fields
+from slurmvla.config import FlowVLAConfig, OptimConfig
 from slurmvla.engine.precision import MasterWeightOptimizer, check_fp32_master_state
 from slurmvla.optim import build_adamw
 from slurmvla.policy import build_policy
@@ -70,36 +70,24 @@ def test_a_field_on_some_ranks_only_is_an_error_not_a_hang(tmp_path):
         assert r.startswith("RuntimeError") and "'subgoal_images' only on ranks [0]" in r
 
 
-def _policy_forward(rank):
-    """Rank 0's batch has instruction tokens and rank 1's none at all: a clear error, not a hang.
-    Both without them: both skip the text tower; both with them (rank 1's empty): both run it."""
-    torch.manual_seed(0)
-    cfg = PolicyConfig()
-    policy = build_policy(cfg)
-    from tests.test_policy import make_batch
-
-    seen = []
-    policy.text_embed.register_forward_hook(lambda *a: seen.append(True))
-    out = {}
-    batch = make_batch(2, cfg)
-    no_text = {k: v for k, v in batch.items() if k not in ("text", "text_mask")}
-    policy(no_text)
-    out["none"] = len(seen)
-    if rank == 1:
-        batch["text_mask"][:, 2:] = False
-    policy(batch)
-    out["all"] = len(seen)
-    try:
-        policy(batch if rank == 0 else no_text)
-    except RuntimeError as e:
-        out["mixed"] = str(e)
-    return out
+def _first_batch_fields(rank):
+    """The trainer's first-batch check: rank 0's batch has instruction tokens, rank 1's none at all."""
+    check_same_fields(["images", "state", "actions"] + (["text", "text_mask"] if rank == 0 else []))
+    return "no error"
 
 
-def test_policy_agrees_on_optional_instruction_tokens(tmp_path):
-    for r in run_spawned(_policy_forward, 2, tmp_path, deadline_s=120):
-        assert r["none"] == 0 and r["all"] == 1
-        assert "'text' only on ranks [0]" in r["mixed"] and "'text_mask' only on ranks [0]" in r["mixed"]
+def _same_fields(rank):
+    check_same_fields(["images", "state"])
+    return "no error"
+
+
+def test_a_field_on_some_ranks_stops_every_rank_with_the_same_value_error(tmp_path):
+    """Models read the fields they were built for without a collective; the trainer checks the first
+    batch's fields across ranks before the first forward: a clear error on every rank, not a hang."""
+    results = run_spawned(_first_batch_fields, 2, tmp_path)
+    assert results[0] == results[1] and results[0].startswith("ValueError: batch fields differ between ranks"), results
+    assert "'text' only on ranks [0]" in results[0] and "'text_mask' only on ranks [0]" in results[0]
+    assert run_spawned(_same_fields, 2, tmp_path) == ["no error"] * 2
 
 
 def test_single_process_needs_no_group():
@@ -111,7 +99,7 @@ def test_negative_control_bf16_model_with_plain_adamw_is_detected():
     torch.manual_seed(0)
     from tests.test_policy import make_batch
 
-    policy = build_policy(PolicyConfig()).to(torch.bfloat16)
+    policy = build_policy(FlowVLAConfig()).to(torch.bfloat16)
     groups = policy.param_groups(0.01, 1e-3)
     broken = build_adamw(groups, OptimConfig(), torch.device("cpu"))
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ValidationError
 
 from slurmvla.compose import compose, config_dir
-from slurmvla.data.droid import DroidSource, dataset_specs
+from slurmvla.data.source import LeRobotSource, dataset_specs
 from slurmvla.trainer import Trainer
 
 from .conftest import policy_spec
@@ -95,14 +98,14 @@ def test_global_batch_not_divisible(make_cfg, tmp_path):
 def test_data_root_not_lerobot(make_cfg, tmp_path):
     cfg = make_cfg(f"data.root={tmp_path}")
     with pytest.raises(ValueError, match="is not a LeRobot dataset"):
-        DroidSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, 64, 8, 24), 0)
+        LeRobotSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, 64, 8, 24), 0)
     cfg = make_cfg(f"data.root={tmp_path / 'nope'}")
     with pytest.raises(ValueError, match="does not exist"):
-        DroidSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, 64, 8, 24), 0)
+        LeRobotSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, 64, 8, 24), 0)
 
 
 def _source(cfg):
-    return DroidSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, 64, 8, 24), 0)
+    return LeRobotSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, 64, 8, 24), 0)
 
 
 def _copy_with_info(sample_root, tmp_path, edit):
@@ -118,7 +121,7 @@ def test_missing_feature_is_named_with_what_the_dataset_has(make_cfg, sample_roo
     root = _copy_with_info(sample_root, tmp_path, lambda info: info["features"].pop("observation.images.wrist_left"))
     cfg = make_cfg(f"data.root={root}")
     with pytest.raises(ValueError) as e:
-        DroidSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, 64, 8, 24), 0)
+        LeRobotSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, 64, 8, 24), 0)
     msg = str(e.value)
     assert "'observation.images.wrist_left'" in msg and "observation.images.exterior_1_left" in msg
 
@@ -165,3 +168,45 @@ def test_experiment_overlays_override_the_primary_config():
     assert (droid.name, droid.precision, droid.engine.name, droid.policy.size) == ("droid", "bf16", "hsdp", "base")
     # and the command line overrides the overlay
     assert compose(["experiment=droid", "data.root=/d", "precision=fp32"]).precision == "fp32"
+
+
+# -- one schema per policy ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("option, schema", [("tiny", "FlowVLAConfig"), ("base", "FlowVLAConfig"), ("pi0_tiny", "Pi0Config"),
+                                            ("pi05", "Pi05Config"), ("custom", "PolicyConfig")])
+def test_each_policy_option_composes_into_its_own_schema(option, schema):
+    extra = ["policy.target=my_pkg.MyPolicy"] if option == "custom" else []
+    cfg = compose([f"policy={option}", *extra])
+    assert type(cfg.policy).__name__ == schema
+    # A saved config (what export, serve and evaluate rebuild from) comes back as the same schema.
+    from omegaconf import OmegaConf
+
+    from slurmvla.compose import to_config
+    assert type(to_config(OmegaConf.create(OmegaConf.to_yaml(OmegaConf.structured(cfg)))).policy).__name__ == schema
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["policy=pi0_tiny", "policy.mlp_ratio=4"], "policy.name=pi0 has no option 'mlp_ratio' (an option of policy.name=flow_vla)"),
+    (["policy.state_input=discrete"], "policy.name=flow_vla has no option 'state_input' (an option of policy.name=pi05)"),
+    (["policy=pi0", "policy.state_input=continuous"], "policy.name=pi0 has no option 'state_input'"),
+    (["policy=tiny", "policy.pretrained_path=/w"], "policy.name=flow_vla has no option 'pretrained_path'"),
+    (["policy=custom", "policy.target=a.B", "policy.hidden=3"], "a plug-in's own options go in policy.kwargs"),
+    # A config file that sets an option its policy lacks is said the same way.
+    (["experiment=pi05_droid", "policy=tiny", "data.root=/d"], "policy.name=flow_vla has no option 'state_input'"),
+])
+def test_an_option_the_policy_does_not_have_is_one_line_naming_the_policy_and_its_options(overrides, message, tmp_path):
+    with pytest.raises(ValueError) as e:
+        compose(overrides)
+    assert message in str(e.value) and "its options: [" in str(e.value)
+    res = subprocess.run([sys.executable, "-m", "slurmvla.train", *overrides, f"hydra.run.dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode != 0 and message in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_policy_config_built_by_hand_must_be_its_policys_schema():
+    from slurmvla.config import FlowVLAConfig, Pi05Config, policy_schema
+
+    assert policy_schema("pi05") is Pi05Config and Pi05Config().state_input == "discrete"
+    with pytest.raises(ValueError, match="policy.name='pi05' has the schema Pi05Config, not FlowVLAConfig"):
+        FlowVLAConfig(name="pi05")

@@ -13,13 +13,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from slurmvla.data.droid import DroidSource, dataset_specs, seeded_int
-from slurmvla.data.features import DROID_CAMERAS
 from slurmvla.data.lerobot import LeRobotMetadata
-from slurmvla.data.mixture import EpochSampler
+from slurmvla.data.readers import EpochSampler
+from slurmvla.data.source import LeRobotSource, dataset_specs, seeded_int
 from slurmvla.data.spec import Draw
 from slurmvla.data.synthetic import main as synthetic_main
 from slurmvla.data.video import decode_range
+from slurmvla.droid_features import DROID_CAMERAS
 from slurmvla.policy.tokenizer import detokenize, tokenize
 
 from .conftest import policy_spec
@@ -68,7 +68,7 @@ def test_video_ranges_match_a_straight_decode(sample_root):
 
 
 def _source(cfg, image_size=32, horizon=8, max_text_len=32, seed=0):
-    return DroidSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, image_size, horizon, max_text_len), seed)
+    return LeRobotSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, image_size, horizon, max_text_len), seed)
 
 
 class _ByIndex:
@@ -205,7 +205,7 @@ def test_the_policy_spec_decides_text_fields_and_pre_drawn_randomness(make_cfg):
     cfg = make_cfg()
     spec = dataclasses.replace(policy_spec(cfg, 32, 8, 32), tokenizer=None,
                                draws=(Draw("eps", "normal", (2, 3)), Draw("u", "uniform", (4,))))
-    source = DroidSource(dataset_specs(cfg.data)[0], cfg.data, spec, 3)
+    source = LeRobotSource(dataset_specs(cfg.data)[0], cfg.data, spec, 3)
     ep = source.load_episode(0)
     s = source.sample(ep, 5, 0)
     assert "text" not in s and "text_mask" not in s and "noise" not in s and s["instruction"]

@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from slurmvla.data.droid import DroidSource, dataset_specs
-from slurmvla.data.inspect import main as inspect_main
 from slurmvla.data.keep_ranges import episode_key
 from slurmvla.data.mixture import Mixture
+from slurmvla.data.source import LeRobotSource, dataset_specs
+from slurmvla.inspect import main as inspect_main
 from slurmvla.policy.tokenizer import detokenize
 from slurmvla.trainer import Trainer
 
@@ -84,7 +84,7 @@ def v21_root(tmp_path_factory):
 
 
 def _source(cfg, image_size=32, horizon=4):
-    return DroidSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, image_size, horizon, 32), 0)
+    return LeRobotSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, image_size, horizon, 32), 0)
 
 
 def test_v21_fixture_reads_back_exactly(make_cfg, v21_root):
@@ -182,7 +182,7 @@ def test_joint_mode_draws_all_three_and_carries_future_states(make_cfg):
     assert set(modes) == {0, 1, 2}
     # A pure function of the seed: another reader with the same seed draws the same modes, another seed not.
     for seed, same in ((0, True), (1, False)):
-        other = DroidSource(source.spec, source.cfg, source.sample_spec, seed)
+        other = LeRobotSource(source.spec, source.cfg, source.sample_spec, seed)
         again = [int(other.sample(ep, t, 0)["mode"]) for t in range(n)]
         assert (again == modes) is same
     with pytest.raises(ValueError, match="data.mode='joint' yields dynamics samples, which need policy.dynamics=true"):

@@ -8,9 +8,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from slurmvla.data.droid import DroidSource, dataset_specs
 from slurmvla.data.index import build_index
 from slurmvla.data.keep_ranges import episode_key, load_keep_ranges
+from slurmvla.data.source import LeRobotSource, dataset_specs
 
 from .conftest import policy_spec
 
@@ -55,7 +55,7 @@ def test_dataset_keeps_exactly_the_ranges(make_cfg, sample_root, semantics):
     cfg = make_cfg(f"data.keep_ranges.path={sample_root / 'keep_ranges_1_0_1.json'}",
                    f"data.keep_ranges.episode_id_to_path={sample_root / 'episode_id_to_path.json'}",
                    f"data.keep_ranges.semantics={semantics}")
-    source = DroidSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, 32, horizon, 24), 0)
+    source = LeRobotSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, 32, horizon, 24), 0)
     index = source.index
     eps = np.repeat(index.episodes, index.ep_count[index.episodes])
     k = np.arange(len(eps)) - np.repeat(np.cumsum(index.ep_count[index.episodes]) - index.ep_count[index.episodes],
@@ -106,9 +106,9 @@ def test_missing_file_and_unkeyable_dataset_fail_clearly(make_cfg, sample_root, 
     # checked where it is opened.
     missing = make_cfg("data.keep_ranges.path=/nope.json")
     with pytest.raises(ValueError, match="data.keep_ranges.path='/nope.json' does not exist"):
-        DroidSource(dataset_specs(missing.data)[0], missing.data, policy_spec(missing, 32, 8, 24), 0)
+        LeRobotSource(dataset_specs(missing.data)[0], missing.data, policy_spec(missing, 32, 8, 24), 0)
     cfg = make_cfg(f"data.keep_ranges.path={sample_root / 'keep_ranges_1_0_1.json'}",
                    f"data.keep_ranges.episode_id_to_path={sample_root / 'episode_id_to_path.json'}",
                    "data.keep_ranges.episode_id_column=droid_id")
     with pytest.raises(ValueError, match="has no 'droid_id' column.*cannot be filtered"):
-        DroidSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, 32, 8, 24), 0)
+        LeRobotSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, 32, 8, 24), 0)

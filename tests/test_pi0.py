@@ -12,7 +12,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from slurmvla.config import PolicyConfig
+from slurmvla.config import PolicyConfig, policy_schema
 from slurmvla.policy import build_policy, sample_spec
 from slurmvla.policy.pi0 import rope
 from slurmvla.policy.pretrained import lerobot_state_dict
@@ -25,10 +25,17 @@ B = 3
 
 
 def policy_cfg(name: str, **over) -> PolicyConfig:
-    return PolicyConfig(**{**yaml.safe_load((REPO / "conf" / "policy" / f"{name}.yaml").read_text()), **over})
+    """The shipped option conf/policy/NAME.yaml as its schema's dataclass (its defaults list left out)."""
+    raw = {k: v for k, v in yaml.safe_load((REPO / "conf" / "policy" / f"{name}.yaml").read_text()).items()
+           if k != "defaults"}
+    return policy_schema(raw["name"])(**{**raw, **over})
 
 
-def batch_for(cfg: PolicyConfig, seed: int = 0, text: bool = True) -> dict:
+def batch_for(cfg: PolicyConfig, seed: int = 0, text: bool | None = None) -> dict:
+    """A batch as the data layer builds it for ``cfg``: with ``text`` / ``text_mask`` when the policy's sample
+    spec has a tokenizer (pi0.5's discrete-state prompt is written by the policy: none), unless ``text`` says."""
+    if text is None:
+        text = sample_spec(cfg).tokenizer is not None
     g = torch.Generator().manual_seed(seed)
     h, s = cfg.action_horizon, cfg.image_size
     batch = {
@@ -234,11 +241,12 @@ def test_actions_never_leak_into_the_prefix_and_padding_changes_nothing(name):
     torch.manual_seed(0)
     policy = build_policy(cfg).eval()
     batch = batch_for(cfg)
-    other = {**batch, "text": batch["text"].clone()}
-    other["text"][0, 10:] = 5  # sample 0 has 5 valid text tokens
     with torch.no_grad():
-        assert torch.allclose(policy(batch)["components"]["mse"][0][0], policy(other)["components"]["mse"][0][0],
-                              rtol=1e-6, atol=1e-7)
+        if "text" in batch:  # pi0.5's prompt is the policy's own: no padded tokens come with the batch
+            other = {**batch, "text": batch["text"].clone()}
+            other["text"][0, 10:] = 5  # sample 0 has 5 valid text tokens
+            assert torch.allclose(policy(batch)["components"]["mse"][0][0], policy(other)["components"]["mse"][0][0],
+                                  rtol=1e-6, atol=1e-7)
         prefix, keep = policy._prefix(batch)
         outs = []
         for noise in (batch["noise"], torch.randn_like(batch["noise"])):
@@ -246,6 +254,20 @@ def test_actions_never_leak_into_the_prefix_and_padding_changes_nothing(name):
             rotary, masks = policy._masks(keep, suffix.shape[1], lead)
             outs.append(policy.layers[0](prefix, suffix, rotary, masks, cond)[0])
         assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize(("name", "over", "with_text", "error"), [
+    ("pi0_tiny", {}, False, "policy=pi0 was built to read 'text' .* this batch has no 'text'"),
+    ("pi05_tiny", {"state_input": "continuous"}, False, "policy=pi05 was built to read 'text' .* has no 'text'"),
+    ("pi05_tiny", {}, True, "policy=pi05 was built not to read 'text' .* but this batch has 'text'"),
+])
+def test_a_batch_not_made_to_the_sample_spec_names_the_field(name, over, with_text, error):
+    """The policy reads the fields its sample spec decided at build time and asks no other rank: a batch
+    without them (or, for pi0.5's own prompt, with them) is a ValueError naming the field."""
+    cfg = policy_cfg(name, **over)
+    policy = build_policy(cfg)
+    with pytest.raises(ValueError, match=error):
+        policy(batch_for(cfg, text=with_text))
 
 
 def test_no_weight_decay_on_embeddings_and_norms():

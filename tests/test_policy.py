@@ -7,13 +7,13 @@ import warnings
 import pytest
 import torch
 
-from slurmvla.config import PolicyConfig
+from slurmvla.config import FlowVLAConfig
 from slurmvla.policy import build_policy, flow_vla
 from slurmvla.policy.tokenizer import tokenize
 
 
-def make_batch(b: int = 4, cfg: PolicyConfig | None = None, seed: int = 0) -> dict:
-    cfg = cfg or PolicyConfig()
+def make_batch(b: int = 4, cfg: FlowVLAConfig | None = None, seed: int = 0) -> dict:
+    cfg = cfg or FlowVLAConfig()
     g = torch.Generator().manual_seed(seed)
     texts = [tokenize(["pick the cup", "open the drawer", "", "wipe"][i % 4], cfg.max_text_len) for i in range(b)]
     mask = torch.ones(b, cfg.action_horizon, dtype=torch.bool)
@@ -37,7 +37,7 @@ def fixed_noise(batch, seed=1):
 
 def policy(**kw):
     torch.manual_seed(0)
-    return build_policy(PolicyConfig(**kw))
+    return build_policy(FlowVLAConfig(**kw))
 
 
 def test_per_sample_sums_disaggregate_without_cross_contamination():
@@ -199,6 +199,17 @@ def test_sample_actions_reuses_the_prefix_and_equals_the_full_integration():
         for i in range(5):
             x = x - p._velocity(prefix, keep, x, torch.full((3,), 1.0 - i / 5)).float() / 5
     assert torch.equal(got, x * p.action_scale + p.action_offset)
+
+
+def test_a_batch_without_the_instruction_tokens_names_the_field():
+    """The reference policy's sample spec has a tokenizer, so its samples always carry ``text`` /
+    ``text_mask`` (an episode without an instruction gives only BOS / EOS): a batch without them was not
+    made to its spec and fails on this rank, naming the field, without asking any other rank."""
+    batch = make_batch(b=2)
+    with pytest.raises(ValueError, match="was built to read 'text' .* this batch has no 'text'"):
+        policy()({k: v for k, v in batch.items() if k != "text"})
+    with pytest.raises(ValueError, match="this batch has no 'text_mask'"):
+        policy()({k: v for k, v in batch.items() if k != "text_mask"})
 
 
 @pytest.mark.parametrize("size", ["small", "base"])

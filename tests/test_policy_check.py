@@ -1,4 +1,4 @@
-"""Policy plug-ins and ``python -m slurmvla.policy.check``.
+"""Policy plug-ins and ``python -m slurmvla.check``.
 
 Every check has a negative control in tests/broken_policies.py: a policy with one realistic bug that
 the check must fail, with the message a user would see. The sound control, the reference policy and
@@ -14,18 +14,27 @@ from pathlib import Path
 
 import pytest
 
+from slurmvla.check import run_checks
 from slurmvla.checkpoint import load_model_file, resolve_checkpoint
 from slurmvla.compose import compose
 from slurmvla.policy import build_policy
-from slurmvla.policy.check import CHECKS, Subject, run_checks
+from slurmvla.policy.check import (
+    CHECKS,
+    FSDP_SAFETY,
+    OUTPUT_CONTRACT,
+    RANK_DIVERGENT_INPUTS,
+    SINGLE_PROCESS,
+    ZERO3_CONSTRUCTION,
+    Subject,
+)
 
 from . import broken_policies
 from .broken_policies import NEGATIVE_CONTROLS
 from .conftest import rel_l2, run_train
 
 REPO = Path(__file__).resolve().parents[1]
-MULTI_RANK = ("fsdp safety", "zero-3 construction", "rank-divergent inputs")
-SINGLE = [c for c in CHECKS if c not in MULTI_RANK]
+MULTI_RANK = (FSDP_SAFETY, ZERO3_CONSTRUCTION, RANK_DIVERGENT_INPUTS)
+SINGLE = [c for c in CHECKS if c in SINGLE_PROCESS]
 
 
 def overrides(root: Path, target: str, *extra: str) -> list[str]:
@@ -60,7 +69,8 @@ def test_a_plug_in_is_named_by_import_path_and_bad_paths_say_what_is_wrong(sampl
         compose(["policy.target=x.Y"])
 
 
-@pytest.mark.parametrize("entry", ["slurmvla.policy.check", "slurmvla.train"])
+# slurmvla.policy.check: the command users learnt before the checker moved up still answers.
+@pytest.mark.parametrize("entry", ["slurmvla.check", "slurmvla.policy.check", "slurmvla.train"])
 def test_a_bad_target_is_one_message_and_exit_2(entry, sample_root, tmp_path):
     res = subprocess.run([sys.executable, "-m", entry, *overrides(sample_root, "nope.Policy"),
                           f"hydra.run.dir={tmp_path}"][: None if entry == "slurmvla.train" else -1],
@@ -89,7 +99,7 @@ def test_each_single_process_check_fails_its_negative_control(check, sample_root
 
 def test_output_contract_fails_inference_that_reads_the_recorded_actions(sample_root):
     """sample_actions gets what the server and the evaluator give it: observations only."""
-    (result,) = run_checks(subject(sample_root, "PeeksAtActions"), ["output contract"])
+    (result,) = run_checks(subject(sample_root, "PeeksAtActions"), [OUTPUT_CONTRACT])
     assert result.status == "fail" and "sample_actions reads 'actions'" in result.figure, result.line()
 
 
@@ -103,7 +113,7 @@ def test_each_multi_rank_check_fails_its_negative_control_in_bounded_time(check,
     print(result.line())
     assert result.status == "fail" and words in result.figure and result.fix, result.line()
     # The bug is invisible on one process: only the multi-rank check catches it.
-    if check != "rank-divergent inputs":
+    if check != RANK_DIVERGENT_INPUTS:
         assert {r.status for r in run_checks(s, SINGLE)} == {"pass"}
 
 
@@ -117,7 +127,7 @@ def test_the_sound_control_passes_the_multi_rank_checks(sample_root):
 # -- the reference policy and the example package -------------------------------------------------
 
 def _checker(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "slurmvla.policy.check", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "slurmvla.check", *args], capture_output=True, text=True,
                           cwd=REPO, timeout=600)
 
 

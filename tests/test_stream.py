@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from slurmvla.data.loader import TrainData, build_validation_loader
-from slurmvla.data.mixture import EpisodeStream, Mixture
+from slurmvla.data.mixture import Mixture
+from slurmvla.data.readers import EpisodeStream
 
 from .conftest import policy_spec
 
@@ -165,7 +166,7 @@ def test_windowed_pieces_equal_whole_episodes_and_hold_only_their_window(make_cf
     """With a 2-frame history 3 frames apart: every stream sample equals the sample cut from the
     whole decoded episode; each piece's samples come in frame order; an open piece never holds
     more than its history span plus one decode block; a request behind the window is refused."""
-    from slurmvla.data.droid import EpisodeWindow
+    from slurmvla.data.source import EpisodeWindow
 
     cfg = make_cfg("data.num_obs_history=2", "data.history_interval=3", "policy.num_obs_history=2",
                    "data.stream_cache_episodes=0")

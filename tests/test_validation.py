@@ -11,7 +11,8 @@ import torch
 
 from slurmvla.collectives import gather_dict
 from slurmvla.data.loader import build_validation_loader
-from slurmvla.data.mixture import Mixture, ValidationDataset
+from slurmvla.data.mixture import Mixture
+from slurmvla.data.readers import ValidationDataset
 from slurmvla.eval import bucket, validate
 from slurmvla.policy import build_policy
 from tests.test_collectives import run_spawned

@@ -1,2 +1,2 @@
-"""Data layer: LeRobot-format readers, the DROID dataset, the sample-data writer. Imports no other layer
-except ``slurmvla.config``."""
+"""Data layer: LeRobot-format readers, the DROID dataset, the sample-data writer. Imports only the layers below it
+(the configuration and the foundation; docs/architecture.md)."""

@@ -15,7 +15,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from slurmvla.config import DataConfig
-from slurmvla.data.mixture import EpisodeStream, EpochSampler, MapDataset, Mixture, ValidationDataset
+from slurmvla.data.mixture import Mixture
+from slurmvla.data.readers import EpisodeStream, EpochSampler, MapDataset, ValidationDataset
 
 log = logging.getLogger("slurmvla")
 

@@ -1,13 +1,13 @@
-"""One DROID-format dataset as a sample source: metadata, filters, split, statistics, and samples.
+"""One LeRobot-format dataset (DROID or any other) as a sample source: metadata, filters, split, stats, samples.
 
 A sample is a dict of tensors plus provenance (``dataset_index``, ``dataset_name``, ``control_mode``,
 ``episode_index``, ``frame_index``, ``mode``). State and actions are raw; the policy owns the
 normalization (``normalization()`` gives it offset / scale buffers), so an exported policy
 normalizes by itself.
 
-Reading goes through episodes: :meth:`DroidSource.load_episode` reads one episode's frame columns
-and decodes the frame range it needs of each camera in one forward pass; :meth:`DroidSource.sample`
-cuts samples from that. The stream and the map-style readers (``slurmvla.data.mixture``) only decide
+Reading goes through episodes: :meth:`LeRobotSource.load_episode` reads one episode's frame columns
+and decodes the frame range it needs of each camera in one forward pass; :meth:`LeRobotSource.sample`
+cuts samples from that. The stream and the map-style readers (``slurmvla.data.readers``) only decide
 which episodes to load and in which order.
 """
 
@@ -142,7 +142,9 @@ class EpisodeWindow(Episode):
         self.blocks = []
 
 
-class DroidSource:
+class LeRobotSource:
+    """One dataset of a mixture, read in LeRobot's format (v3.0 or v2.1): DROID's port or any other."""
+
     def __init__(self, spec: DatasetSpec, cfg: DataConfig, sample_spec: SampleSpec, seed: int, dataset_index: int = 0):
         """``spec``: which dataset; ``cfg``: what every dataset of the mixture shares; ``sample_spec``:
         what the policy needs its samples to look like."""

@@ -31,8 +31,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from slurmvla.data.features import DROID_CAMERAS
 from slurmvla.data.keep_ranges import episode_key
+from slurmvla.droid_features import DROID_CAMERAS
 
 FPS = 15
 HEIGHT, WIDTH = 180, 320

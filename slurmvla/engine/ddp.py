@@ -11,7 +11,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from slurmvla.engine.single import SingleEngine
 
-
 # DDP's broadcast_buffers became forward_sync_buffers after torch 2.11 (2.13 deprecates the old name; 2.11
 # has only the old one): the name this torch has.
 _NO_BUFFER_SYNC = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(

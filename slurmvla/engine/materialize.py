@@ -7,27 +7,25 @@ then materialised: each rank allocates its shard, and every parameter is initial
 time, from its own generator (seeded by the policy's ``init_seed`` and the parameter's name) and cut
 to the rank's shard. Host memory at start-up is the shard plus the largest single tensor, not the
 model, and the weights are bitwise those of a single-process build with the same seed. A policy's
-``load_initial_weights()`` (pretrained weights) runs after that, writing each rank's part.
+``load_initial_weights()`` (pretrained weights) runs after that, writing each rank's part. The
+per-parameter generator and the shard-aware copy live in :mod:`slurmvla.weights`, shared with the
+policies, which initialise and load through them without importing this layer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import zlib
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from slurmvla.weights import copy_full_into, parameter_generator
+
 
 def supports_deferred_init(cls: type) -> bool:
     return callable(getattr(cls, "init_parameter", None))
-
-
-def parameter_generator(seed: int, name: str) -> torch.Generator:
-    """One generator per parameter: its values do not depend on build order or sharding."""
-    return torch.Generator().manual_seed((int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
 
 
 @contextlib.contextmanager
@@ -45,20 +43,6 @@ def parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original
-
-
-def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Write a whole tensor into ``param``: all of it, or, for a sharded DTensor, this rank's part."""
-    with torch.no_grad():
-        if isinstance(param, DTensor):
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
-            part = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
-            local = param.to_local()
-            local[tuple(slice(0, s) for s in shape)].copy_(part.to(local.dtype))
-        else:
-            param.copy_(full.to(param.dtype))
 
 
 def has_meta_parameters(module: nn.Module) -> bool:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from slurmvla.collectives import gather_dict
+from slurmvla.collectives import check_same_fields, gather_dict
 from slurmvla.data.loader import to_device
 from slurmvla.data.mixture import Mixture
 from slurmvla.registry import SAMPLE_MODES
@@ -32,18 +32,14 @@ def validate(policy: torch.nn.Module, loader, device: torch.device, mixture: Mix
     policy.eval()
     columns: dict[str, list[torch.Tensor]] = defaultdict(list)
     try:
-        for batch in loader:
+        for i, batch in enumerate(loader):
+            if i == 0:  # the trainer's first-batch rule: a field some ranks lack stops all, naming it
+                check_same_fields(batch.keys(), what="validation batch")
             batch = to_device(batch, device)
             with autocast():
                 out = policy(batch)
-            for name, (s, c) in out["components"].items():
-                columns[f"{name}/sum"].append(s.float())
-                columns[f"{name}/count"].append(c.float())
-            columns["dataset_index"].append(batch["dataset_index"])
-            columns["control_mode"].append(torch.tensor([control_modes.index(m) for m in batch["control_mode"]],
-                                                        device=device))
-            if "mode" in batch:
-                columns["mode"].append(batch["mode"])
+            for key, value in per_sample(out, batch, control_modes).items():
+                columns[key].append(value)
     finally:
         policy.train(was_training)
     values = {k: torch.cat(v) for k, v in columns.items()}
@@ -51,6 +47,24 @@ def validate(policy: torch.nn.Module, loader, device: torch.device, mixture: Mix
     if gathered is None:
         return None
     return bucket(gathered, mixture.names, control_modes, list(mixture.weights))
+
+
+def per_sample(out: dict, batch: dict, control_modes: Sequence[str], dtype: torch.dtype = torch.float32,
+               n: int | None = None) -> dict[str, torch.Tensor]:
+    """The columns :func:`bucket` groups, for the first ``n`` samples of a batch (all by default), on its device:
+    each loss component's per-sample ``<name>/sum`` and ``<name>/count`` in ``dtype``, and the provenance a
+    group is read from (``dataset_index``, ``control_mode`` as a position in ``control_modes``, and ``mode``
+    where samples carry one). Validation and the evaluator both collect through it, so their groups agree."""
+    rows = slice(None, n)
+    columns = {}
+    for name, (s, c) in out["components"].items():
+        columns[f"{name}/sum"], columns[f"{name}/count"] = s[rows].to(dtype), c[rows].to(dtype)
+    columns["dataset_index"] = batch["dataset_index"][rows]
+    columns["control_mode"] = torch.tensor([control_modes.index(m) for m in batch["control_mode"][rows]],
+                                           device=batch["dataset_index"].device)
+    if "mode" in batch:
+        columns["mode"] = batch["mode"][rows]
+    return columns
 
 
 def bucket(values: dict[str, torch.Tensor], dataset_names: Sequence[str], control_modes: Sequence[str],

@@ -42,6 +42,8 @@ from slurmvla.data.spec import DataFeatures, SampleSpec
 from slurmvla.policy.tokenizer import ByteTokenizer
 
 LossComponents = dict[str, tuple[torch.Tensor, torch.Tensor]]
+# The instruction's tokens: in a sample exactly when the policy's sample spec has a tokenizer.
+TEXT_FIELDS = ("text", "text_mask")
 
 
 class Policy(nn.Module):
@@ -77,6 +79,24 @@ class Policy(nn.Module):
             scale = torch.ones(dim) if stats is None else stats[f"{prefix}_scale"].float().reshape(dim)
             self.register_buffer(f"{prefix}_offset", offset.clone())
             self.register_buffer(f"{prefix}_scale", scale.clamp_min(1e-4).clone())
+
+    def text_inputs(self, batch: dict, reads: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(text, text_mask)`` from ``batch`` when the policy was built to read them (``reads``: decided
+        at build time, with the sample spec's tokenizer, so the data layer yields them on every rank),
+        else None. A batch that lacks a field the policy reads, or carries one it was built not to
+        read, is a ``ValueError`` naming the field, here on this rank: the model never asks other ranks.
+        That every rank's batch has the same fields is checked once, before the first forward, by the
+        caller (the trainer, with :func:`slurmvla.collectives.check_same_fields`)."""
+        name = getattr(getattr(self, "cfg", None), "name", type(self).__qualname__)
+        for field in TEXT_FIELDS:
+            if reads and field not in batch:
+                raise ValueError(f"policy={name} was built to read {field!r} (its sample spec has a tokenizer, so its "
+                                 f"samples carry the instruction's tokens), but this batch has no {field!r}; its "
+                                 f"fields: {sorted(batch)}")
+            if not reads and field in batch:
+                raise ValueError(f"policy={name} was built not to read {field!r} (its sample spec has no tokenizer), "
+                                 f"but this batch has {field!r}: the batch was not made to this policy's sample spec")
+        return (batch["text"], batch["text_mask"]) if reads else None
 
     def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
         return (actions.float() - self.action_offset) / self.action_scale

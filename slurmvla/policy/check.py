@@ -1,55 +1,35 @@
-"""Check a policy against the contract on the CPU, before a job is submitted.
+"""The policy checks that need no engine and no second process: the library under ``python -m slurmvla.check``.
 
-    python -m slurmvla.policy.check [train overrides] [--only NAME ...] [--deadline-s 180]
-    python -m slurmvla.policy.check policy=custom policy.target=my_pkg.MyPolicy '+policy.kwargs={hidden: 64}'
-
-Builds the configured policy (built-in or plug-in) on a batch from the configured data, runs every
-check below and prints one line per check: pass / fail / skipped, the measured figure, and what to
-fix. Exits 1 when a check fails, 2 on a configuration error. Multi-rank checks run gloo ranks under
-torchrun with a deadline: a hang is reported as a failure, never waited out.
-
-1. output contract: ``loss`` is a finite scalar with a graph; ``components`` are per-sample ``(sum,
-   count)`` pairs that equal those of each sample run alone; ``sample_actions`` gives
-   ``[B, action_horizon, action_dim]``.
-2. shard invariance: the loss and the gradients of a batch equal the mean of its two halves' (what
-   makes every world size train the same model).
-3. wrap units: units exist, belong to the policy, no parameter in two units or registered twice.
-4. fsdp safety: on 2 ranks under FSDP2 (``fsdp_full``), loss and gradients match the unwrapped
-   policy on the whole batch (catches a layer that reaches into another unit's weights, DTensor /
-   tensor mixing).
-5. zero-3 construction: the policy builds and takes an optimizer step under DeepSpeed ZeRO-3 on 2
-   ranks (skipped without DeepSpeed).
-6. rank-divergent inputs: one rank's batch lacks the optional instruction tokens; the ranks either
-   agree (one collective) or all stop with an error naming the field, within the deadline.
-7. gradient checkpointing: on and off give the same gradients (skipped when the policy has no
-   ``gradient_checkpointing`` switch).
-8. determinism: two builds with one seed have equal weights, and seeded forwards are bitwise equal.
+:class:`Subject` is the policy under check with a batch of real samples; each ``check_*`` function returns a
+:class:`Result`. The multi-rank checks (FSDP2, ZeRO-3, rank-divergent inputs) shard the policy with an engine
+on gloo ranks, so they live with the program (:mod:`slurmvla.check`, :mod:`slurmvla.check_ranks`): the engine
+is a sibling of this package, not below it (docs/architecture.md).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import random
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.data import default_collate
 
 from slurmvla.config import Config
 from slurmvla.data.prepare import INFERENCE_KEYS, inference_fields
+from slurmvla.seeding import seed_everything
 
-CHECKS = ("output contract", "shard invariance", "wrap units", "fsdp safety", "zero-3 construction",
-          "rank-divergent inputs", "gradient checkpointing", "determinism")
+# The checks by name: what --only takes, what a result line prints and what a caller picks.
+OUTPUT_CONTRACT = "output contract"
+SHARD_INVARIANCE = "shard invariance"
+WRAP_UNITS = "wrap units"
+FSDP_SAFETY = "fsdp safety"
+ZERO3_CONSTRUCTION = "zero-3 construction"
+RANK_DIVERGENT_INPUTS = "rank-divergent inputs"
+GRADIENT_CHECKPOINTING = "gradient checkpointing"
+DETERMINISM = "determinism"
+# The order they run and print in (docs/policies.md's table).
+CHECKS = (OUTPUT_CONTRACT, SHARD_INVARIANCE, WRAP_UNITS, FSDP_SAFETY, ZERO3_CONSTRUCTION, RANK_DIVERGENT_INPUTS,
+          GRADIENT_CHECKPOINTING, DETERMINISM)
 # fp32 on the CPU: the same math in another summation order (a half batch, a sharded reduction)
 # differs by ~1e-7 relative. 1e-5 leaves two orders of magnitude for that noise; the bugs these
 # checks exist for (a denominator counted per shard, a missed all-gather) are off by 1e-2 or more.
@@ -68,12 +48,6 @@ class Result:
     def line(self) -> str:
         text = f"{self.status:7s} {self.check:24s} {self.figure}"
         return text + (f"\n{'':32s}fix: {self.fix}" if self.status == "fail" and self.fix else "")
-
-
-def seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -133,14 +107,14 @@ class Subject:
     def build(self, seed: int = 0) -> torch.nn.Module:
         from slurmvla.policy import build_policy
 
-        seed_all(seed)
+        seed_everything(seed)
         policy = build_policy(self.cfg.policy, self.stats)
         policy.train()
         return policy
 
     def loss_and_grads(self, policy: torch.nn.Module, batch: dict, seed: int = 1) -> tuple[torch.Tensor, dict]:
         policy.zero_grad(set_to_none=True)
-        seed_all(seed)
+        seed_everything(seed)
         loss = policy(batch)["loss"]
         loss.backward()
         return loss.detach(), flat_grads(policy)
@@ -149,9 +123,9 @@ class Subject:
 # -- single-process checks -----------------------------------------------------------------------
 
 def check_output_contract(s: Subject) -> Result:
-    name = CHECKS[0]
+    name = OUTPUT_CONTRACT
     policy = s.build()
-    seed_all(1)
+    seed_everything(1)
     out = policy(s.batch)
     b = len(s.batch["actions"])
     if not isinstance(out, dict) or "loss" not in out:
@@ -181,7 +155,7 @@ def check_output_contract(s: Subject) -> Result:
                           "counts are the numbers of valid elements per sample (>= 0, not all zero)")
     worst = 0.0
     for i in range(b):
-        seed_all(1)
+        seed_everything(1)
         alone = policy(take(s.batch, [i]))["components"]
         for key, (total, count) in components.items():
             worst = max(worst, rel(alone[key][0], total[i : i + 1]), rel(alone[key][1], count[i : i + 1]))
@@ -208,7 +182,7 @@ def check_output_contract(s: Subject) -> Result:
 
 
 def check_shard_invariance(s: Subject) -> Result:
-    name = CHECKS[1]
+    name = SHARD_INVARIANCE
     policy = s.build()
     full_loss, full = s.loss_and_grads(policy, s.batch)
     first, second = halves(s.batch)
@@ -226,7 +200,7 @@ def check_shard_invariance(s: Subject) -> Result:
 
 
 def check_wrap_units(s: Subject) -> Result:
-    name = CHECKS[2]
+    name = WRAP_UNITS
     policy = s.build()
     units = list(policy.wrap_units())
     if not units:
@@ -259,7 +233,7 @@ def check_wrap_units(s: Subject) -> Result:
 
 
 def check_gradient_checkpointing(s: Subject) -> Result:
-    name = CHECKS[6]
+    name = GRADIENT_CHECKPOINTING
     policy = s.build()
     if not hasattr(policy, "gradient_checkpointing"):
         return Result(name, "skipped", "the policy has no gradient_checkpointing switch")
@@ -280,7 +254,7 @@ def check_gradient_checkpointing(s: Subject) -> Result:
 
 
 def check_determinism(s: Subject) -> Result:
-    name = CHECKS[7]
+    name = DETERMINISM
     a, b = s.build(seed=0), s.build(seed=0)
     sa, sb = a.state_dict(), b.state_dict()
     differ = [k for k in sa if not torch.equal(sa[k], sb[k])]
@@ -299,186 +273,14 @@ def check_determinism(s: Subject) -> Result:
     return Result(name, "pass", f"weights, loss {float(la):.6f} and gradients bitwise equal across builds and calls")
 
 
-# -- multi-rank checks (torchrun, gloo, a deadline) -----------------------------------------------
-
-def run_ranks(s: Subject, mode: str, deadline_s: float, nproc: int = 2, grace_s: float = 5.0) -> dict[int, dict | None]:
-    """Run ``slurmvla.policy.check_ranks`` in ``mode`` on ``nproc`` gloo ranks; each rank's result
-    (None: it reported nothing in time). Once a rank has reported an error, the others get
-    ``grace_s`` to report theirs before the job is killed (a peer blocked in a collective would
-    otherwise wait for the deadline)."""
-    with tempfile.TemporaryDirectory(prefix="slurmvla-check-") as tmp:
-        tmp = Path(tmp)
-        torch.save({"batch": s.batch, "stats": s.stats}, tmp / "inputs.pt")
-        spec = {"mode": mode, "overrides": s.overrides, "inputs": str(tmp / "inputs.pt"), "out": str(tmp),
-                "timeout_s": max(10, int(deadline_s / 2))}
-        (tmp / "spec.json").write_text(json.dumps(spec))
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                 f"--nproc_per_node={nproc}", "-m", "slurmvla.policy.check_ranks", str(tmp / "spec.json")],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        t0, first_error = time.monotonic(), None
-        try:
-            while proc.poll() is None:
-                results = _read(tmp, nproc)
-                if first_error is None and any(r and "error" in r for r in results.values()):
-                    first_error = time.monotonic()
-                if time.monotonic() - t0 > deadline_s or (first_error and time.monotonic() - first_error > grace_s):
-                    break
-                time.sleep(0.2)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-        results = _read(tmp, nproc)
-        if all(r is None for r in results.values()) and proc.returncode not in (None, 0, -signal.SIGKILL):
-            results[0] = {"error": "the ranks did not start: " + log.strip()[-600:]}
-        return results
-
-
-def _silent(results: dict[int, dict | None], deadline_s: float) -> str:
-    """Why some ranks gave no result: still blocked at the deadline, or torn down while blocked."""
-    silent = [r for r, v in results.items() if v is None]
-    done = [r for r, v in results.items() if v is not None]
-    if done:
-        return (f"ranks {silent} gave no result: blocked in a collective that ranks {done} never joined (a hang, "
-                f"cut short when the job ended or at the {deadline_s:.0f}s deadline)")
-    return f"no rank gave a result within {deadline_s:.0f}s (a hang)"
-
-
-def _read(folder: Path, nproc: int) -> dict[int, dict | None]:
-    out = {}
-    for r in range(nproc):
-        f = folder / f"rank{r}.json"
-        try:
-            out[r] = json.loads(f.read_text()) if f.is_file() else None
-        except json.JSONDecodeError:
-            out[r] = None  # being written
-    return out
-
-
-def _errors(results: dict[int, dict | None]) -> list[str]:
-    return [f"rank {r}: {res['error']}" for r, res in results.items() if res and "error" in res]
-
-
-def _failed_ranks(name: str, results: dict[int, dict | None], deadline_s: float, fix: str) -> Result | None:
-    """A failing result when a rank raised or gave nothing; None when every rank reported figures."""
-    errors = _errors(results)
-    if errors:
-        return Result(name, "fail", "; ".join(errors)[:600], fix)
-    if any(r is None for r in results.values()):
-        return Result(name, "fail", _silent(results, deadline_s), fix)
-    return None
-
-
-def check_fsdp(s: Subject, deadline_s: float) -> Result:
-    name = CHECKS[3]
-    results = run_ranks(s, "fsdp", deadline_s)
-    fix = ("a layer's forward must use only its own parameters (a unit's weights are sharded outside its forward): "
-           "move the computation into the module that owns the weights; keep statistics as buffers, not parameters")
-    failed = _failed_ranks(name, results, deadline_s, fix)
-    if failed:
-        return failed
-    loss_gap = max(r["loss_rel"] for r in results.values())
-    grad_gap = max(r["grad_rel"] for r in results.values())
-    figure = f"2 ranks, fsdp_full: loss {loss_gap:.1e}, gradients {grad_gap:.1e} relative from the unwrapped policy"
-    if max(loss_gap, grad_gap) > TOLERANCE:
-        return Result(name, "fail", figure, fix)
-    return Result(name, "pass", figure)
-
-
-def check_zero3(s: Subject, deadline_s: float) -> Result:
-    name = CHECKS[4]
-    import importlib.util
-
-    if importlib.util.find_spec("deepspeed") is None:
-        return Result(name, "skipped", "DeepSpeed is not installed (pip install 'slurmvla[deepspeed]')")
-    results = run_ranks(s, "zero3", deadline_s)
-    fix = ("under ZeRO-3 a parameter is an empty partition unless its module is running or it is reached as an "
-           "attribute: do not iterate self.parameters() (or read .data / .shape of a stored reference) in forward; "
-           "register such weights with deepspeed.zero.register_external_parameter, or compute it in the owning module")
-    failed = _failed_ranks(name, results, deadline_s, fix)
-    if failed:
-        return failed
-    r0 = results[0]
-    gap = max(r["loss_rel"] for r in results.values())
-    if gap > TOLERANCE:
-        return Result(name, "fail", f"2 ranks, zero3: the loss differs from the unwrapped policy's by {gap:.1e} relative "
-                      f"({r0['loss']:.6f})", fix)
-    if not r0["changed"]:
-        return Result(name, "fail", "one optimizer step left every weight unchanged", fix)
-    return Result(name, "pass", f"2 ranks, zero3 (every parameter partitioned): loss {gap:.1e} relative from the "
-                  f"unwrapped policy, one optimizer step moved the weights (max |Δ| {r0['max_change']:.1e})")
-
-
-def check_divergent(s: Subject, deadline_s: float) -> Result:
-    name = CHECKS[5]
-    present = [f for f in OPTIONAL_FIELDS if f in s.batch]
-    if not present:
-        return Result(name, "skipped", f"the policy's samples have no optional fields ({list(OPTIONAL_FIELDS)})")
-    results = run_ranks(s, "divergent", deadline_s)
-    fix = ("decide optional branches on every rank alike: slurmvla.collectives.agree({'text': 'text' in batch}, "
-           "fields=batch.keys()) settles them in one collective and names a field missing on some ranks")
-    if all(r is not None and r.get("ok") for r in results.values()):
-        return Result(name, "pass", f"rank 1 without {present}: the ranks agreed and finished")
-    errors = _errors(results)
-    if len(errors) == len(results) and all(any(f in e for f in present) for e in errors):
-        return Result(name, "pass", f"rank 1 without {present}: every rank stopped naming the field "
-                      f"({errors[0][:160]})")
-    if any(r is None for r in results.values()):
-        return Result(name, "fail", f"rank 1 without {present}: {_silent(results, deadline_s)}", fix)
-    return Result(name, "fail", f"rank 1 without {present}: {'; '.join(errors)[:400] or 'ranks disagreed'}", fix)
-
-
-def run_checks(s: Subject, only: list[str] | None = None, deadline_s: float = 180.0,
-               report: Callable[[Result], None] | None = None) -> list[Result]:
-    table: dict[str, Callable[[], Result]] = {
-        CHECKS[0]: lambda: check_output_contract(s),
-        CHECKS[1]: lambda: check_shard_invariance(s),
-        CHECKS[2]: lambda: check_wrap_units(s),
-        CHECKS[3]: lambda: check_fsdp(s, deadline_s),
-        CHECKS[4]: lambda: check_zero3(s, deadline_s),
-        CHECKS[5]: lambda: check_divergent(s, deadline_s),
-        CHECKS[6]: lambda: check_gradient_checkpointing(s),
-        CHECKS[7]: lambda: check_determinism(s),
-    }
-    results = []
-    for name in only or CHECKS:
-        try:
-            result = table[name]()
-        except Exception as e:  # a policy that raises fails the check; the message says where
-            result = Result(name, "fail", f"{type(e).__name__}: {e}"[:600], "see the error above")
-        results.append(result)
-        if report:
-            report(result)
-    return results
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("overrides", nargs="*", help="train overrides (key=value), e.g. policy=custom policy.target=...")
-    parser.add_argument("--only", nargs="+", choices=CHECKS, metavar="CHECK", help=f"run only these: {list(CHECKS)}")
-    parser.add_argument("--deadline-s", type=float, default=180.0, help="per multi-rank check (default 180)")
-    args = parser.parse_args(argv)
-
-    from slurmvla.compose import compose
-
-    overrides = [*args.overrides, "logging.wandb.mode=disabled", "data.num_workers=0", "precision=fp32"]
-    t0 = time.monotonic()
-    try:
-        subject = Subject(compose(overrides), overrides)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    print(f"checking {subject.cls.__module__}.{subject.cls.__qualname__} on {len(subject.batch['actions'])} samples of "
-          f"{subject.cfg.data.resolved_root}", flush=True)
-    results = run_checks(subject, args.only, args.deadline_s, report=lambda r: print(r.line(), flush=True))
-    failed = [r.check for r in results if r.status == "fail"]
-    print(f"{len(results) - len(failed)} of {len(results)} checks passed or skipped in {time.monotonic() - t0:.0f}s"
-          + (f"; failed: {failed}" if failed else ""))
-    sys.exit(1 if failed else 0)
+SINGLE_PROCESS: dict[str, Callable[[Subject], Result]] = {
+    OUTPUT_CONTRACT: check_output_contract, SHARD_INVARIANCE: check_shard_invariance, WRAP_UNITS: check_wrap_units,
+    GRADIENT_CHECKPOINTING: check_gradient_checkpointing, DETERMINISM: check_determinism,
+}
 
 
 if __name__ == "__main__":
+    # The command users learnt before the checker's program moved up to slurmvla.check.
+    from slurmvla.check import main
+
     main()

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from slurmvla.collectives import agree
 from slurmvla.config import ATTENTION_FALLBACKS, PolicyConfig
 from slurmvla.data.spec import Draw, SampleSpec
 from slurmvla.policy.base import Policy
@@ -208,6 +207,9 @@ class FlowMatchingVLA(Policy):
     def __init__(self, cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None = None):
         super().__init__()
         self.cfg = cfg
+        # What the batches hold is settled here, from the sample spec the data is built to: never by
+        # asking the other ranks in forward.
+        self.reads_text = self.sample_spec(cfg).tokenizer is not None
         impl = resolve_attention(cfg.attention_implementation)
         self.gradient_checkpointing = cfg.gradient_checkpointing
         self.vision = VisionEncoder(cfg, impl)
@@ -265,6 +267,7 @@ class FlowMatchingVLA(Policy):
     # -- model ------------------------------------------------------------------------------------
 
     def _prefix(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        text = self.text_inputs(batch, self.reads_text)  # a batch that does not fit fails before any compute
         images = batch["images"]
         b, cams = images.shape[:2]
         img = self.vision(images)
@@ -276,24 +279,30 @@ class FlowMatchingVLA(Policy):
         if self.cfg.dynamics:
             parts.append(self._dynamics_token(batch).to(img.dtype))
             keep.append(torch.ones(b, 1, dtype=torch.bool, device=images.device))
-        # Instruction tokens are optional: a data source without instructions sends no "text"
-        # field. Whether the text tower runs is agreed across ranks from host-side knowledge
-        # (field presence, no GPU sync), with a check that every rank's batch has the same fields.
-        if agree({"text": "text" in batch}, fields=batch.keys())["text"]:
-            # A sample with an empty instruction (only BOS/EOS) sees no text tokens, as if they
-            # were absent: its result does not depend on its batch-mates' instructions.
-            has_text = batch["text_mask"].sum(dim=1) > 2
-            parts.insert(1, self.text_embed(batch["text"]).to(img.dtype))
-            keep.insert(1, batch["text_mask"] & has_text[:, None])
+        if text is not None:
+            # A sample with an empty instruction (only BOS/EOS: a data source without instructions)
+            # sees no text tokens, as if they were absent: its result does not depend on its
+            # batch-mates' instructions.
+            has_text = text[1].sum(dim=1) > 2
+            parts.insert(1, self.text_embed(text[0]).to(img.dtype))
+            keep.insert(1, text[1] & has_text[:, None])
         return torch.cat(parts, dim=1), torch.cat(keep, dim=1)
 
-    def _velocity(self, prefix: torch.Tensor, keep: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def _velocity(self, prefix: torch.Tensor, keep: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
+                  cache: list | None = None) -> torch.Tensor:
+        """The expert's velocity at ``(x_t, t)``: one training forward, or one denoising step. With a
+        ``cache`` (inference), the first call fills it with each layer's prefix keys and values and
+        later calls reuse them, skipping the prefix stream (the prefix never attends to the suffix).
+        Every layer still runs through its own ``__call__``, so sharding hooks see it."""
         suffix = self.expert_in(x_t, t)
-        for layer in self.layers:
+        filled = bool(cache)
+        for j, layer in enumerate(self.layers):
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 prefix, suffix, _ = checkpoint(layer, prefix, suffix, keep, use_reentrant=False)
             else:
-                prefix, suffix, _ = layer(prefix, suffix, keep)
+                prefix, suffix, kv = layer(prefix, suffix, keep, cache[j] if filled else None)
+                if cache is not None and not filled:
+                    cache.append(kv)
         return self.expert_out(self.expert_out_norm(suffix))
 
     def _dynamics_token(self, batch: dict) -> torch.Tensor:
@@ -345,15 +354,8 @@ class FlowMatchingVLA(Policy):
         shape = (b, self.cfg.action_horizon, self.cfg.action_dim)
         x = torch.randn(shape, device=batch["state"].device) if noise is None else noise.float()
         prefix, keep = self._prefix(batch)
-        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        cache: list[tuple[torch.Tensor, torch.Tensor]] = []  # the prefix stream runs in the first step only
         for i in range(steps):
             t = torch.full((b,), 1.0 - i / steps, device=x.device)
-            # The prefix stream runs once (first step); later steps reuse each layer's prefix keys and
-            # values. Every layer still runs through its own __call__, so sharding hooks see it.
-            suffix, h = self.expert_in(x, t), prefix
-            for j, layer in enumerate(self.layers):
-                h, suffix, kv = layer(h, suffix, keep, cache[j] if i > 0 else None)
-                if i == 0:
-                    cache.append(kv)
-            x = x - self.expert_out(self.expert_out_norm(suffix)).float() / steps
+            x = x - self._velocity(prefix, keep, x, t, cache).float() / steps
         return x * self.action_scale + self.action_offset

@@ -35,8 +35,11 @@ without antialiasing on [0, 1] floats, then scaled to [-1, 1].
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -45,19 +48,22 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from slurmvla.collectives import agree
 from slurmvla.config import PolicyConfig
 from slurmvla.data.spec import DataFeatures, Draw, SampleSpec
 from slurmvla.policy.base import Policy
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.flow_vla import attention, resolve_attention
+from slurmvla.weights import parameter_generator
 
 log = logging.getLogger(__name__)
 # Flow-matching time embedding periods (openpi's pi0).
 MIN_PERIOD, MAX_PERIOD = 4e-3, 4.0
 
 
-def _transformers():
+@functools.cache
+def _transformers() -> SimpleNamespace:
+    """The transformers pieces these policies are built from, by name (imported on first use: transformers
+    is an optional extra)."""
     try:
         from transformers import GemmaConfig, SiglipVisionConfig
         from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer, apply_rotary_pos_emb
@@ -65,24 +71,24 @@ def _transformers():
     except ImportError as e:
         raise ValueError(f"policy=pi0 / pi05 need transformers ({e}); install the extra: pip install -e '.[vla]'") \
             from None
-    return GemmaConfig, SiglipVisionConfig, GemmaDecoderLayer, apply_rotary_pos_emb, SiglipEncoderLayer, \
-        SiglipVisionEmbeddings
+    return SimpleNamespace(GemmaConfig=GemmaConfig, SiglipVisionConfig=SiglipVisionConfig,
+                           GemmaDecoderLayer=GemmaDecoderLayer, apply_rotary_pos_emb=apply_rotary_pos_emb,
+                           SiglipEncoderLayer=SiglipEncoderLayer, SiglipVisionEmbeddings=SiglipVisionEmbeddings)
 
 
 def gemma_config(width: int, depth: int, mlp_dim: int, cfg: PolicyConfig, attn: str):
-    GemmaConfig = _transformers()[0]
-    config = GemmaConfig(hidden_size=width, intermediate_size=mlp_dim, num_hidden_layers=depth,
-                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-                         head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, hidden_activation="gelu_pytorch_tanh")
+    config = _transformers().GemmaConfig(
+        hidden_size=width, intermediate_size=mlp_dim, num_hidden_layers=depth, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
+        hidden_activation="gelu_pytorch_tanh")
     config._attn_implementation = attn
     return config
 
 
 def siglip_config(cfg: PolicyConfig, attn: str):
-    SiglipVisionConfig = _transformers()[1]
-    config = SiglipVisionConfig(hidden_size=cfg.vision_width, intermediate_size=cfg.vision_mlp_dim,
-                                num_hidden_layers=cfg.vision_depth, num_attention_heads=cfg.vision_heads,
-                                image_size=cfg.image_size, patch_size=cfg.patch_size)
+    config = _transformers().SiglipVisionConfig(
+        hidden_size=cfg.vision_width, intermediate_size=cfg.vision_mlp_dim, num_hidden_layers=cfg.vision_depth,
+        num_attention_heads=cfg.vision_heads, image_size=cfg.image_size, patch_size=cfg.patch_size)
     config._attn_implementation = attn
     return config
 
@@ -152,7 +158,7 @@ class JointLayer(nn.Module):
     def __init__(self, backbone: nn.Module, expert: nn.Module, last: bool, impl: str = "sdpa"):
         super().__init__()
         self.backbone, self.expert, self.last, self.impl = backbone, expert, last, impl
-        self._apply_rotary = _transformers()[3]  # looked up once, not per forward
+        self._apply_rotary = _transformers().apply_rotary_pos_emb  # looked up once, not per forward
         if last:  # the prefix's output of the last layer is never read: no parameters for it
             backbone.self_attn.q_proj = None
             backbone.self_attn.o_proj = None
@@ -213,10 +219,10 @@ class VisionTower(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        *_, SiglipEncoderLayer, SiglipVisionEmbeddings = _transformers()
-        self.embeddings = SiglipVisionEmbeddings(config)
+        hf = _transformers()
+        self.embeddings = hf.SiglipVisionEmbeddings(config)
         del self.embeddings.position_ids
-        self.layers = nn.ModuleList(SiglipEncoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(hf.SiglipEncoderLayer(config) for _ in range(config.num_hidden_layers))
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -225,6 +231,17 @@ class VisionTower(nn.Module):
         for layer in self.layers:
             x = layer(x, None)
         return self.post_layernorm(x)
+
+
+@dataclass
+class PrefixCache:
+    """What the denoising steps of one ``sample_actions`` call share, filled by the first: each layer's
+    prefix keys / values (the prefix never attends to the suffix, so they are the same at every step),
+    the rotary tables and the attention masks (the tokens do not change between steps either)."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+    masks: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Pi0Policy(Policy):
@@ -238,13 +255,16 @@ class Pi0Policy(Policy):
             raise ValueError(f"policy.dynamics=true is not supported by policy={cfg.name} (the reference policy, "
                              "policy=tiny/small/base, has it); use data.mode=policy")
         self.cfg = cfg
+        # Whether batches carry the instruction's tokens is settled here, as the sample spec the data is
+        # built to says: never by asking the other ranks in forward.
+        self.reads_text = self._data_tokenizes(cfg)
         # One draw from the global RNG, before any module is built (a module built on the meta
         # device draws nothing), seeds every parameter's own generator: the same weights whether
         # built whole or parameter by parameter on each rank's shard.
         self.init_seed = int(torch.randint(0, 2**62, (), device="cpu").item())
         self.gradient_checkpointing = cfg.gradient_checkpointing
         attn = resolve_attention(cfg.attention_implementation)  # sdpa or eager
-        GemmaDecoderLayer = _transformers()[2]
+        GemmaDecoderLayer = _transformers().GemmaDecoderLayer
         self.vision = VisionTower(siglip_config(cfg, attn))
         self.projector = nn.Linear(cfg.vision_width, cfg.width)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.width)
@@ -282,8 +302,6 @@ class Pi0Policy(Policy):
     def reset_parameters(self) -> None:
         """Random initialisation, one rule (:meth:`init_parameter`) and one generator per parameter,
         so any parameter can be initialised alone (a sharded build does so as it materialises)."""
-        from slurmvla.engine.materialize import parameter_generator
-
         for name, p in self.named_parameters():
             self.init_parameter(name, p, parameter_generator(self.init_seed, name))
 
@@ -360,9 +378,7 @@ class Pi0Policy(Policy):
     def _text(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The prompt's token ids and mask: pi0's come with the batch (the data pipeline tokenizes the
         instruction)."""
-        if agree({"text": "text" in batch}, fields=batch.keys())["text"]:
-            return batch["text"], batch["text_mask"]
-        return None
+        return self.text_inputs(batch, self.reads_text)
 
     def _prefix(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         images = batch["images"]
@@ -408,14 +424,25 @@ class Pi0Policy(Policy):
         return rope(positions, self.cfg.head_dim), (allowed[:, None, :p, :p], allowed[:, None, p:, :])
 
     def _velocity(self, prefix: torch.Tensor, keep: torch.Tensor, batch: dict, x_t: torch.Tensor,
-                  t: torch.Tensor) -> torch.Tensor:
+                  t: torch.Tensor, cache: PrefixCache | None = None) -> torch.Tensor:
+        """The expert's velocity at ``(x_t, t)``: one training forward, or one denoising step. With a
+        ``cache`` (inference), the first call fills it and later calls skip the prefix stream, reading
+        each layer's prefix keys / values from it."""
         suffix, lead, cond = self._suffix(batch, x_t, t)
-        rotary, masks = self._masks(keep, suffix.shape[1], lead)
-        for layer in self.layers:
+        filled = cache is not None and bool(cache.kv)
+        if filled:
+            rotary, masks = cache.rotary, cache.masks
+        else:
+            rotary, masks = self._masks(keep, suffix.shape[1], lead)
+        for j, layer in enumerate(self.layers):
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 prefix, suffix, _ = checkpoint(layer, prefix, suffix, rotary, masks, cond, use_reentrant=False)
             else:
-                prefix, suffix, _ = layer(prefix, suffix, rotary, masks, cond)
+                prefix, suffix, kv = layer(prefix, suffix, rotary, masks, cond, cache.kv[j] if filled else None)
+                if cache is not None and not filled:
+                    cache.kv.append(kv)
+        if cache is not None and not filled:
+            cache.rotary, cache.masks = rotary, masks
         out, _ = _norm(self.expert_norm, suffix, cond)
         return self.action_out_proj(out[:, lead:])
 
@@ -440,19 +467,10 @@ class Pi0Policy(Policy):
             if noise is None else pad_last(noise.float(), self.cfg.max_action_dim)
         dt = -1.0 / steps
         prefix, keep = self._prefix(batch)
-        cache: list[tuple] = []
+        cache = PrefixCache()
         for i in range(steps):
             t = torch.full((b,), 1.0 + i * dt, device=x.device)
-            suffix, lead, cond = self._suffix(batch, x.to(prefix.dtype), t)
-            if i == 0:  # positions and masks are the same at every step
-                rotary, masks = self._masks(keep, suffix.shape[1], lead)
-            h = prefix
-            for j, layer in enumerate(self.layers):
-                h, suffix, kv = layer(h, suffix, rotary, masks, cond, cache[j] if i > 0 else None)
-                if i == 0:
-                    cache.append(kv)
-            out, _ = _norm(self.expert_norm, suffix, cond)
-            x = x + dt * self.action_out_proj(out[:, lead:]).float()
+            x = x + dt * self._velocity(prefix, keep, batch, x.to(prefix.dtype), t, cache).float()
         return x[..., : self.cfg.action_dim] * self.action_scale + self.action_offset
 
 
@@ -492,8 +510,9 @@ class Pi05Policy(Pi0Policy):
                 for task, row in zip(batch["instruction"], bins.tolist())]
 
     def _text(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.cfg.state_input == "continuous":
-            return super()._text(batch)
+        given = super()._text(batch)  # None for the discrete-state prompt, after checking the batch has no tokens
+        if given is not None:
+            return given
         ids, mask = zip(*(self.prompt_tokenizer.encode(p) for p in self.prompts(batch)))
         ids, mask = torch.stack(ids), torch.stack(mask)
         if mask[:, -1].any() and not self._warned_full_prompt:

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from slurmvla.config import PolicyConfig
-from slurmvla.engine.materialize import copy_full_into
 from slurmvla.policy.tokenizer import VOCAB_SIZE, ByteTokenizer
+from slurmvla.weights import copy_full_into
 
 _VISION = r"(?:model\.)?vision_tower\.(?:vision_model\.)?"
 _LM = r"(?:model\.language_model\.|language_model\.(?:model\.)?)"

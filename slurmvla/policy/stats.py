@@ -71,12 +71,13 @@ def checkpoint_normalization(cfg, state_dim: int, action_dim: int) -> tuple[dict
 def resolve_stats(cfg, mixture: Mixture, announce: bool = True) -> dict[str, torch.Tensor]:
     """The policy's offset / scale buffers for this run, logged once (``announce``)."""
     (state_mode, state_knob), (action_mode, action_knob) = normalization_modes(cfg)
-    if cfg.policy.stats_source == "checkpoint":
+    source = getattr(cfg.policy, "stats_source", "data")  # only policies that load weights have the choice
+    if source == "checkpoint":
         out, where = checkpoint_normalization(cfg, mixture.features.state_dim, mixture.features.action_dim)
     else:
         where = f"the data ({', '.join(mixture.names)})"
         out = mixture.normalization(state_mode, action_mode, (state_knob, action_knob))
     if announce:
         log.info("normalization: state %s, action %s; statistics from %s (policy.stats_source=%s)", state_mode,
-                 action_mode, where, cfg.policy.stats_source)
+                 action_mode, where, source)
     return out

@@ -1,0 +1,158 @@
+"""Imports run one way (docs/architecture.md): a module imports its own layer or those below, never one above;
+``policy`` and ``engine`` never import each other; models never import ``torch.distributed`` or
+``slurmvla.collectives``. Read from the source with ``ast``, so an import inside a function counts as much as
+one at the top; code under ``if __name__ == "__main__":`` does not (a library may hand its old ``python -m``
+path over to the program that moved up).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "slurmvla"
+
+# (layer, module prefixes); a module belongs to the layer of its longest matching prefix. The package's own
+# ``__init__`` is matched exactly: as a prefix it would place every new module, unread, at the bottom.
+LAYERS = (
+    (0, ("slurmvla.registry", "slurmvla.collectives", "slurmvla.droid_features", "slurmvla.weights",
+         "slurmvla.seeding", "slurmvla.launch")),
+    (1, ("slurmvla.config", "slurmvla.compose")),
+    (2, ("slurmvla.data", "slurmvla.optim", "slurmvla.logger")),
+    (3, ("slurmvla.policy", "slurmvla.engine")),
+    (4, ("slurmvla.checkpoint", "slurmvla.eval")),
+    (5, ("slurmvla.trainer",)),
+    (6, ("slurmvla.train", "slurmvla.serve", "slurmvla.evaluate", "slurmvla.export", "slurmvla.profile",
+         "slurmvla.lerobot_checkpoint", "slurmvla.inspect", "slurmvla.check", "slurmvla.check_ranks")),
+)
+# Siblings in one layer that must not import each other (the engine reads a policy through the contract only).
+SIBLINGS = (("slurmvla.policy", "slurmvla.engine"),)
+# Models are pure functions of their batch: no module of the policy package may know that ranks exist.
+MODELS = "slurmvla.policy"
+RANK_AWARE = ("torch.distributed", "slurmvla.collectives")
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def layer_of(module: str) -> int | None:
+    if module == "slurmvla":
+        return 0
+    matches = [(len(p), layer) for layer, prefixes in LAYERS for p in prefixes if _within(module, p)]
+    return max(matches)[1] if matches else None
+
+
+def _is_main_guard(node: ast.If) -> bool:
+    test = node.test
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides) and \
+        any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides)
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def imports(source: str, module: str, is_package: bool = False, known: set[str] = frozenset()) -> list[str]:
+    """Every module ``module``'s source imports, in order, outside ``if __name__ == "__main__":``.
+    ``from a import b`` names ``a.b`` when that is a module in ``known``, else ``a``; ``torch.distributed``
+    reached as an attribute of ``torch`` counts as an import of it."""
+    found: list[str] = []
+    package = module.split(".") if is_package else module.split(".")[:-1]
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_main_guard(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            target = ".".join([*base, *([node.module] if node.module else [])])
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                found.append(sub if sub in known or sub == "torch.distributed" else target)
+        elif isinstance(node, ast.Attribute):
+            name = _dotted(node)
+            if name is not None and _within(name, "torch.distributed"):
+                found.append("torch.distributed")
+                return
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return found
+
+
+def violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """``module -> imported`` for every import that breaks a rule, over ``{module: (source, is_package)}``."""
+    known = set(sources)
+    out = []
+    for module, (source, is_package) in sorted(sources.items()):
+        mine = layer_of(module)
+        if mine is None:
+            out.append(f"{module}: in no layer (place it in docs/architecture.md and LAYERS)")
+            continue
+        for imported in dict.fromkeys(imports(source, module, is_package, known)):
+            if _within(module, MODELS) and any(_within(imported, r) for r in RANK_AWARE):
+                out.append(f"{module} -> {imported} (a model module must not know that ranks exist)")
+            if not _within(imported, "slurmvla"):
+                continue
+            theirs = layer_of(imported)
+            if theirs is not None and theirs > mine:
+                out.append(f"{module} -> {imported} (layer {mine} imports layer {theirs})")
+            for a, b in SIBLINGS:
+                if (_within(module, a) and _within(imported, b)) or (_within(module, b) and _within(imported, a)):
+                    out.append(f"{module} -> {imported} (siblings: {a} and {b} never import each other)")
+    return out
+
+
+def package_sources() -> dict[str, tuple[str, bool]]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if is_package else parts)
+        out[module] = (path.read_text(), is_package)
+    return out
+
+
+def test_no_library_imports_a_layer_above_it_and_models_know_nothing_of_ranks():
+    found = violations(package_sources())
+    assert not found, "imports against docs/architecture.md:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("module, source, words", [
+    ("slurmvla.data.x", "def f():\n    from slurmvla.trainer import Trainer\n",
+     "slurmvla.data.x -> slurmvla.trainer (layer 2 imports layer 5)"),
+    ("slurmvla.config", "from .data import spec\n", "slurmvla.config -> slurmvla.data.spec (layer 1 imports layer 2)"),
+    ("slurmvla.policy.x", "import slurmvla.engine.base\n", "slurmvla.policy.x -> slurmvla.engine.base (siblings"),
+    ("slurmvla.engine.x", "from slurmvla import policy\n", "slurmvla.engine.x -> slurmvla.policy (siblings"),
+    ("slurmvla.policy.x", "from torch import distributed as dist\n", "slurmvla.policy.x -> torch.distributed (a model"),
+    ("slurmvla.policy.x", "import torch\ndef f():\n    return torch.distributed.get_rank()\n",
+     "slurmvla.policy.x -> torch.distributed (a model"),
+    ("slurmvla.policy.x", "from slurmvla.collectives import agree\n",
+     "slurmvla.policy.x -> slurmvla.collectives (a model"),
+    ("slurmvla.newthing", "import os\n", "slurmvla.newthing: in no layer"),
+])
+def test_the_checker_fails_a_violating_source(module, source, words):
+    known = {"slurmvla.data.spec", "slurmvla.engine.base", "slurmvla.policy", "slurmvla.trainer"}
+    sources = {module: (source, False), **{k: ("", False) for k in known}}
+    found = violations(sources)
+    assert any(words in v for v in found), found
+
+
+def test_the_checker_passes_downward_imports_and_main_guards():
+    source = ("from slurmvla.config import Config\nfrom slurmvla.data.spec import SampleSpec\n"
+              "if __name__ == '__main__':\n    from slurmvla.check import main\n    main()\n")
+    assert violations({"slurmvla.policy.x": (source, False)}) == []
