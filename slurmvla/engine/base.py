@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from slurmvla.config import OptimConfig
+from slurmvla.config import EngineConfig, OptimConfig
 from slurmvla.launch import DistEnv
 
 
@@ -89,6 +89,22 @@ class Engine(Protocol):
     def load(self, directory: Path) -> None:
         """Restore what :meth:`save` wrote, weights and optimizer state."""
         ...
+
+
+class EngineCore:
+    """What every engine holds: its settings, the compute dtype, the policy it prepared and the optimizer
+    that steps; and the autocast around forward that follows from them. The engines derive from it and
+    override none of it (they share behaviour by composition otherwise)."""
+
+    def __init__(self, cfg: EngineConfig, env: DistEnv, precision: str, device: torch.device, settings: StepSettings):
+        self.cfg, self.env, self.precision, self.device, self.settings = cfg, env, precision, device, settings
+        self.name = cfg.name
+        self.compute_dtype = compute_dtype(precision)
+        self.module: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return autocast(self.device, self.compute_dtype)
 
 
 def compute_dtype(precision: str) -> torch.dtype:

@@ -45,7 +45,7 @@ class DDPEngine(SingleEngine):
             # Normalization statistics are identical on every rank; no per-forward broadcast.
             **{_NO_BUFFER_SYNC: False},
         )
-        if self.weights.compute_dtype != torch.float32 and self.cfg.reduce_dtype == "fp32":
+        if self.compute_dtype != torch.float32 and self.cfg.reduce_dtype == "fp32":
             self._ddp.register_comm_hook(dist.group.WORLD, _allreduce_in_fp32)
         return self._ddp
 

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from slurmvla.config import EngineConfig, OptimConfig
-from slurmvla.engine.base import StepSettings, autocast, compute_dtype, read_param_groups
+from slurmvla.engine.base import EngineCore, StepSettings, read_param_groups
 from slurmvla.engine.materialize import has_meta_parameters, materialize
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
@@ -51,16 +51,12 @@ def hsdp_degrees(cfg: EngineConfig, env: DistEnv) -> tuple[int, int]:
     return replicate, shard
 
 
-class FSDPEngine:
+class FSDPEngine(EngineCore):
     def __init__(self, cfg: EngineConfig, env: DistEnv, precision: str, device: torch.device, settings: StepSettings,
                  hybrid: bool = False, reshard_after_forward: bool = True):
-        self.cfg, self.env, self.precision, self.device, self.settings = cfg, env, precision, device, settings
-        self.name = cfg.name
-        self.compute_dtype = compute_dtype(precision)
+        super().__init__(cfg, env, precision, device, settings)
         self.reshard_after_forward = reshard_after_forward
         self.mesh = self._mesh(hybrid)
-        self.module: nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
 
     def _mesh(self, hybrid: bool) -> DeviceMesh:
         if hybrid:
@@ -91,9 +87,6 @@ class FSDPEngine:
         if deferred:
             materialize(policy, self.device)
         self.module = policy
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return autocast(self.device, self.compute_dtype)
 
     # -- one optimizer step -----------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from slurmvla.config import EngineConfig, OptimConfig
-from slurmvla.engine.base import StepSettings, autocast, compute_dtype, read_param_groups
+from slurmvla.engine.base import EngineCore, StepSettings, read_param_groups
 from slurmvla.engine.precision import MasterWeights
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
@@ -26,13 +26,10 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 
 
-class SingleEngine:
+class SingleEngine(EngineCore):
     def __init__(self, cfg: EngineConfig, env: DistEnv, precision: str, device: torch.device, settings: StepSettings):
-        self.cfg, self.env, self.precision, self.device, self.settings = cfg, env, precision, device, settings
-        self.name = cfg.name
-        self.weights = MasterWeights(compute_dtype(precision))
-        self.module: nn.Module | None = None  # the policy itself (for state dicts)
-        self.optimizer: torch.optim.Optimizer | None = None
+        super().__init__(cfg, env, precision, device, settings)
+        self.weights = MasterWeights(self.compute_dtype)
 
     # -- model and optimizer ----------------------------------------------------------------------
 
@@ -48,9 +45,6 @@ class SingleEngine:
     def wrap(self, policy: nn.Module) -> nn.Module:
         """The module the trainer calls (here the policy itself)."""
         return policy
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return autocast(self.device, self.weights.compute_dtype)
 
     # -- one optimizer step -----------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from slurmvla.config import EngineConfig, OptimConfig
-from slurmvla.engine.base import StepSettings, autocast, compute_dtype, read_param_groups
+from slurmvla.engine.base import EngineCore, StepSettings, read_param_groups
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
 
@@ -28,17 +28,13 @@ DS_DIR = "deepspeed"
 DS_TAG = "state"
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(EngineCore):
     def __init__(self, cfg: EngineConfig, env: DistEnv, precision: str, device: torch.device, settings: StepSettings,
                  stage: int, zero_options: dict[str, Any] | None = None):
-        self.cfg, self.env, self.precision, self.device, self.settings = cfg, env, precision, device, settings
-        self.name = cfg.name
-        self.compute_dtype = compute_dtype(precision)
+        super().__init__(cfg, env, precision, device, settings)
         self.stage = stage
         # Extra "zero_optimization" settings (the policy checker partitions every parameter).
         self.zero_options = dict(zero_options or {})
-        self.module: nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
         self._accumulating = False
         self._grad_norm = torch.zeros((), device=device)
 
@@ -72,9 +68,6 @@ class DeepSpeedEngine:
         # The torch optimizer that steps on the fp32 partitions: the LR schedule acts on it.
         self.optimizer = ds_optimizer.optimizer
         return self._ds, self.optimizer
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return autocast(self.device, self.compute_dtype)
 
     # -- one optimizer step -----------------------------------------------------------------------
 
