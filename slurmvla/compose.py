@@ -65,18 +65,22 @@ def compose(overrides: list[str]) -> Config:
     """The typed config a run with these overrides would get (keys checked first, every rule run)."""
     from hydra import initialize_config_dir
 
-    check_overrides(overrides)
+    # A config file's option its policy lacks is translated by _hydra_compose itself: the probe that
+    # learns the chosen policy is needed only for policy.* overrides given here.
+    check_overrides(overrides, probe=any(o.split("=", 1)[0].startswith("policy.") for o in overrides))
     with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
         return to_config(_hydra_compose(overrides))
 
 
-def check_overrides(overrides: list[str]) -> None:
+def check_overrides(overrides: list[str], probe: bool = True) -> None:
     """Every key checked before Hydra runs: misspelled keys, and ``policy.*`` options (given here or set by a
     config file) against the schema of the policy the other overrides choose (one composition without
     them tells which)."""
     from hydra import initialize_config_dir
 
     check_override_keys(overrides, config_groups())
+    if not probe:
+        return
     own = [o for o in overrides if "=" in o and o.split("=", 1)[0].startswith("policy.")]
     with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
         try:

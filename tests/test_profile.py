@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from slurmvla.policy import build_policy
+from slurmvla.policy import build_policy, policy_class
 from slurmvla.profile import PHASES, count_flops_per_sample, main
 
 
@@ -52,6 +52,8 @@ def test_flops_include_the_backward_pass(make_cfg):
         "image_mask": torch.ones(1, p.num_cameras, dtype=torch.bool), "state": torch.randn(1, p.state_dim),
         "actions": torch.randn(1, p.action_horizon, p.action_dim), "action_mask": torch.ones(1, p.action_horizon, dtype=torch.bool),
     }
+    ids, mask = policy_class(p).sample_spec(p).tokenizer("pick up the cup")  # the policy reads instructions
+    batch.update(text=ids[None], text_mask=mask[None])
     total = count_flops_per_sample(cfg, batch)
     with FlopCounterMode(display=False) as fwd, torch.no_grad():
         build_policy(cfg.policy)(batch)
