@@ -97,10 +97,10 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
     (e.g. ``policy.num_inference_steps=5``, ``data.root=...``). A ValueError names the file and what
     is wrong with it."""
     path = Path(source)
-    if ema and not path.is_dir() or lerobot_type(path):
-        if ema:
-            raise ValueError(f"--ema reads a slurmvla checkpoint's moving average; {str(path)!r} is not a checkpoint "
-                             "folder or run directory")
+    if ema and (not path.is_dir() or lerobot_type(path)):
+        raise ValueError(f"--ema reads a slurmvla checkpoint's moving average; {str(path)!r} is not a checkpoint "
+                         "folder or run directory")
+    if lerobot_type(path):
         return _load_lerobot(path, overrides, device)
     if path.is_file():
         try:
