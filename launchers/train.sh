@@ -16,7 +16,9 @@ _slurmvla_train() {
   local py=${PYTHON:-python3}
   local nproc tail_file
   nproc=$("$py" -m slurmvla.launch nproc-per-node) || return $?
-  local -a cmd=("$py" -m torch.distributed.run "--nproc_per_node=$nproc")
+  # The agent does not handle SIGTERM (SLURM's preemption signal reaches every process of the step; the
+  # trainers checkpoint and stop, and the agent ends with them instead of killing them 30 s later).
+  local -a cmd=("$py" -m torch.distributed.run "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT" "--nproc_per_node=$nproc")
   if [ -n "${NNODES:-}" ] && [ -n "${NODE_RANK:-}" ] && [ -n "${MASTER_ADDR:-}" ]; then
     cmd+=("--nnodes=$NNODES" "--node_rank=$NODE_RANK" "--master_addr=$MASTER_ADDR" "--master_port=${MASTER_PORT:-29500}")
   fi
@@ -31,9 +33,10 @@ _slurmvla_train() {
     printf 'torchrun command:'; printf ' %q' "${cmd[@]}"; printf '\n'
     return 0
   fi
-  # USR2 (preemption) is for the training processes: ignored here and, inherited through exec, by
-  # the torchrun agent; the trainer installs its own handler.
-  trap '' USR2
+  # SIGTERM and USR2 (preemption, time limit) are for the training processes: ignored here and,
+  # inherited through exec, by the torchrun agent, and by each trainer for the second before it
+  # installs its own handler.
+  trap '' TERM USR2
   "${cmd[@]}"
 }
 

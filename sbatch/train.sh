@@ -21,10 +21,18 @@
 #   EXTRA_TAIL_OVERRIDES   Hydra overrides appended last (quoted values work; never executed)
 #   LAUNCHER               the per-node wrapper (default launchers/train.sh)
 #   DRY_RUN=1              print the srun and torchrun command lines, run nothing
-# USR2 arrives 120 s before the time limit (and on preemption): the trainer checkpoints, the job
-# step ends, and the job requeues itself until the run is finished or the budget is spent. A lost
-# node ends the step (the surviving ranks fail fast, naming the rank that went away); SLURM declares
-# the node down and requeues the job, which resumes from the newest complete checkpoint.
+#   SLURMVLA_SIGNAL_DELAY_S  the @seconds of --signal above (default 120; SLURM does not tell a job its
+#                          --signal): the trainer warns when a checkpoint does not fit in it
+# Signals. USR2 arrives 120 s before the time limit; on preemption SLURM sends SIGTERM (or USR2 where the
+# site sets preempt_send_user_signal) and SIGKILL when the partition's GraceTime ends. Either way the
+# trainer checkpoints at the next step (or validation batch), the step ends, and this script requeues
+# the job until the run is finished or the budget is spent (SLURM itself requeues a preempted job only
+# if it is still running when the grace time ends). A checkpoint must fit in the time between the
+# signal and the kill: the trainer measures its saves and warns when they do not fit in
+# SLURMVLA_SIGNAL_DELAY_S or the partition's GraceTime; then ask for --signal=USR2@<more> (and set
+# SLURMVLA_SIGNAL_DELAY_S to match). A lost node ends the step (the surviving ranks fail fast, naming the
+# rank that went away); SLURM declares the node down and requeues the job, which resumes from the newest
+# complete checkpoint.
 set -uo pipefail
 cd "${SLURMVLA_HOME:-${SLURM_SUBMIT_DIR:-.}}" || exit 2
 PY=${PYTHON:-python3}
@@ -39,6 +47,12 @@ if [ -z "${SLURM_JOB_ID:-}" ]; then
     exit 2
   fi
 fi
+
+export SLURMVLA_SIGNAL_DELAY_S=${SLURMVLA_SIGNAL_DELAY_S:-120}
+# A signal meant for the batch shell (scancel --batch, --signal=B:...) must not end it before the
+# training step has checkpointed and this script has requeued: bash runs these after srun returns.
+trap 'echo "slurmvla: the batch script got SIGTERM; waiting for the training step"' TERM
+trap 'echo "slurmvla: the batch script got SIGUSR2; waiting for the training step"' USR2
 
 # SLURM requeues a --requeue job by itself after a node failure: the restart budget holds for those too.
 [ "${DRY_RUN:-0}" = 1 ] || "$PY" -m slurmvla.launch check-budget || exit 1

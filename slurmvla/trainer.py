@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
 import logging
 import random
 import time
@@ -38,6 +39,7 @@ from slurmvla.engine.materialize import parameters_on_meta, supports_deferred_in
 from slurmvla.engine.precision import check_fp32_master_state
 from slurmvla.eval import validate
 from slurmvla.launch import DistEnv, SlurmJob
+from slurmvla.launch.grace import shortfalls
 from slurmvla.launch.preempt import FINISHED_MARKER, PreemptionFlag
 from slurmvla.launch.runlock import RunDirInUse, RunLock
 from slurmvla.launch.runtime import apply_process_defaults, write_snapshot
@@ -69,23 +71,27 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.env = env or DistEnv.from_environ()
         self.micro_batch_size = cfg.trainer.micro_batch_size(self.env.world_size)
-        self._join_job()
+        # First: a stop signal during start-up (rendezvous, data, weights) is kept, not fatal; the
+        # ranks act on it before the first step (slurmvla.launch.preempt).
+        self.preempt = PreemptionFlag()
+        self.preempt.install()
+        self.stopped_for_requeue = False
+        self.heartbeats = None
         self.run_lock: RunLock | None = None
         try:
+            self._join_job()
             self._lock_run_dir()
             self._build_data()
             self._build_model()
             self._open_run_dir()
             self.resumed_from: Path | None = None
-            self.stopped_for_requeue = False
-            self.preempt = PreemptionFlag()
-            self.preempt.install()
             if cfg.checkpoint.resume:
                 self._resume()
             self.logger.start(self.step)
         except BaseException:
             self._unlock_run_dir()
             self._stop_heartbeats()
+            self.preempt.uninstall()
             raise
 
     def _join_job(self) -> None:
@@ -287,8 +293,11 @@ class Trainer:
                    disable=not (self.env.is_main and tcfg.progress_bar))
         window = {"loss": 0.0, "grad_norm": 0.0, "steps": 0}
         last: dict[str, float] = {}
-        t0 = time.perf_counter()
-        while self.step < end:
+        t0 = self._fit_start = time.perf_counter()
+        self._fit_start_step = self.step
+        # A signal that came during start-up: nothing trained since the last checkpoint; stop now.
+        self._preemption_agreed()
+        while self.step < end and not self.stopped_for_requeue:
             lrs = {g.get("name", str(i)): g["lr"] for i, g in enumerate(self.optimizer.param_groups)}
             metrics = self.run_step()
             if not self._numerics_checked:
@@ -305,7 +314,9 @@ class Trainer:
                 window = {"loss": 0.0, "grad_norm": 0.0, "steps": 0}
                 t0 = time.perf_counter()
             if self._validation_due():
-                self.validate()
+                self.validate()  # agrees on a stop at every batch: a signal ends the pass
+                if self.stopped_for_requeue:
+                    break
             if self.cfg.checkpoint.every_steps and self.step % self.cfg.checkpoint.every_steps == 0:
                 self.save()
             if self.step % tcfg.signal_check_every_steps == 0 and self._preemption_agreed():
@@ -313,9 +324,11 @@ class Trainer:
         bar.close()
         self.checkpoints.wait()
         latest = self.checkpoints.latest()
-        if latest is None or latest.name != f"step_{self.step:08d}":
+        if self.step > 0 and (latest is None or latest.name != f"step_{self.step:08d}"):
             self.save()
         self.checkpoints.wait()
+        if self.stopped_for_requeue and self.env.is_main:
+            self._say_stopped()
         if self.step >= tcfg.max_steps and self.env.is_main:
             (self.run_dir / FINISHED_MARKER).write_text(f"{self.step}\n")
         return last
@@ -327,7 +340,14 @@ class Trainer:
 
     def validate(self) -> dict[str, float] | None:
         """One pass over the validation split on every rank; rank 0 logs and returns the metrics."""
-        metrics = validate(self.model, self.val_loader, self.device, self.mixture, self.engine.autocast)
+        if self.env.is_main:
+            log.info("step %d: validation over %d samples per rank", self.step, len(self.val_loader.dataset))
+        metrics = validate(self.model, self.val_loader, self.device, self.mixture, self.engine.autocast,
+                           should_stop=self._preemption_agreed)
+        if self.stopped_for_requeue:
+            if self.env.is_main:
+                log.warning("validation at step %d abandoned for the stop signal", self.step)
+            return None
         if metrics is not None:
             self.logger.log(self.step, metrics)
             log.info("step %d: val/loss %.4f over %d samples", self.step, metrics.get("val/loss", float("nan")),
@@ -335,14 +355,25 @@ class Trainer:
         return metrics
 
     def _preemption_agreed(self) -> bool:
-        """All ranks stop at the same step if any rank got the signal (then the caller saves)."""
+        """All ranks stop at the same point if any rank got the signal (then ``fit`` saves and returns).
+        A collective: every rank calls it at the same step, or validation batch."""
+        if self.stopped_for_requeue:
+            return True
         stop = agree({"stop": self.preempt.is_set()})["stop"]
         if stop:
             self.stopped_for_requeue = True
             if self.env.is_main:
-                where = f"here ({self.preempt.signal_name})" if self.preempt.is_set() else "on another rank"
+                where = (f"here ({self.preempt.signal_name}, {time.monotonic() - self.preempt.received_at:.1f} s ago)"
+                         if self.preempt.is_set() else "on another rank")
                 log.warning("preemption signal %s at step %d: all ranks checkpoint for requeue", where, self.step)
         return stop
+
+    def _say_stopped(self) -> None:
+        latest = self.checkpoints.latest()
+        since = (f"{time.monotonic() - self.preempt.received_at:.1f} s after {self.preempt.signal_name}"
+                 if self.preempt.received_at is not None else "for a signal on another rank")
+        saved = f"checkpoint {latest} complete" if latest is not None else "no checkpoint (nothing trained yet)"
+        log.warning("stopped at step %d, %s: %s; exiting for requeue", self.step, since, saved)
 
     def _record(self, window: dict, lrs: dict[str, float], elapsed: float) -> dict[str, float]:
         steps = window["steps"]
@@ -379,7 +410,20 @@ class Trainer:
         path = self.checkpoints.save(self.step, self.engine, self.state_dict(), self.rank_state_dict(), self.ema)
         if self.env.is_main and not self.checkpoints.pending:
             log.info("saved checkpoint %s", path)  # a background save says so when it is in place
+        self._check_grace(getattr(self.checkpoints, "last_save_seconds", None))
         return path
+
+    def _check_grace(self, save_s: float | None) -> None:
+        """Once per run, on rank 0, with the first measured save: warn when a stop for a signal
+        (agreement, a save in flight, the checkpoint) does not fit in the time SLURM gives."""
+        if not self.env.is_main or save_s is None or getattr(self, "_grace_checked", False):
+            return
+        self._grace_checked = True
+        steps = self.step - getattr(self, "_fit_start_step", self.step)
+        step_s = (time.perf_counter() - self._fit_start) / steps if steps > 0 else 0.0
+        background = bool(self.cfg.checkpoint.async_save and getattr(self.checkpoints, "background", True))
+        for warning in shortfalls(save_s, step_s, self.cfg.trainer.signal_check_every_steps, background):
+            log.warning("%s", warning)
 
     def _resume(self) -> None:
         latest = self.checkpoints.latest_intact()
@@ -398,6 +442,11 @@ class Trainer:
         self.resumed_from = latest
         if self.env.is_main:
             log.info("resumed from %s at step %d", latest, self.step)
+        # The save this run will make takes about what the last one took: say now if it cannot fit.
+        try:
+            self._check_grace(json.loads((latest / "meta.json").read_text()).get("save_seconds"))
+        except (OSError, ValueError):
+            pass
 
     def close(self, failed: bool = False, keep_process_group: bool = False) -> None:
         # A save already captured is finished, also after a failure elsewhere: it is complete data.
@@ -406,6 +455,7 @@ class Trainer:
             log.error("%s", error)
         self._unlock_run_dir()
         self._stop_heartbeats()
+        self.preempt.uninstall()
         self.logger.close()
         self._batches = None
         if not keep_process_group:

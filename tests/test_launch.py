@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,6 @@ from slurmvla.launch import DistEnv
 from slurmvla.launch.distenv import PORT_BASE, PORT_SPAN, SlurmJob, derive_master_port
 from slurmvla.launch.nodelist import expand_nodelist
 from slurmvla.launch.overrides import split_overrides
-from slurmvla.launch.preempt import PreemptionFlag
 
 
 @pytest.mark.parametrize("expr, hosts", [
@@ -148,18 +146,6 @@ def test_override_module_prints_nul_separated_and_runs_nothing(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "slurmvla.launch.overrides"], capture_output=True, text=True,
                          env={**os.environ, "EXTRA_TAIL_OVERRIDES": "a='b"})
     assert bad.returncode == 2 and "a='b" in bad.stderr
-
-
-def test_preemption_flag_is_set_by_usr2_only():
-    flag = PreemptionFlag()
-    previous = signal.getsignal(signal.SIGUSR2)
-    try:
-        flag.install()
-        assert not flag.is_set()
-        os.kill(os.getpid(), signal.SIGUSR2)
-        assert flag.is_set() and flag.signal_name == "SIGUSR2"
-    finally:
-        signal.signal(signal.SIGUSR2, previous)
 
 
 def test_alloc_conf_default_is_set_once_and_never_overrides(caplog):

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +48,8 @@ def cluster(tmp_path_factory):
         yield {**env, "SLURM_CONF": str(base / "etc" / "slurm.conf"), "OMP_NUM_THREADS": "1"}
     finally:
         subprocess.run(["bash", str(CLUSTER), "down"], env=env, capture_output=True, timeout=120)
+        # The daemons' logs outlive the cluster (pytest keeps its last three temporary folders).
+        shutil.copytree(base / "log", tmp_path_factory.mktemp("slurm-logs"), dirs_exist_ok=True)
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -95,15 +96,6 @@ def sacct_state(env: dict, job: str, timeout: float = 30.0) -> str:
                 or time.monotonic() > deadline:
             return state
         time.sleep(0.2)
-
-
-def single_process(root, steps: int, tmp: Path) -> dict:
-    cfg = compose(_overrides(root, steps, 0))
-    trainer = Trainer(cfg, tmp)
-    trainer.fit()
-    weights = trainer.engine.model_state_dict()
-    trainer.close()
-    return weights
 
 
 def test_sbatch_droid_with_keep_ranges_and_quoted_tail_overrides(cluster, sample_root, tmp_path):
@@ -189,41 +181,91 @@ def test_sbatch_trains_pi05_under_fsdp_on_two_nodes_as_one_process_would(cluster
     assert any(".expert.input_layernorm.dense." in k for k in final) and rel_l2(final, reference) < 1e-5
 
 
-def test_preemption_signal_requeues_and_resumes_to_the_same_weights(cluster, sample_root, tmp_path):
-    steps = 60
-    run = tmp_path / "run"
-    extra = {"NPROC_PER_NODE": "1", "RUN_DIR": str(run)}
-    job = sbatch(cluster, "sbatch/train.sh", ["engine=ddp", *_overrides(sample_root, steps, 10)], tmp_path, extra)
-    deadline = time.monotonic() + 180
-    while not (run / "checkpoints" / "step_00000010").exists():
-        assert time.monotonic() < deadline, (tmp_path / f"{job}.out").read_text()[-3000:]
+def set_user_signal(env: dict, on: bool) -> None:
+    """Whether preemption sends the job's --signal (the site sets preempt_send_user_signal) or
+    SLURM's default, SIGTERM."""
+    subprocess.run(["bash", str(CLUSTER), "user-signal", "on" if on else "off"], env=env, check=True,
+                   capture_output=True)
+
+
+def preempt(env: dict, out_dir: Path) -> str:
+    """A job in the higher-priority partition that needs both nodes: SLURM preempts what runs there."""
+    return subprocess.run(["sbatch", "--parsable", "-p", "urgent", "--nodes=2", "--exclusive",
+                           f"--output={out_dir}/urgent-%j.out", "--wrap", "sleep 1"], env=env, capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def references(sample_root, tmp_path_factory):
+    """Uninterrupted single-process weights per (steps, extra overrides), computed once."""
+    cache: dict = {}
+
+    def get(steps: int, extra: tuple[str, ...] = ()) -> dict:
+        if (steps, extra) not in cache:
+            cfg = compose([*_overrides(sample_root, steps, 0), *extra])
+            trainer = Trainer(cfg, tmp_path_factory.mktemp("single"))
+            trainer.fit()
+            cache[steps, extra] = trainer.engine.model_state_dict()
+            trainer.close()
+        return cache[steps, extra]
+
+    return get
+
+
+def _stop_line(log: str, signal_name: str) -> float:
+    """Seconds from the signal to the complete checkpoint, as the trainer logs it."""
+    m = re.search(rf"stopped at step \d+, ([\d.]+) s after {signal_name}: checkpoint \S+ complete", log)
+    assert m, log[-4000:]
+    return float(m.group(1))
+
+
+GRACE_S = 30  # tests/slurm/cluster.sh: partition debug's GraceTime
+# Long enough (~15 s of tiny steps on two nodes) for a preemption decided within a scheduling
+# interval to land in the middle of the run.
+LONG_STEPS, LONG_EVERY = 400, 100
+
+
+@pytest.mark.parametrize("user_signal", [False, True], ids=["sigterm", "user_signal"])
+def test_sbatch_job_preempted_by_a_higher_priority_job_resumes_to_the_same_weights(cluster, sample_root, references,
+                                                                                    tmp_path, user_signal):
+    """A real preemption (partition_prio, PreemptMode=REQUEUE, GraceTime 30 s) of a two-node sbatch
+    run, with SLURM's default SIGTERM and with the user's USR2 (preempt_send_user_signal). The SIGTERM
+    case preempts in the middle of a long validation pass: the pass is abandoned and the checkpoint is
+    complete well inside the grace time. The job is requeued once and ends with the weights of an
+    uninterrupted run."""
+    set_user_signal(cluster, user_signal)
+    steps, run = LONG_STEPS, tmp_path / "run"
+    # SIGTERM case: a validation pass at step 200 (~10 s over half the episodes), preempted while it runs.
+    extra = () if user_signal else ("data.val_fraction=0.5", "trainer.val_every_steps=200")
+    job = sbatch(cluster, "sbatch/train.sh", ["engine=ddp", *_overrides(sample_root, steps, LONG_EVERY), *extra],
+                 tmp_path, {"NPROC_PER_NODE": "1", "RUN_DIR": str(run)})
+    out = tmp_path / f"{job}.out"
+    deadline = time.monotonic() + 240
+    ready = (lambda: (run / "metrics.jsonl").exists()) if user_signal else \
+        (lambda: "step 200: validation over" in (out.read_text() if out.exists() else ""))
+    while not ready():
+        assert time.monotonic() < deadline and job_state(cluster, job), out.read_text()[-3000:] if out.exists() else ""
         time.sleep(0.1)
-    # What SLURM sends signal_delay before the time limit (and on preemption), to the job steps.
-    t_signal = time.monotonic()
-    subprocess.run(["scancel", "--signal=USR2", job], env=cluster, check=True)
-    first_resumed = None
-    while job_state(cluster, job) or first_resumed is None:
-        log = (tmp_path / f"{job}.out").read_text() if (tmp_path / f"{job}.out").exists() else ""
-        if first_resumed is None and "restart 1" in log:
-            first_resumed = time.monotonic() - t_signal
-        assert time.monotonic() - t_signal < 300, log[-4000:]
-        if not job_state(cluster, job) and first_resumed is None:
-            break
+    t_preempt = time.monotonic()
+    preempt(cluster, tmp_path)
+    while not (run / "FINISHED").exists() or job_state(cluster, job):
+        assert time.monotonic() - t_preempt < 300, out.read_text()[-4000:]
         time.sleep(0.2)
-    log = (tmp_path / f"{job}.out").read_text()
-    assert "all ranks checkpoint for requeue" in log and "requeueing job" in log and "restart 1" in log, log[-4000:]
+    log = out.read_text()
+    signal_name = "SIGUSR2" if user_signal else "SIGTERM"
+    assert f"preemption signal here ({signal_name}" in log, log[-4000:]
+    took = _stop_line(log, signal_name)
+    assert took < GRACE_S, f"the checkpoint took {took} s after the signal, past the grace time"
+    if not user_signal:
+        assert "validation at step 200 abandoned for the stop signal" in log, log[-4000:]
+    assert "requeueing job" in log and "restart 1" in log and "restart 2" not in log, log[-4000:]
+    assert sacct_state(cluster, job).startswith("COMPLETED"), log[-4000:]
     assert (run / "FINISHED").read_text().strip() == str(steps)
-    reference = single_process(sample_root, steps, tmp_path / "single")
+    reference = references(steps, extra)
     final = load_file(str(run / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
     assert rel_l2(final, reference) < 1e-6
-    stamps = {}
-    for line in log.splitlines():
-        for key, text in (("stop", "all ranks checkpoint for requeue"), ("resume", "resumed from")):
-            if text in line and key not in stamps:
-                stamps[key] = datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f")
-    resume_s = (stamps["resume"] - stamps["stop"]).total_seconds()
-    print(f"preemption: signal -> requeued job running again {first_resumed:.1f}s; "
-          f"checkpoint for requeue -> resumed trainer ready for its first step {resume_s:.1f}s")
+    print(f"preempted ({signal_name}): checkpoint complete {took:.1f}s after the signal; preemption -> finished "
+          f"{time.monotonic() - t_preempt:.1f}s")
 
 
 def test_a_killed_rank_ends_the_job_in_bounded_time(cluster, sample_root, tmp_path):
@@ -257,7 +299,7 @@ def test_a_killed_rank_ends_the_job_in_bounded_time(cluster, sample_root, tmp_pa
     print(f"killed rank 1 -> job {state} after {time.monotonic() - t_kill:.1f}s")
 
 
-def test_submitit_two_nodes_matches_a_single_process_and_sweeps_are_arrays(cluster, sample_root, tmp_path):
+def test_submitit_two_nodes_matches_a_single_process_and_sweeps_are_arrays(cluster, sample_root, references, tmp_path):
     steps = 20
     sweep = tmp_path / "sweep"
     t0 = time.monotonic()
@@ -276,47 +318,53 @@ def test_submitit_two_nodes_matches_a_single_process_and_sweeps_are_arrays(clust
         assert (sweep / task / "FINISHED").read_text().strip() == str(steps)
         meta = json.loads((sweep / task / "checkpoints" / f"step_{steps:08d}" / "meta.json").read_text())
         assert meta["world_size"] == 2
-    reference = single_process(sample_root, steps, tmp_path / "single")
+    reference = references(steps)
     final = load_file(str(sweep / "0" / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
     assert rel_l2(final, reference) < 1e-6
     other = load_file(str(sweep / "1" / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
     assert rel_l2(other, reference) > 1e-3, "the seed sweep point trained a different model"
 
 
-def test_submitit_preemption_hands_over_to_submitits_requeue_and_resumes(cluster, sample_root, tmp_path):
-    """USR2 on the submitit path: the trainer checkpoints, hands the signal to submitit's handler,
-    which requeues the job; the requeued job resumes and ends with the uninterrupted weights.
+@pytest.mark.parametrize("user_signal", [False, True], ids=["sigterm", "user_signal"])
+def test_submitit_job_preempted_by_a_higher_priority_job_resumes_to_the_same_weights(cluster, sample_root, references,
+                                                                                      tmp_path, user_signal):
+    """A real preemption on the submitit path: the trainer checkpoints and hands the signal to
+    submitit's requeue handler (SIGTERM too, which submitit itself only bypasses); the requeued job
+    resumes and ends with the uninterrupted weights.
 
     The run is checked, not the launcher's client: submitit's client can read the job's sacct
     state from before the requeue and report the job as finished without a result (a client-side
     race in submitit); the job itself completes.
     """
-    steps = 60
+    set_user_signal(cluster, user_signal)
+    steps = LONG_STEPS
     sweep = tmp_path / "sweep"
     client = subprocess.Popen(
         [sys.executable, "-m", "slurmvla.train", "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2",
          "hydra.launcher.tasks_per_node=1", "hydra.launcher.timeout_min=20", "hydra.launcher.max_num_timeout=3",
-         f"hydra.sweep.dir={sweep}", "engine=ddp", *_overrides(sample_root, steps, 10)],
+         f"hydra.sweep.dir={sweep}", "engine=ddp", *_overrides(sample_root, steps, LONG_EVERY)],
         cwd=tmp_path, env=cluster, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 180
-        while not (sweep / "0" / "checkpoints" / "step_00000010").exists():
+        deadline = time.monotonic() + 240
+        while not (sweep / "0" / "metrics.jsonl").exists():
             assert time.monotonic() < deadline and client.poll() is None
             time.sleep(0.1)
-        job = subprocess.run(["squeue", "-h", "-o", "%i"], env=cluster, capture_output=True, text=True).stdout.split()[0]
-        subprocess.run(["scancel", "--signal=USR2", job], env=cluster, check=True)
+        preempt(cluster, tmp_path)
         while not (sweep / "0" / "FINISHED").exists():
-            assert time.monotonic() < deadline + 120, "the requeued job did not finish"
+            assert time.monotonic() < deadline + 180, "the requeued job did not finish"
             time.sleep(0.2)
     finally:
         try:
             client.wait(timeout=120)
         except subprocess.TimeoutExpired:
             client.kill()
-    logs = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_0_log.out"))
-    assert "handing SIGUSR2 over to SignalHandler.checkpoint_and_try_requeue" in logs
-    assert "resumed from" in (sweep / "0" / "train.log").read_text()
-    reference = single_process(sample_root, steps, tmp_path / "single")
+    signal_name = "SIGUSR2" if user_signal else "SIGTERM"
+    logs = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_0_log.*"))
+    assert f"handing {signal_name} over to SignalHandler.checkpoint_and_try_requeue" in logs, logs[-4000:]
+    train_log = (sweep / "0" / "train.log").read_text()
+    assert f"preemption signal here ({signal_name}" in train_log and "resumed from" in train_log
+    assert _stop_line(train_log, signal_name) < GRACE_S
+    reference = references(steps)
     final = load_file(str(sweep / "0" / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
     assert rel_l2(final, reference) < 1e-6
 
@@ -332,18 +380,19 @@ def _nodes_idle(env: dict, count: int, timeout: float) -> bool:
 
 
 @pytest.mark.faults
-def test_a_lost_node_ends_the_step_requeues_and_resumes_to_the_same_weights(cluster, sample_root, tmp_path):
+def test_a_lost_node_ends_the_step_requeues_and_resumes_to_the_same_weights(cluster, sample_root, references, tmp_path):
     """node2's slurmd and its tasks SIGKILLed mid-run: the surviving rank fails fast, SLURM declares
     the node down and requeues the job; once the node is back the job resumes from the newest
     complete checkpoint and ends with the weights of an uninterrupted single-process run."""
-    steps = 60
+    steps = LONG_STEPS
     run = tmp_path / "run"
     extra = {"NPROC_PER_NODE": "1", "RUN_DIR": str(run)}
-    job = sbatch(cluster, "sbatch/train.sh", ["engine=ddp", *_overrides(sample_root, steps, 10)], tmp_path, extra)
+    job = sbatch(cluster, "sbatch/train.sh", ["engine=ddp", *_overrides(sample_root, steps, LONG_EVERY)], tmp_path,
+                 extra)
     out = tmp_path / f"{job}.out"
     try:
         deadline = time.monotonic() + 180
-        while not (run / "checkpoints" / "step_00000010").exists():
+        while not (run / "checkpoints" / f"step_{LONG_EVERY:08d}").exists():
             assert time.monotonic() < deadline, out.read_text()[-3000:] if out.exists() else "no log"
             time.sleep(0.1)
         t_kill = time.monotonic()
@@ -366,7 +415,7 @@ def test_a_lost_node_ends_the_step_requeues_and_resumes_to_the_same_weights(clus
     assert sacct_state(cluster, job).startswith("COMPLETED"), log[-4000:]
     assert (run / "FINISHED").read_text().strip() == str(steps), log[-4000:]
     assert "restart 1" in log and "resumed from" in (run / "train.log").read_text()
-    reference = single_process(sample_root, steps, tmp_path / "single")
+    reference = references(steps)
     final = load_file(str(run / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
     assert rel_l2(final, reference) < 1e-6
     assert _nodes_idle(cluster, 2, 60), "node2 did not return to service"

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from slurmvla.config import DataConfig
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.readers import EpisodeStream, EpochSampler, MapDataset, ValidationDataset
+from slurmvla.launch.preempt import ignore_stop_signals
 
 log = logging.getLogger("slurmvla")
 
@@ -36,7 +37,10 @@ class TrainData:
                       prefetch_factor=4 if workers > 0 else None,
                       # Its own generator: starting workers must not draw from the global RNG, or a
                       # resumed run (which starts its workers at another step) would diverge.
-                      generator=torch.Generator().manual_seed(seed))
+                      generator=torch.Generator().manual_seed(seed),
+                      # SLURM's SIGTERM / USR2 reach every process of the step: a worker must outlive
+                      # them until the trainer has saved (torch's workers die of any SIGTERM).
+                      worker_init_fn=ignore_stop_signals)
         if cfg.loader == "stream":
             self.stream = EpisodeStream(mixture, batch_size, rank, world_size, workers)
             self.batches_per_epoch = self.stream.batches_per_epoch
@@ -109,4 +113,4 @@ def build_validation_loader(mixture: Mixture, cfg: DataConfig, batch_size: int, 
     per_rank = -(-len(dataset) // world_size)
     indices = list(range(rank * per_rank, min(len(dataset), (rank + 1) * per_rank)))
     return DataLoader(_Padded(dataset, indices, per_rank), batch_size=batch_size, shuffle=False, drop_last=False,
-                      num_workers=min(cfg.num_workers, 1))
+                      num_workers=min(cfg.num_workers, 1), worker_init_fn=ignore_stop_signals)

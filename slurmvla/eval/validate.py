@@ -23,16 +23,21 @@ from slurmvla.registry import SAMPLE_MODES
 
 @torch.no_grad()
 def validate(policy: torch.nn.Module, loader, device: torch.device, mixture: Mixture,
-             autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> dict[str, float] | None:
+             autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+             should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
     """Metrics on rank 0 (``val/...`` keys), None on the other ranks. Call it on every rank.
 
-    Per-batch values stay on the device until the pass ends (one copy to the host, no sync per batch)."""
+    Per-batch values stay on the device until the pass ends (one copy to the host, no sync per batch).
+    ``should_stop``: asked before every batch (the trainer's rank-uniform stop agreement, a collective:
+    every rank runs the same number of batches); when it says yes the pass ends and returns None."""
     control_modes = mixture.control_modes
     was_training = policy.training
     policy.eval()
     columns: dict[str, list[torch.Tensor]] = defaultdict(list)
     try:
         for i, batch in enumerate(loader):
+            if should_stop is not None and should_stop():
+                return None
             if i == 0:  # the trainer's first-batch rule: a field some ranks lack stops all, naming it
                 check_same_fields(batch.keys(), what="validation batch")
             batch = to_device(batch, device)

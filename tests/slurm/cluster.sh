@@ -8,9 +8,17 @@
 #   bash tests/slurm/cluster.sh down        # scancel, stop every daemon by its pidfile PID, remove namespaces
 #   bash tests/slurm/cluster.sh kill-node N     # lose node N: its slurmd and its job processes SIGKILLed
 #   bash tests/slurm/cluster.sh start-node N    # bring node N back (its slurmd registers; ReturnToService=2)
+#   bash tests/slurm/cluster.sh user-signal on|off  # preemption sends the job's --signal (preempt_send_user_signal)
+#                                                   # instead of SIGTERM (off: SLURM's default)
 #
 # Environment: SVLA_BASE (state folder, default ${TMPDIR:-/tmp}/slurmvla-cluster), SVLA_NODES (2),
-# SVLA_CPUS (CPUs each node advertises, default 2), SVLA_NET (10.78.0), SVLA_PORT (17800).
+# SVLA_CPUS (CPUs each node advertises, default 2), SVLA_NET (10.78.0), SVLA_PORT (17800),
+# SVLA_GRACE (the preemption GraceTime of partition debug, default 30 s), SVLA_BRIDGE (svlabr0) and
+# SVLA_NETNS (svlanode: namespaces svlanode1..N): a second cluster on the same machine needs its own
+# SVLA_BASE, SVLA_NET, SVLA_PORT, SVLA_BRIDGE and SVLA_NETNS.
+# Preemption as production clusters set it up: partition "urgent" (PriorityTier 10) preempts jobs of
+# the default partition "debug" (PriorityTier 1) with PreemptType=preempt/partition_prio,
+# PreemptMode=REQUEUE and GraceTime=SVLA_GRACE.
 # Pitfalls this handles: munged's socket directory must be world-executable; clients need
 # SLURM_CONF; `ip netns exec` remounts /sys and breaks slurmd (nsenter is used); node names resolve
 # through a hosts file bind-mounted inside the node namespaces only; cred_expire and the scheduler
@@ -23,8 +31,9 @@ NODES=${SVLA_NODES:-2}
 CPUS=${SVLA_CPUS:-2}
 NET=${SVLA_NET:-10.78.0}
 PORT=${SVLA_PORT:-17800}
-BR=svlabr0
-NS=svlanode
+GRACE=${SVLA_GRACE:-30}
+BR=${SVLA_BRIDGE:-svlabr0}
+NS=${SVLA_NETNS:-svlanode}
 CONF=$BASE/etc/slurm.conf
 LOG=$BASE/log
 MSOCK=$BASE/munge-run/munge.sock
@@ -86,7 +95,9 @@ SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
 SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,sched_interval=2,bf_interval=2
 SlurmdParameters=config_overrides
-SlurmctldParameters=preempt_send_user_signal
+#SlurmctldParameters=preempt_send_user_signal
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 MpiDefault=none
 MailProg=/bin/true
 ReturnToService=2
@@ -104,7 +115,8 @@ CONF
   for ((i = 1; i <= NODES; i++)); do
     echo "NodeName=node$i NodeAddr=$NET.$((10 + i)) CPUs=$CPUS Boards=1 SocketsPerBoard=1 CoresPerSocket=$CPUS ThreadsPerCore=1 RealMemory=4000 State=UNKNOWN" >> "$CONF"
   done
-  echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >> "$CONF"
+  echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=$GRACE" >> "$CONF"
+  echo "PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF" >> "$CONF"
   cat > "$BASE/etc/slurmdbd.conf" <<DBD
 AuthType=auth/munge
 AuthInfo=socket=$MSOCK
@@ -208,6 +220,13 @@ case "$CMD" in
   down) down ;;
   env) echo "export SLURM_CONF=$CONF" ;;
   kill-node) kill_node "${2:?node number}" ;;
+  user-signal)
+    case "${2:-}" in
+      on) sed -i 's/^#*SlurmctldParameters=preempt_send_user_signal/SlurmctldParameters=preempt_send_user_signal/' "$CONF" ;;
+      off) sed -i 's/^#*SlurmctldParameters=preempt_send_user_signal/#SlurmctldParameters=preempt_send_user_signal/' "$CONF" ;;
+      *) echo "usage: $0 user-signal on|off" >&2; exit 2 ;;
+    esac
+    SLURM_CONF=$CONF scontrol reconfigure ;;
   start-node) export SLURM_CONF=$CONF; start_node "${2:?node number}" ;;
-  *) echo "usage: $0 install|up|down|env|kill-node N|start-node N" >&2; exit 2 ;;
+  *) echo "usage: $0 install|up|down|env|kill-node N|start-node N|user-signal on|off" >&2; exit 2 ;;
 esac
