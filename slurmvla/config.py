@@ -526,10 +526,32 @@ class ServeConfig:
     seed: int = 0
     # auto: the GPU when there is one.
     device: str = "auto"
+    # The largest request (one msgpack frame) accepted, in MiB; a larger one is refused as its header
+    # arrives (close code 1009), before any of it is buffered. null: derived from the policy (see
+    # slurmvla.serve.default_max_request_bytes): 4 x one observation, each camera counted at the
+    # policy's image size or 1280 x 720 RGB, whichever is larger, plus 16 MiB.
+    max_request_mb: float | None = None
+    # API key (clients send "Authorization: Api-Key <key>", openpi's WebsocketClientPolicy(..., api_key=...)).
+    # The NAME of an environment variable holding the key; the default one may be unset (no key
+    # from it), any other name must be set. null: no key from the environment.
+    api_key_env: str | None = "SLURMVLA_API_KEY"
+    # A file whose content is the key (readable only by its owner); must be readable when set.
+    # The key itself is never part of the config, so it never reaches config.resolved.yaml.
+    api_key_file: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"serve.port={self.port} is not a TCP port (0..65535; 0 picks a free one)")
+        if self.max_request_mb is not None and not (0 < self.max_request_mb < float("inf")):
+            raise ValueError(f"serve.max_request_mb={self.max_request_mb} is not a size: give a number of MiB > 0 "
+                             "(e.g. 64), or null for the default derived from the policy's observation size")
+        if self.api_key_env is not None and not (self.api_key_env.isascii() and self.api_key_env.replace("_", "a").isalnum()
+                                               and not self.api_key_env[0].isdigit()):
+            # Not echoed: a key put here by mistake must not reach the terminal or a log.
+            raise ValueError("serve.api_key_env must be the NAME of an environment variable holding the key "
+                             "(letters, digits and _, e.g. SLURMVLA_API_KEY), not the key itself")
+        if self.api_key_file is not None and not self.api_key_file.strip():
+            raise ValueError("serve.api_key_file is empty; give the path of a file holding the key, or null")
         if not self.state:
             raise ValueError("serve.state is empty; name the client keys that make up the state, e.g. "
                              "[observation/joint_position, observation/gripper_position]")

@@ -8,12 +8,18 @@ Reference actions come from the policy loaded in this process: the same inputs p
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
+import logging
 import os
 import re
+import secrets
+import struct
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -26,7 +32,7 @@ from slurmvla.compose import compose
 from slurmvla.data.prepare import prepare_image
 from slurmvla.export import Loaded, load_exported
 from slurmvla.policy import build_policy
-from slurmvla.serve import PolicyRunner
+from slurmvla.serve import MiB, PolicyRunner, build_server, default_max_request_bytes, read_api_key
 
 wcp = pytest.importorskip("openpi_client.websocket_client_policy", reason="pip install --no-deps openpi-client")
 image_tools = pytest.importorskip("openpi_client.image_tools")
@@ -37,17 +43,20 @@ REPO = Path(__file__).resolve().parents[1]
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def start_server(source: Path, *args: str) -> tuple[subprocess.Popen, int]:
+def start_server(source: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+    """``python -m slurmvla.serve`` on a free port of 127.0.0.1; ``proc.log`` collects its output lines. An API
+    key only where ``env`` gives one (never one from the environment the tests run in)."""
+    base = {k: v for k, v in os.environ.items() if k != "SLURMVLA_API_KEY"}
     proc = subprocess.Popen([sys.executable, "-m", "slurmvla.serve", str(source), "--host", "127.0.0.1", "--port", "0",
-                             *args], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    lines = []
+                             *args], cwd=REPO, env={**base, "OMP_NUM_THREADS": "1", **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = proc.log = []
     for line in proc.stdout:
         lines.append(line)
         m = re.search(r"serving .* on ws://127\.0\.0\.1:(\d+)", line)
         if m:
             # Keep draining the log so the server never blocks on a full pipe.
-            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
             return proc, int(m.group(1))
     proc.wait(10)
     raise AssertionError("server did not start:\n" + "".join(lines)[-3000:])
@@ -263,3 +272,227 @@ def test_a_plug_in_policy_is_served_through_the_same_contract(sample_root, examp
         want = policy.sample_actions({"images": torch.from_numpy(images)[None], "image_mask": torch.tensor([[1, 0, 1]]).bool(),
                                       "state": torch.from_numpy(state)[None]})[0].numpy()
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+# -- bounded and closed to strangers: the API key and the request-size limit ----------------------
+
+KEY = "test-" + secrets.token_urlsafe(24)
+
+
+@pytest.fixture(scope="module")
+def keyed_server(trained_run):
+    """A server whose key comes from $SLURMVLA_API_KEY; yields (port, its process)."""
+    proc, port = start_server(trained_run, env={"SLURMVLA_API_KEY": KEY})
+    try:
+        yield port, proc
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, f"server exited with {proc.returncode} on SIGTERM"
+    log = "".join(proc.log)
+    assert KEY not in log and "Traceback" not in log, log[-3000:]
+
+
+def _log_lines(proc: subprocess.Popen, pattern: str, want: int, timeout: float = 10) -> list[str]:
+    """The server's log lines matching ``pattern``, once there are ``want`` of them (the server logs as
+    the connection closes, a moment after the client sees the close)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [ln for ln in list(proc.log) if re.search(pattern, ln)]
+        if len(found) >= want or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def _rss(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
+
+
+def test_only_clients_with_the_api_key_are_served_and_healthz_stays_open(keyed_server, loaded):
+    import websockets
+
+    port, proc = keyed_server
+    client = wcp.WebsocketClientPolicy("127.0.0.1", port, api_key=KEY)
+    meta = client.get_server_metadata()
+    assert KEY not in repr(meta) and meta["max_request_bytes"] > 0
+    for seed in (0, 1):
+        obs = droid_obs(seed, raw=bool(seed))
+        np.testing.assert_allclose(client.infer(obs)["actions"], reference(loaded, obs), rtol=RTOL, atol=ATOL)
+    # Refused before the websocket opens: openpi's client raises the HTTP status it got.
+    for key, status, reason in ((None, 401, "Authorization: Api-Key <key>"), ("not-" + KEY, 403, "wrong API key"),
+                                (KEY[:-1], 403, "wrong API key")):
+        with pytest.raises(websockets.exceptions.InvalidStatus) as e:
+            wcp.WebsocketClientPolicy("127.0.0.1", port, api_key=key)
+        assert e.value.response.status_code == status
+        assert reason in bytes(e.value.response.body).decode()
+    # Another scheme with the right key is no key.
+    from websockets.sync.client import connect
+
+    with pytest.raises(websockets.exceptions.InvalidStatus) as e:
+        connect(f"ws://127.0.0.1:{port}", additional_headers={"Authorization": f"Bearer {KEY}"}).close()
+    assert e.value.response.status_code == 403
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:
+        assert r.status == 200
+    lines = _log_lines(proc, r"refused a connection", 4)
+    assert len(lines) == 4 and "no API key" in lines[0] and all("wrong API key" in ln for ln in lines[1:]), lines
+    assert not any(KEY in ln or KEY[:-1] in ln for ln in proc.log)
+    assert "API key required (from $SLURMVLA_API_KEY)" in "".join(proc.log)
+
+
+def test_an_oversized_request_is_refused_while_another_client_is_served(keyed_server, loaded):
+    """64 MiB of bytes from the plain websockets client: closed with 1009, one log line naming the
+    limit and its option, the server's memory unchanged, and a client connected meanwhile answered."""
+    import websockets
+    from websockets.sync.client import connect
+
+    port, proc = keyed_server
+    client = wcp.WebsocketClientPolicy("127.0.0.1", port, api_key=KEY)
+    limit = client.get_server_metadata()["max_request_bytes"]
+    size = 64 * MiB
+    assert 2 * 1280 * 720 * 3 < limit < size  # two raw 720p frames fit; the 64 MiB frame does not
+    client.infer(droid_obs(8))  # warm: the policy's first allocations are not the frame's
+    before = _rss(proc.pid)
+    closed: list = []
+
+    def send_big() -> None:
+        with connect(f"ws://127.0.0.1:{port}", compression=None, max_size=None,
+                     additional_headers={"Authorization": f"Api-Key {KEY}"}) as ws:
+            ws.recv()  # metadata
+            try:
+                ws.send(b"\0" * size)
+                ws.recv(timeout=30)
+            except websockets.ConnectionClosed as e:
+                closed.append(e.rcvd)
+
+    big = threading.Thread(target=send_big)
+    big.start()
+    answered = 0
+    while big.is_alive() or answered < 3:
+        obs = droid_obs(40 + answered % 3)
+        np.testing.assert_allclose(client.infer(obs)["actions"], reference(loaded, obs), rtol=RTOL, atol=ATOL)
+        answered += 1
+    big.join(60)
+    after = _rss(proc.pid)
+    assert closed and closed[0] is not None and closed[0].code == 1009, closed
+    assert str(limit) in closed[0].reason  # websockets' words for it vary by version; the numbers do not
+    lines = _log_lines(proc, r"refused a request", 1)
+    assert len(lines) == 1 and str(size) in lines[0] and "serve.max_request_mb" in lines[0], lines
+    print(f"server RSS around a 64 MiB frame: {before / MiB:.1f} -> {after / MiB:.1f} MiB")
+    assert after - before < 32 * MiB, (before, after)
+    # The same connection of the legitimate client goes on.
+    np.testing.assert_allclose(client.infer(droid_obs(9))["actions"], reference(loaded, droid_obs(9)),
+                               rtol=RTOL, atol=ATOL)
+
+
+def test_an_oversized_frame_is_closed_on_its_header_before_its_payload_is_read(keyed_server):
+    """A frame header announcing 256 MiB, then 2 MiB of it: the server closes (1009) without waiting for
+    the rest, and its memory does not grow by the announced size."""
+    import websockets
+    from websockets.sync.client import connect
+
+    port, proc = keyed_server
+    before = _rss(proc.pid)
+    announced, sent = 256 * MiB, 2 * MiB
+    with connect(f"ws://127.0.0.1:{port}", compression=None,
+                 additional_headers={"Authorization": f"Api-Key {KEY}"}) as ws:
+        ws.recv()  # metadata
+        # A client frame as RFC 6455 writes it: FIN + binary, masked, 64-bit length, mask key, payload.
+        header = struct.pack("!BBQ", 0x82, 0x80 | 127, announced) + b"\x01\x02\x03\x04"
+        with contextlib.suppress(OSError):  # the server may have closed before all of it is written
+            ws.socket.sendall(header + b"\x55" * sent)
+        with pytest.raises(websockets.ConnectionClosed) as e:
+            ws.recv(timeout=10)
+    assert e.value.rcvd is not None and e.value.rcvd.code == 1009, e.value
+    after = _rss(proc.pid)
+    print(f"server RSS around a 256 MiB frame header + {sent // MiB} MiB: {before / MiB:.1f} -> {after / MiB:.1f} MiB")
+    assert after - before < 32 * MiB, (before, after)
+    assert len(_log_lines(proc, rf"refused a request .*\b{announced}\b", 1)) == 1
+
+
+def test_the_request_limit_follows_the_policy_and_serve_max_request_mb(trained_run, loaded):
+    runner = PolicyRunner(loaded)
+    size = loaded.cfg.policy.image_size
+    assert size * size * 3 < 1280 * 720 * 3  # the tiny policy's images are smaller than a raw camera frame
+    # The documented rule: 4 x (2 cameras sent, each a 1280 x 720 RGB frame; state; 64 KiB prompt) + 16 MiB.
+    want = 4 * (2 * 1280 * 720 * 3 + 8 * loaded.cfg.policy.state_dim + 64 * 1024) + 16 * MiB
+    assert runner.max_request_bytes == default_max_request_bytes(runner) == want
+    assert runner.metadata()["max_request_bytes"] == want
+    assert PolicyRunner(load_exported(trained_run, ["serve.max_request_mb=1.5"])).max_request_bytes == int(1.5 * MiB)
+
+
+@contextlib.contextmanager
+def in_process_server(trained_run, *overrides: str, environ: dict[str, str] | None = None):
+    """build_server + run in a thread of this process; yields the server once it listens."""
+    server = build_server(str(trained_run), ["serve.port=0", *overrides], device="cpu", environ=environ or {})
+    ready, loop, stop_event = threading.Event(), asyncio.new_event_loop(), []
+
+    def run() -> None:
+        stop_event.append(asyncio.Event())
+        loop.run_until_complete(server.run(ready, stop_event[0]))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(30), "the server did not start"
+        yield server
+    finally:
+        loop.call_soon_threadsafe(stop_event[0].set)
+        thread.join(30)
+        loop.close()
+
+
+def test_a_key_file_is_read_and_listening_beyond_localhost_without_a_key_is_warned(trained_run, tmp_path, caplog):
+    key_file = tmp_path / "api_key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    caplog.set_level(logging.WARNING, logger="slurmvla.serve")
+    with in_process_server(trained_run, "serve.host=127.0.0.1", f"serve.api_key_file={key_file}") as server:
+        obs = droid_obs(6)
+        actions = wcp.WebsocketClientPolicy("127.0.0.1", server.port, api_key=KEY).infer(obs)["actions"]
+        np.testing.assert_allclose(actions, reference(server.runner.loaded, obs), rtol=RTOL, atol=ATOL)
+        with pytest.raises(Exception, match="HTTP 401"):
+            wcp.WebsocketClientPolicy("127.0.0.1", server.port)
+    assert not [r for r in caplog.records if "without an API key" in r.getMessage()]
+    assert KEY not in caplog.text and KEY not in repr(server.api_key)
+    with in_process_server(trained_run, "serve.host=0.0.0.0"):
+        pass
+    warned = [r.getMessage() for r in caplog.records if "without an API key" in r.getMessage()]
+    assert len(warned) == 1 and "\n" not in warned[0] and "SLURMVLA_API_KEY" in warned[0], warned
+    # A key file readable by others is served, with one warning.
+    key_file.chmod(0o644)
+    caplog.clear()
+    assert read_api_key(server.runner.cfg.serve).matches(f"Api-Key {KEY}")
+    assert "chmod 600" in caplog.text and KEY not in caplog.text
+
+
+@pytest.mark.parametrize("args, environ, expected", [
+    (["serve.api_key_file={tmp}/missing"], {}, "serve.api_key_file={tmp}/missing: cannot read the API key file "
+                                               "(No such file or directory)"),
+    (["serve.api_key_file={tmp}"], {}, "cannot read the API key file"),
+    (["serve.api_key_file={tmp}/empty"], {}, "serve.api_key_file={tmp}/empty holds an empty API key"),
+    ([], {"SLURMVLA_API_KEY": " "}, "$SLURMVLA_API_KEY holds an empty API key"),
+    ([], {"SLURMVLA_API_KEY": "two words"}, "holds spaces, control or non-ASCII characters"),
+    (["serve.api_key_env=ROBOT_KEY"], {}, "serve.api_key_env=ROBOT_KEY names a variable that is not set"),
+    (["serve.api_key_file={tmp}/key"], {"SLURMVLA_API_KEY": "other"}, "hold different API keys"),
+    (["serve.api_key_env=" + KEY.replace("-", "_") + "!"], {}, "must be the NAME of an environment variable"),
+    (["--max-request-mb", "abc"], {}, "--max-request-mb 'abc' is not a number of MiB"),
+    (["--max-request-mb", "0"], {}, "serve.max_request_mb=0.0 is not a size"),
+    (["serve.max_request_mb=lots"], {}, "serve.max_request_mb"),  # the composition's own type error, on one line
+])
+def test_bad_keys_and_sizes_fail_at_start_with_one_line(trained_run, tmp_path, monkeypatch, capsys, args, environ,
+                                                        expected):
+    from slurmvla import serve
+
+    (tmp_path / "empty").write_text("\n")
+    (tmp_path / "key").write_text(KEY)
+    monkeypatch.delenv("SLURMVLA_API_KEY", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as e:
+        serve.main([str(trained_run), "--port", "0", *(a.format(tmp=tmp_path) for a in args)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert expected.format(tmp=tmp_path) in err, err
+    # A key, or a value put in serve.api_key_env by mistake, never reaches the terminal.
+    assert KEY not in err and KEY.replace("-", "_") not in err and "two words" not in err, err
