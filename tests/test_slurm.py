@@ -7,6 +7,7 @@ torn down by PID at the end of the module, also when a test fails.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -37,6 +38,19 @@ def cluster(tmp_path_factory):
     # tests/slurm/cluster.sh installs what is missing (slurm, munge, mariadb, iproute2) with apt.
     if os.geteuid() != 0:
         pytest.skip("a local SLURM cluster needs root (apt, network namespaces)")
+    # One test cluster on the machine at a time (a second test session waits): two with the same node
+    # names and addresses but different munge keys break each other's task launches.
+    lock = open("/tmp/slurmvla-test-cluster.lock", "w")  # noqa: SIM115 - held for the module
+    deadline = time.monotonic() + 480
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                pytest.fail("another test session has held the SLURM test cluster for 8 minutes "
+                            "(/tmp/slurmvla-test-cluster.lock)")
+            time.sleep(2)
     # munged needs every directory above its socket to be world-executable (pytest's are 0700).
     base = Path(tempfile.mkdtemp(prefix="slurmvla-cluster-", dir="/tmp"))
     base.chmod(0o755)
@@ -51,6 +65,7 @@ def cluster(tmp_path_factory):
         # The daemons' logs outlive the cluster (pytest keeps its last three temporary folders).
         shutil.copytree(base / "log", tmp_path_factory.mktemp("slurm-logs"), dirs_exist_ok=True)
         shutil.rmtree(base, ignore_errors=True)
+        lock.close()
 
 
 def _overrides(root, steps: int, every: int, loader: str = "map") -> list[str]:

@@ -38,6 +38,11 @@ CONF=$BASE/etc/slurm.conf
 LOG=$BASE/log
 MSOCK=$BASE/munge-run/munge.sock
 CTL=$NET.1
+# Who owns the bridge and the node namespaces: the state folder of the cluster that made them. Two
+# clusters with the same names would share node addresses with different munge keys (a launch on a node
+# then fails with "Zero Bytes were transmitted or received"), or one's down would remove the other's
+# network: up refuses while the owner is alive, and down removes only what its own cluster made.
+OWNER=/run/slurmvla-cluster-$BR.owner
 HOST=$(hostname -s)
 
 say() { echo "cluster: $*" >&2; }
@@ -154,10 +159,29 @@ up() {
     command -v "$tool" > /dev/null || { install; break; }
   done
   [ -s "$LOG/slurmctld.pid" ] && alive "$(cat "$LOG/slurmctld.pid")" && { say "already up"; return 0; }
+  if [ -s "$OWNER" ] && [ "$(cat "$OWNER")" != "$BASE" ]; then
+    local other
+    other=$(cat "$OWNER")
+    if [ -s "$other/log/slurmctld.pid" ] && alive "$(cat "$other/log/slurmctld.pid")"; then
+      say "another cluster ($other) is up with bridge $BR and namespaces $NS*: bring it down (SVLA_BASE=$other $0 down) or give this one its own SVLA_BRIDGE, SVLA_NETNS, SVLA_NET and SVLA_PORT"
+      exit 1
+    fi
+    say "cleaning up after a cluster that did not come down ($other)"
+    SVLA_BASE=$other bash "$0" down || true
+  fi
+  if [ ! -s "$OWNER" ] && ip link show "$BR" > /dev/null 2>&1; then
+    say "removing bridge $BR and namespaces $NS* that no cluster owns (left by an older cluster.sh)"
+    for ((i = 1; i <= NODES; i++)); do
+      for p in $(ip netns pids "$NS$i" 2>/dev/null); do kill -9 "$p" 2>/dev/null || true; done
+      ip netns del "$NS$i" 2>/dev/null || true
+    done
+    ip link del "$BR" 2>/dev/null || true
+  fi
   write_conf
   [ -s "$BASE/munge-key/munge.key" ] || { dd if=/dev/urandom of="$BASE/munge-key/munge.key" bs=128 count=1 status=none; chmod 400 "$BASE/munge-key/munge.key"; }
   munged --key-file="$BASE/munge-key/munge.key" --socket="$MSOCK" --pid-file="$BASE/munge-run/munged.pid" \
          --log-file="$LOG/munged.log" --seed-file="$BASE/munge-key/seed"
+  echo "$BASE" > "$OWNER"
   ip link add "$BR" type bridge; ip addr add "$CTL/24" dev "$BR"; ip link set "$BR" up
   for ((i = 1; i <= NODES; i++)); do
     ip netns add "$NS$i"
@@ -201,15 +225,20 @@ down() {
     for ((i = 0; i < 40; i++)); do [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break; sleep 0.25; done
   fi
   for ((i = 1; i <= NODES; i++)); do stop_pid "$LOG/slurmd-node$i.pid"; done
-  # Job processes still inside the node namespaces were started by this cluster: end them by PID.
+  local owned=0
+  [ -s "$OWNER" ] && [ "$(cat "$OWNER")" = "$BASE" ] && owned=1
+  # Job processes still inside this cluster's node namespaces were started by it: end them by PID.
   for ((i = 1; i <= NODES; i++)); do
-    [ -e "/run/netns/$NS$i" ] || continue
+    [ "$owned" = 1 ] && [ -e "/run/netns/$NS$i" ] || continue
     for p in $(ip netns pids "$NS$i" 2>/dev/null); do kill -9 "$p" 2>/dev/null || true; done
   done
   stop_pid "$LOG/slurmctld.pid"; stop_pid "$LOG/slurmdbd.pid"
   stop_pid "$BASE/db/mariadbd.pid"; stop_pid "$BASE/munge-run/munged.pid"
-  for ((i = 1; i <= NODES; i++)); do ip netns del "$NS$i" 2>/dev/null || true; done
-  ip link del "$BR" 2>/dev/null || true
+  if [ "$owned" = 1 ]; then
+    for ((i = 1; i <= NODES; i++)); do ip netns del "$NS$i" 2>/dev/null || true; done
+    ip link del "$BR" 2>/dev/null || true
+    rm -f "$OWNER"
+  fi
   rm -rf "$BASE/state" "$BASE/spool"
   say "down"
 }
