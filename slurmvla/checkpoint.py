@@ -17,10 +17,29 @@ Failures are rank-uniform: every rank reports whether its part was written (one 
 a full disk on one rank is an error on all of them, never a hang at a barrier. Pruning runs only
 after a rename, so the newest complete checkpoint is never deleted.
 
-Saving in the background (``checkpoint.async_save``): an engine that can capture its state on the
-host (``engine.snapshot()``) returns a writer; rank 0 runs it in a thread while training goes on,
-then checksums, renames and prunes there. The next save, the end of ``fit`` and ``close`` wait for it
-(``wait()``, a collective), and an error in the thread is raised on every rank at that point.
+Saving in the background (``checkpoint.async_save``, on the engines whose registry entry says
+``background_save``): the save call copies the state to host memory and returns; the files are
+written while training goes on, and the checkpoint is committed (checksummed, ``meta.json`` written,
+renamed, older ones pruned) by rank 0 once every part is on disk.
+
+- Replicated engines (single, ddp: ``engine.snapshot()``): rank 0's thread writes everything,
+  checksums it and commits.
+- Sharded engines (FSDP, ZeRO: ``engine.save_in_background()``): every rank's thread waits for its own
+  part (DCP's ``async_save`` for FSDP, DeepSpeed's files serialized in memory for ZeRO), checksums its
+  share of the files, and sends the checksums (or its error) to rank 0 in one gather on the engine's
+  checkpoint group, a gloo group that only checkpoint threads use. That gather is how rank 0 learns
+  that every rank's part is written: it commits from its thread as soon as it has them all, and
+  removes the partial folder if any rank failed. Every thread reaches the gather, also after an
+  error, so no rank waits for one that gave up.
+
+The next save, the end of ``fit``, a preemption save and ``close`` wait for it (``wait()``: a
+collective every rank calls at the same point, on the training's group, from the training thread),
+and an error in any rank's thread is raised on every rank at that point. Only one save is in flight.
+
+``meta.json`` records ``save_seconds``: the wall time from the start of the save's own work (after a
+previous background save it waited for) to its commit. ``last_save_seconds`` is that of the last
+commit (on rank 0 at the commit, on every rank after the next ``wait()``), ``last_stall_seconds`` the
+time the last save call blocked the training thread (waiting for a previous save included).
 """
 
 from __future__ import annotations
@@ -33,6 +52,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +62,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from slurmvla.collectives import gather_objects
+from slurmvla.engine.base import BackgroundSave
 from slurmvla.engine.ema import EMA_FILE
 from slurmvla.registry import ENGINES
 
@@ -76,8 +97,15 @@ def _data_files(directory: Path) -> list[str]:
     return sorted(str(f.relative_to(directory)) for f in directory.rglob("*") if f.is_file() and f.name != META_FILE)
 
 
-def _describe(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    return {n: {"bytes": (directory / n).stat().st_size, "sha256": file_sha256(directory / n)} for n in names}
+def _describe(directory: Path, names: list[str], flush: bool = False) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of each file (``flush``: fsync it first, for the files this rank wrote)."""
+    described = {}
+    for n in names:
+        if flush:
+            with open(directory / n, "rb") as fh:
+                os.fsync(fh.fileno())
+        described[n] = {"bytes": (directory / n).stat().st_size, "sha256": file_sha256(directory / n)}
+    return described
 
 
 def _share(names: list[str], rank: int, world: int) -> list[str]:
@@ -178,8 +206,18 @@ class CheckpointManager:
         self.rank, self.world_size = rank, world_size
         self.is_main = rank == 0
         self.async_save = async_save
+        # Wall time of the last committed save (meta.json's save_seconds), and how long the last save
+        # call blocked the training thread; None before the first.
+        self.last_save_seconds: float | None = None
+        self.last_stall_seconds: float | None = None
         self._pending: threading.Thread | None = None
         self._pending_error: str | None = None
+        self._committed_seconds: float | None = None  # rank 0: set by a background commit, read by wait()
+        self._background_used = False  # some save went to the background (the same on every rank)
+        self._said_sync = False
+        # Whether this run's saves go to the background: async_save until the engine is known (at the
+        # first save or load), then whether that engine can.
+        self.background = async_save
 
     @property
     def pending(self) -> bool:
@@ -208,16 +246,42 @@ class CheckpointManager:
 
     # -- saving -----------------------------------------------------------------------------------
 
+    def background_mode(self, engine: Any) -> str | None:
+        """How ``engine`` saves with ``checkpoint.async_save``: ``"replicated"`` (rank 0 writes a host
+        snapshot), ``"sharded"`` (every rank writes its part) or None (synchronously: said once)."""
+        mode = self._mode(engine)
+        self.background = mode is not None
+        if mode is not None or not self.async_save or self._said_sync:
+            return mode
+        self._said_sync = True
+        if self.is_main:
+            log.warning("checkpoint.async_save=true, but engine=%s cannot save in the background: its checkpoints "
+                        "are written synchronously (training waits for each)", engine.name)
+        return None
+
+    def _mode(self, engine: Any) -> str | None:
+        if not self.async_save:
+            return None
+        entry = ENGINES.get(engine.name) if engine.name in ENGINES else None
+        if entry is not None and entry.background_save:
+            if hasattr(engine, "snapshot"):
+                return "replicated"
+            if hasattr(engine, "save_in_background"):
+                return "sharded"
+        return None
+
     def save(self, step: int, engine: Any, trainer_state: dict[str, Any], rank_state: dict[str, Any],
              ema: Any = None) -> Path:
         """Every rank calls this; ``rank_state`` (RNG streams) is per rank, the rest is written once.
         ``ema``: a :class:`slurmvla.engine.ema.MovingAverage`, gathered now, written as ``ema.safetensors``.
         Returns the final path (complete on return, or once ``wait()`` returns when in background)."""
+        called = time.perf_counter()
         self.wait()
+        started = time.perf_counter()
         final = self.root / f"step_{step:08d}"
         # The same name on every rank (each writes its shards into it); never a complete checkpoint.
         tmp = self.root / f".step_{step:08d}.tmp"
-        background = self.async_save and hasattr(engine, "snapshot")
+        mode = self.background_mode(engine)
 
         def prepare() -> None:
             if self.is_main:
@@ -227,18 +291,20 @@ class CheckpointManager:
                 tmp.mkdir()
 
         self._on_every_rank(step, tmp, prepare)
+        if mode == "sharded":
+            self._save_sharded(step, tmp, final, engine, trainer_state, rank_state, ema, started)
+            self.last_stall_seconds = time.perf_counter() - called
+            return final
         writer: list[Callable[[Path], None]] = []
 
         def write_parts() -> None:
-            if background:
+            if mode == "replicated":
                 writer.append(engine.snapshot())  # the large files are written later, by rank 0's thread
             else:
                 engine.save(tmp)
             if ema is not None:
-                averaged = ema.state_dict()  # a collective where the engine shards: every rank, now
-                write_ema = (lambda d: save_file({k: v.contiguous() for k, v in averaged.items()}, str(d / EMA_FILE))) \
-                    if self.is_main else (lambda d: None)
-                if background:
+                write_ema = self._ema_writer(ema)
+                if mode == "replicated":
                     writer.append(write_ema)
                 else:
                     write_ema(tmp)
@@ -247,29 +313,65 @@ class CheckpointManager:
                 torch.save(trainer_state, tmp / TRAINER_FILE)
 
         self._on_every_rank(step, tmp, write_parts)
-        meta = {"step": step, "engine": engine.name, "precision": engine.precision,
-                "world_size": engine.env.world_size, "format": FORMAT}
-        if background:
+        meta = _meta(step, engine)
+        if mode == "replicated":
+            self._background_used = True
             if self.is_main:
-                self._pending_error = None
-                self._pending = threading.Thread(target=self._write_in_background,
-                                                 args=(step, tmp, final, lambda d: [w(d) for w in writer], meta),
-                                                 name="slurmvla-checkpoint", daemon=True)
-                self._pending.start()
+                self._start(self._write_in_background, step, tmp, final, lambda d: [w(d) for w in writer], meta,
+                            started)
+            self.last_stall_seconds = time.perf_counter() - called
             return final
         # Every rank hashes its share of the files; rank 0 writes meta.json and renames.
         shares = self._on_every_rank(
             step, tmp, lambda: _describe(tmp, _share(_data_files(tmp), self.rank, self.world_size)))
         files = {name: entry for share in shares for name, entry in share.items()}
-        self._on_every_rank(step, tmp, lambda: self._commit(tmp, final, meta, files) if self.is_main else None)
+        seconds = self._on_every_rank(
+            step, tmp, lambda: self._commit(tmp, final, meta, files, started) if self.is_main else None)[0]
+        self.last_save_seconds = seconds
+        self.last_stall_seconds = time.perf_counter() - called
         return final
+
+    def _save_sharded(self, step: int, tmp: Path, final: Path, engine: Any, trainer_state: dict[str, Any],
+                      rank_state: dict[str, Any], ema: Any, started: float) -> None:
+        """Every rank's part in the background. The small files first (a failure there is raised on every
+        rank before anything is in flight), then the engine's background write, then every rank's thread."""
+        write_ema: list[Callable[[Path], None]] = []
+
+        def small_parts() -> None:
+            if ema is not None:
+                write_ema.append(self._ema_writer(ema))  # gathered now (a collective), written by rank 0's thread
+            torch.save(rank_state, tmp / RANK_FILE.format(rank=self.rank))
+            if self.is_main:
+                torch.save(trainer_state, tmp / TRAINER_FILE)
+
+        self._on_every_rank(step, tmp, small_parts)
+        part: list[BackgroundSave] = []
+        self._on_every_rank(step, tmp, lambda: part.append(engine.save_in_background(tmp)))
+        self._background_used = True
+        self._start(self._write_part_in_background, step, tmp, final, part[0], write_ema, _meta(step, engine),
+                    started)
+
+    def _start(self, target: Callable[..., None], *args: Any) -> None:
+        self._pending_error = None
+        self._pending = threading.Thread(target=target, args=args, name="slurmvla-checkpoint", daemon=True)
+        self._pending.start()
+
+    def _ema_writer(self, ema: Any) -> Callable[[Path], None]:
+        averaged = ema.state_dict()  # a collective where the engine shards: every rank, now
+        if not self.is_main:
+            return lambda directory: None
+        return lambda directory: save_file({k: v.contiguous() for k, v in averaged.items()}, str(directory / EMA_FILE))
 
     def wait(self) -> None:
         """Until a background save has been committed (a collective: every rank calls it at the same
-        point). Its error, if any, is raised on every rank."""
-        if not self.async_save:
+        point). Its error, if any, is raised on every rank; ``last_save_seconds`` is rank 0's on every rank."""
+        if not (self.async_save or self._background_used):
             return  # nothing is ever written in the background: no gather needed
-        errors = [e for e in gather_objects(self.join()) if e]
+        outcomes = gather_objects((self.join(), self._committed_seconds))
+        self._committed_seconds = None
+        if outcomes[0][1] is not None:
+            self.last_save_seconds = outcomes[0][1]
+        errors = [e for e, _ in outcomes if e]
         if errors:
             raise CheckpointError(errors[0])
 
@@ -283,24 +385,83 @@ class CheckpointManager:
         return error
 
     def _write_in_background(self, step: int, tmp: Path, final: Path, writer: Callable[[Path], None],
-                             meta: dict[str, Any]) -> None:
+                             meta: dict[str, Any], started: float) -> None:
+        """Rank 0's thread for a replicated engine: it writes every large file itself."""
         try:
             writer(tmp)
-            self._commit(tmp, final, meta, _describe(tmp, _data_files(tmp)))
+            self._committed_seconds = self._commit(tmp, final, meta, _describe(tmp, _data_files(tmp)), started)
             log.info("saved checkpoint %s (written in the background)", final)
         except Exception as e:
             self._pending_error = self._failure(step, tmp, e)
         if self._pending_error:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _commit(self, tmp: Path, final: Path, meta: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:
-        meta = {**meta, "files": files}
+    def _write_part_in_background(self, step: int, tmp: Path, final: Path, part: BackgroundSave,
+                                  write_ema: list[Callable[[Path], None]], meta: dict[str, Any],
+                                  started: float) -> None:
+        """Every rank's thread for a sharded engine: wait for this rank's part, checksum this rank's
+        files, send them to rank 0 (always: an error is sent instead), and on rank 0 commit."""
+        error, files, written = None, {}, []
+        try:
+            for write in write_ema:
+                write(tmp)
+        except Exception as e:
+            error = self._failure(step, tmp, e)
+        try:
+            # Always waited for, also after an error: the engine's own collectives (DCP's) must be over
+            # before this thread uses the group.
+            written = part.finish()
+        except BaseException as e:  # noqa: BLE001 (a thread's failure is reported, never lost)
+            error = error or self._failure(step, tmp, e)
+        if not error:
+            try:
+                own = [*written, RANK_FILE.format(rank=self.rank)]
+                if self.is_main:
+                    own += [TRAINER_FILE] + ([EMA_FILE] if write_ema else [])
+                files = _describe(tmp, own, flush=True)
+            except Exception as e:
+                error = self._failure(step, tmp, e)
+        everyone: list[Any] | None = [(error, files)]
+        if self.world_size > 1:
+            everyone = [None] * self.world_size if self.is_main else None
+            try:
+                dist.gather_object((error, files), everyone, dst=0, group=part.group)
+            except Exception as e:
+                error = error or self._failure(step, tmp, e)
+                everyone = None
+        if self.is_main:
+            if not error and everyone is None:
+                error = f"checkpoint step {step} not saved: the other ranks' checksums did not arrive; {self._previous()}"
+            failed = [(r, e) for r, (e, _) in enumerate(everyone or []) if e]
+            if not error and failed:
+                rank, first = failed[0]
+                error = f"rank {rank}: {first}"
+            if not error:
+                try:
+                    described = {name: entry for _, share in everyone for name, entry in share.items()}
+                    # Anything no rank claimed (a file the engine wrote synchronously) is checksummed here.
+                    described.update(_describe(tmp, [n for n in _data_files(tmp) if n not in described]))
+                    self._committed_seconds = self._commit(tmp, final, meta, described, started)
+                    log.info("saved checkpoint %s (written in the background)", final)
+                except Exception as e:
+                    error = self._failure(step, tmp, e)
+            if error:
+                shutil.rmtree(tmp, ignore_errors=True)
+        self._pending_error = error
+
+    def _commit(self, tmp: Path, final: Path, meta: dict[str, Any], files: dict[str, dict[str, Any]],
+                started: float) -> float:
+        """Rank 0: write meta.json (last), flush, rename into place, prune. Returns ``save_seconds``."""
+        seconds = time.perf_counter() - started
+        meta = {**meta, "save_seconds": seconds, "files": files}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         _fsync_tree(tmp)
         if final.exists():  # the same step saved again (e.g. a final save right after a periodic one)
             shutil.rmtree(final)
         os.replace(tmp, final)
+        self.last_save_seconds = seconds
         self._prune()
+        return seconds
 
     def _on_every_rank(self, step: int, tmp: Path, part: Callable[[], Any]) -> list[Any]:
         """Run this rank's part of a save phase; then every rank gets every rank's result and learns
@@ -366,6 +527,7 @@ class CheckpointManager:
     # -- loading ----------------------------------------------------------------------------------
 
     def load(self, path: Path, engine: Any, ema: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        self.background_mode(engine)  # known from now on (``background``), and said if async_save cannot be had
         meta = json.loads((path / META_FILE).read_text())
         if meta["engine"] != engine.name:
             raise ValueError(
@@ -402,6 +564,11 @@ def load_model_file(checkpoint: Path, ema: bool = False) -> dict[str, torch.Tens
         return load_file(str(checkpoint / EMA_FILE))
     meta = json.loads((checkpoint / META_FILE).read_text())
     return ENGINES.get(meta["engine"]).load_full_state(checkpoint)
+
+
+def _meta(step: int, engine: Any) -> dict[str, Any]:
+    return {"step": step, "engine": engine.name, "precision": engine.precision, "world_size": engine.env.world_size,
+            "format": FORMAT}
 
 
 def _barrier() -> None:

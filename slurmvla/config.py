@@ -463,9 +463,10 @@ class CheckpointConfig:
     keep: int = 2
     # Resume from the newest complete checkpoint in the run directory, if there is one.
     resume: bool = True
-    # Write checkpoints from a background thread while training goes on, on engines that can copy
-    # their state to the host (single, ddp); the others save synchronously. Atomicity and resume
-    # are the same either way: a checkpoint counts only once it is renamed into place.
+    # Write checkpoints in the background while training goes on (every built-in engine: the state is
+    # copied to the host first); an engine registered without background_save saves synchronously,
+    # said once. Atomicity and resume are the same either way: a checkpoint counts only once it is
+    # renamed into place.
     async_save: bool = True
 
     def __post_init__(self) -> None:

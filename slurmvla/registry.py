@@ -43,6 +43,10 @@ class EngineEntry(Entry):
     activation_checkpointing: bool = True
     # Whether a checkpoint written at one world size resumes at another.
     resumes_at_any_world_size: bool = True
+    # Writes checkpoints in the background under checkpoint.async_save (the engine copies its state to
+    # host memory and has snapshot() or save_in_background(): slurmvla/engine/base.py); False: it saves
+    # synchronously, and says so once when async_save asks otherwise.
+    background_save: bool = False
     # "module:function" reading the full fp32 model state of a checkpoint folder in one process.
     full_state_loader: str = "slurmvla.engine.single:load_safetensors_model"
     # An optional package the engine needs, and the extra that installs it.
@@ -111,17 +115,18 @@ class Registry(Generic[E]):
 # -- engines -------------------------------------------------------------------------------------
 
 ENGINES: Registry[EngineEntry] = Registry("engine.name")
-ENGINES.add(EngineEntry("single", "slurmvla.engine.single:SingleEngine", multi_process=False))
-ENGINES.add(EngineEntry("ddp", "slurmvla.engine.ddp:DDPEngine"))
+ENGINES.add(EngineEntry("single", "slurmvla.engine.single:SingleEngine", multi_process=False, background_save=True))
+ENGINES.add(EngineEntry("ddp", "slurmvla.engine.ddp:DDPEngine", background_save=True))
 for _name, _options in (("fsdp_full", {"hybrid": False, "reshard_after_forward": True}),
                         ("fsdp_grad_op", {"hybrid": False, "reshard_after_forward": False}),
                         ("hsdp", {"hybrid": True, "reshard_after_forward": True})):
     ENGINES.add(EngineEntry(_name, "slurmvla.engine.fsdp:FSDPEngine", MappingProxyType(_options),
-                            full_state_loader="slurmvla.engine.fsdp:load_dcp_model", deferred_init=True))
+                            full_state_loader="slurmvla.engine.fsdp:load_dcp_model", deferred_init=True,
+                            background_save=True))
 for _stage in (1, 2, 3):
     ENGINES.add(EngineEntry(
         f"zero{_stage}", "slurmvla.engine.zero:DeepSpeedEngine", MappingProxyType({"stage": _stage}),
-        activation_checkpointing=_stage != 3, resumes_at_any_world_size=False,
+        activation_checkpointing=_stage != 3, resumes_at_any_world_size=False, background_save=True,
         full_state_loader="slurmvla.engine.zero:load_zero_model", requires="deepspeed",
         profile_note="under DeepSpeed the gradient reduction and part of the optimizer work run inside backward; "
                      "compare phase totals across engines only as a whole step"))

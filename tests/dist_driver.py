@@ -3,6 +3,9 @@
     torchrun --standalone --nproc_per_node=N tests/dist_driver.py SPEC.json
 
 SPEC: {"out": DIR, "base": [overrides...], "runs": [{"name", "overrides", "stop_at", "fresh"}...]}
+A run may also say "kill_before_commit": STEP (fault injection): the moment rank 0 is about to commit
+checkpoint STEP (every rank's part written, nothing renamed yet) the whole job is SIGKILLed, torchrun
+included, as a lost node or ``scancel --signal=KILL`` would; put it in a job's last run.
 For each run, rank 0 writes OUT/<name>.safetensors (the full fp32 weights, gathered through the
 engine), OUT/<name>.ema.safetensors (their moving average, with trainer.ema_decay) and OUT/<name>.json (optimizer parameter and state dtypes, the last metrics).
 Starting processes and importing torch / DeepSpeed costs more than a tiny training, hence one job.
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -28,6 +33,8 @@ def main() -> None:
     for run in spec["runs"]:
         cfg = compose([*spec["base"], *run.get("overrides", [])])
         trainer = Trainer(cfg, out / run.get("dir", run["name"]))
+        if "kill_before_commit" in run:
+            kill_before_commit(trainer, run["kill_before_commit"])
         try:
             metrics = trainer.fit(stop_at=run.get("stop_at"))
             weights = trainer.engine.model_state_dict()
@@ -52,6 +59,25 @@ def main() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def kill_before_commit(trainer: Trainer, step: int) -> None:
+    """SIGKILL the job (torchrun, every rank, this one last) when rank 0 is about to commit ``step``."""
+    commit = trainer.checkpoints._commit
+
+    def killing_commit(tmp: Path, *args, **kwargs):
+        if tmp.name == f".step_{step:08d}.tmp":
+            import psutil
+
+            agent = psutil.Process(os.getppid())
+            for proc in agent.children(recursive=True):
+                if proc.pid != os.getpid():
+                    proc.kill()
+            agent.kill()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return commit(tmp, *args, **kwargs)
+
+    trainer.checkpoints._commit = killing_commit
 
 
 if __name__ == "__main__":

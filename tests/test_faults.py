@@ -4,22 +4,27 @@ lost (the resumed run ends with the weights of an uninterrupted one)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
+import torch
 from safetensors.torch import load_file
 
-from slurmvla.checkpoint import CheckpointManager, list_checkpoints, resolve_checkpoint, verify
+from slurmvla.checkpoint import META_FILE, CheckpointManager, list_checkpoints, resolve_checkpoint, verify
 from slurmvla.launch import SlurmJob
 from slurmvla.launch.runlock import LOCK_FILE, RunDirInUse, RunLock
+from slurmvla.registry import ENGINES
 from slurmvla.trainer import Trainer
 
 from .conftest import REPO, rel_l2
@@ -30,9 +35,11 @@ BASE = ["data.num_workers=0", "logging.wandb.mode=disabled", "trainer.progress_b
         "trainer.global_batch_size=8", "trainer.log_every_steps=2", "policy=tiny"]
 
 
-def cli(args: list[str], timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "slurmvla.train", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+def cli(args: list[str], timeout: int = 300, env: dict | None = None, nproc: int = 0) -> subprocess.CompletedProcess:
+    """``python -m slurmvla.train ARGS``, or under torchrun with ``nproc`` ranks."""
+    launcher = [] if nproc == 0 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return subprocess.run([sys.executable, *launcher, "-m", "slurmvla.train", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def train(make_cfg, run_dir: Path, *overrides: str) -> Trainer:
@@ -144,17 +151,25 @@ def test_full_disk_before_a_save_keeps_the_last_checkpoint_and_the_restart_resum
     assert rel_l2(final_weights(run), uninterrupted) < 1e-6
 
 
-@pytest.mark.parametrize("async_save", [True, False])
+@pytest.mark.parametrize("engine, async_save", [("single", True), ("single", False),
+                                                 pytest.param("fsdp_full", True, marks=pytest.mark.multiproc)])
 def test_disk_filling_during_a_save_is_an_error_naming_the_path_and_leaves_no_partial_checkpoint(
-        sample_root, tmp_path, small_fs, async_save):
-    """Less room than one checkpoint: the write itself hits ENOSPC (in the background writer or not)."""
+        sample_root, tmp_path, small_fs, engine, async_save):
+    """Less room than one checkpoint: the write itself hits ENOSPC (in the background writer or not; under
+    fsdp_full at world size 2 in DCP's background writes of both ranks' shards)."""
     where = small_fs(1024)
     run = tmp_path / "run"
-    res = cli([f"data.root={sample_root}", *BASE, "trainer.max_steps=2", "checkpoint.every_steps=2",
-               f"checkpoint.async_save={str(async_save).lower()}", f"hydra.run.dir={run}"])
+    nproc = 0 if engine == "single" else 2
+    res = cli([f"data.root={sample_root}", *BASE, "trainer.max_steps=2", "checkpoint.every_steps=2", f"engine={engine}",
+               f"checkpoint.async_save={str(async_save).lower()}", f"hydra.run.dir={run}"], nproc=nproc)
     assert res.returncode == 1, res.stderr[-3000:]
     error = [line for line in res.stderr.splitlines() if line.startswith("error:")]
-    assert len(error) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    # One line, the same on every rank, and no rank's traceback (a worker's is printed as "[rankN]: Traceback";
+    # torchrun itself reports the failed workers with a traceback of its own).
+    assert len(error) == max(nproc, 1) and len(set(error)) == 1, res.stderr[-3000:]
+    worker_tracebacks = [line for line in res.stderr.splitlines() if "Traceback" in line
+                         and (nproc == 0 or line.startswith("[rank"))]
+    assert not worker_tracebacks, res.stderr[-3000:]
     assert f"no space left on device under {where}" in error[0] and "there is no earlier checkpoint" in error[0]
     assert "it needs at least" in error[0]
     assert list(where.iterdir()) == [] and not (run / "FINISHED").exists()
@@ -177,6 +192,25 @@ def test_keep_k_pruning_never_removes_the_last_good_checkpoint_when_a_save_fails
         manager.save(4, Failing(), {}, {})
     assert list_checkpoints(tmp_path / "checkpoints") == [good]
     assert not list((tmp_path / "checkpoints").glob(".step_*"))
+
+
+def test_an_engine_that_cannot_save_in_the_background_says_so_once_and_times_its_saves(tmp_path, caplog):
+    """checkpoint.async_save=true on an engine without a background save: synchronous, said once; every
+    save's wall time is in meta.json and on the manager."""
+    class Plain:  # no snapshot(), no save_in_background(), no registry entry
+        name, precision = "plain", "fp32"
+        env = SimpleNamespace(world_size=1)
+
+        def save(self, directory):
+            (directory / "weights.bin").write_bytes(b"weights")
+
+    manager = CheckpointManager(tmp_path, keep=2, async_save=True)
+    for step in (1, 2):
+        manager.save(step, Plain(), {"step": step}, {})
+    assert caplog.text.count("engine=plain cannot save in the background") == 1 and not manager.background
+    meta = json.loads((tmp_path / "checkpoints" / "step_00000002" / META_FILE).read_text())
+    assert meta["save_seconds"] == manager.last_save_seconds >= 0
+    assert manager.last_stall_seconds >= manager.last_save_seconds
 
 
 # -- two runs on one run directory ---------------------------------------------------------------
@@ -334,3 +368,89 @@ def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint_to_resum
         assert rel_l2(weights, reference.engine.model_state_dict()) < 1e-6
     finally:
         reference.close()
+
+
+# -- a kill while a sharded engine's background save is being committed --------------------------
+
+DRIVER = Path(__file__).with_name("dist_driver.py")
+SHARDED = ["fsdp_full", pytest.param("zero2", marks=pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                                                     reason="needs the [deepspeed] extra"))]
+
+
+def drive(out: Path, job: int, base: list[str], runs: list[dict], timeout: int = 300) -> subprocess.CompletedProcess:
+    """One torchrun job of tests/dist_driver.py at world size 2 (its exit code is not checked here)."""
+    spec = out / f"spec{job}.json"
+    spec.write_text(json.dumps({"out": str(out), "base": base, "runs": runs}))
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(DRIVER), str(spec)], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"torchrun job {job} did not finish within {timeout}s (a hang):\n{proc.communicate()[0][-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, log)
+
+
+@pytest.fixture(scope="module")
+def killed_background_saves(sample_root, tmp_path_factory) -> tuple[Path, dict]:
+    """Per sharded engine at world size 2: 3 steps, a background save after each; the whole job
+    (torchrun and both ranks) SIGKILLed the moment rank 0 is about to commit step 3, every byte of it
+    written; then the same run again. A kill ends its job, so engine i's restart shares a job with
+    engine i+1's kill. fsdp_full's newest checkpoint also gets a damaged shard before its restart."""
+    engines = [e for e in ("fsdp_full", "zero2") if e != "zero2" or importlib.util.find_spec("deepspeed")]
+    out = tmp_path_factory.mktemp("background")
+    base = [f"data.root={sample_root}", "data.loader=map", *BASE, "trainer.max_steps=3", "checkpoint.every_steps=1",
+            "checkpoint.keep=2", "checkpoint.async_save=true", "trainer.ema_decay=0.9"]
+    found: dict[str, dict] = {}
+    for job in range(len(engines) + 1):
+        runs = []
+        if job > 0:
+            engine = engines[job - 1]
+            runs.append({"name": engine, "dir": str(out / engine), "overrides": [f"engine={engine}"]})
+        if job < len(engines):
+            engine = engines[job]
+            runs.append({"name": f"{engine}_killed", "dir": str(out / engine), "overrides": [f"engine={engine}"],
+                         "kill_before_commit": 3})
+        res = drive(out, job, base, runs)
+        assert res.returncode == (0 if job == len(engines) else -signal.SIGKILL), res.stdout[-5000:]
+        if job < len(engines):
+            checkpoints = out / engine / "checkpoints"
+            uncommitted = checkpoints / ".step_00000003.tmp"
+            found[engine] = {"after_kill": [p.name for p in list_checkpoints(checkpoints)],
+                             "problems": [verify(p) for p in list_checkpoints(checkpoints)],
+                             "uncommitted": sorted(str(f.relative_to(uncommitted)) for f in uncommitted.rglob("*"))}
+            # What the uninterrupted run held at step 3 (the restart removes the folder).
+            shutil.copytree(uncommitted, out / f"{engine}.step3")
+            if engine == "fsdp_full":
+                _flip_byte(checkpoints / "step_00000002" / "dcp" / "__1_0.distcp")
+    return out, found
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("engine", SHARDED)
+def test_a_kill_before_a_sharded_background_save_commits_leaves_the_previous_one_to_resume_bitwise(
+        killed_background_saves, engine):
+    out, found = killed_background_saves
+    state = found[engine]
+    # Steps 1 and 2 were committed from the background while training went on; step 3 was fully written
+    # by both ranks but never renamed, so it is no checkpoint.
+    assert state["after_kill"] == ["step_00000001", "step_00000002"] and state["problems"] == [[], []]
+    assert META_FILE not in state["uncommitted"] and "rank_00001.pt" in state["uncommitted"]
+    assert any(f.startswith(("dcp/__1_", "deepspeed/state/zero_pp_rank_1")) for f in state["uncommitted"])
+    checkpoints = out / engine / "checkpoints"
+    report = json.loads((out / f"{engine}.json").read_text())
+    # fsdp_full's step 2 had a damaged shard: moved aside, and the restart went back to step 1.
+    expected = "step_00000001" if engine == "fsdp_full" else "step_00000002"
+    assert report["resumed_from"].endswith(expected) and report["step"] == 3
+    assert (checkpoints / ".step_00000002.corrupt").is_dir() == (engine == "fsdp_full")
+    # The restart ends with the weights and moving average the uninterrupted run had at step 3, bitwise.
+    reference = ENGINES.get(engine).load_full_state(out / f"{engine}.step3")
+    resumed = load_file(str(out / f"{engine}.safetensors"))
+    assert reference.keys() == resumed.keys() and all(torch.equal(reference[k], resumed[k]) for k in reference)
+    ema, resumed_ema = load_file(str(out / f"{engine}.step3" / "ema.safetensors")), load_file(
+        str(out / f"{engine}.ema.safetensors"))
+    assert all(torch.equal(ema[k], resumed_ema[k]) for k in ema)
+    final = checkpoints / "step_00000003"
+    assert verify(final) == [] and json.loads((final / META_FILE).read_text())["save_seconds"] > 0

@@ -10,11 +10,15 @@ one another.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from slurmvla.config import EngineConfig, OptimConfig
@@ -81,14 +85,52 @@ class Engine(Protocol):
     def save(self, directory: Path) -> None:
         """Write this rank's part of a checkpoint into ``directory`` (the checkpoint layer makes it atomic).
 
-        An engine may also offer ``snapshot() -> writer``: copy its state to the host now and return a
-        function that writes it into a directory later, from a background thread
-        (``checkpoint.async_save``); ``save`` then is ``snapshot()(directory)``."""
+        For ``checkpoint.async_save`` (its registry entry says ``background_save=True``) an engine also
+        offers one of:
+
+        - ``snapshot() -> writer`` (replicated state): copy the state to the host now and return a
+          function that writes it into a directory later, from rank 0's checkpoint thread; ``save`` then
+          is ``snapshot()(directory)``.
+        - ``save_in_background(directory) -> BackgroundSave`` (sharded state): every rank copies its
+          part to the host now and starts writing it; each rank's checkpoint thread then waits for it."""
         ...
 
     def load(self, directory: Path) -> None:
         """Restore what :meth:`save` wrote, weights and optimizer state."""
         ...
+
+
+@dataclass(frozen=True)
+class BackgroundSave:
+    """One rank's part of a checkpoint, copied to host memory when the save was called and written
+    while training goes on (``save_in_background``).
+
+    ``finish`` runs in this rank's checkpoint thread: it blocks until this rank's part is on disk and
+    flushed, and returns the files (relative to the checkpoint folder) this rank checksums; it raises
+    when the write failed. ``group`` is a CPU process group only checkpoint threads use, in the same
+    order on every rank: never the one the training thread's collectives run on."""
+
+    finish: Callable[[], list[str]]
+    group: Any  # torch.distributed.ProcessGroup
+
+
+# Weak references, as for the collectives' control group: the group belongs to torch.distributed's
+# registry and goes with the default group (a reference held here would outlive it).
+_checkpoint_group: tuple[weakref.ref, weakref.ref] | None = None
+
+
+def checkpoint_group(timeout_s: float) -> Any:
+    """A gloo group for the collectives of background checkpoint writes (DCP's plan and write
+    exchanges, the checksum gather), created once per default group. It is never the training's own
+    group: two threads issuing collectives on one group would interleave them differently on different
+    ranks. Every rank must reach the first call together (inside a save)."""
+    global _checkpoint_group
+    world = dist.group.WORLD
+    group = _checkpoint_group[1]() if _checkpoint_group is not None and _checkpoint_group[0]() is world else None
+    if group is None:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        _checkpoint_group = (weakref.ref(world), weakref.ref(group))
+    return group
 
 
 class EngineCore:

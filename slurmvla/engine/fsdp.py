@@ -4,7 +4,9 @@ Parameters stay fp32 (sharded DTensors); under bf16 a MixedPrecisionPolicy casts
 and gradients are reduced in ``engine.reduce_dtype``, so the optimizer's parameters and state are
 fp32 by construction. Each of the policy's wrap units (one per layer) is its own FSDP unit, then
 the root. Checkpoints are torch.distributed.checkpoint (DCP) folders: every rank writes its shards,
-and a run resumes at another world size (DCP reshards on load). The variants differ only in the
+and a run resumes at another world size (DCP reshards on load). In the background
+(``checkpoint.async_save``) DCP's ``async_save`` copies each rank's shards to host memory and writes
+them from a thread, its collectives on a gloo group of their own. The variants differ only in the
 options their registry entries give: a 2-D (hybrid) mesh, and whether parameters are resharded
 after forward.
 """
@@ -16,8 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -30,7 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from slurmvla.config import EngineConfig, OptimConfig
-from slurmvla.engine.base import EngineCore, StepSettings, read_param_groups
+from slurmvla.engine.base import BackgroundSave, EngineCore, StepSettings, checkpoint_group, read_param_groups
 from slurmvla.engine.materialize import has_meta_parameters, materialize
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
@@ -131,7 +136,36 @@ class FSDPEngine(EngineCore):
                 "optim": get_optimizer_state_dict(self.module, self.optimizer)}
 
     def save(self, directory: Path) -> None:
-        dcp.save(self._sharded_state(), checkpoint_id=str(directory / DCP_DIR))
+        try:
+            dcp.save(self._sharded_state(), checkpoint_id=str(directory / DCP_DIR))
+        except CheckpointException as e:
+            raise first_failure(e) from None
+
+    def save_in_background(self, directory: Path) -> BackgroundSave:
+        """Copy this rank's shards of the weights and optimizer state to host memory (returns once they
+        are copied: training may change the live ones from then on) and write them from DCP's thread.
+        Its collectives (the plan, then every rank's write results gathered on rank 0, which writes
+        ``.metadata``, and the answer broadcast) run on a gloo group of their own, so ``finish``
+        returns on a rank only once every rank's shards are written and flushed."""
+        group = checkpoint_group(self.cfg.timeout_s)
+        target = directory / DCP_DIR
+        # The writer is also the stager DCP uses: it copies every tensor into new CPU memory (on torch
+        # 2.11 as on 2.13), and sync_files flushes every shard before the write counts as done.
+        writer = FileSystemWriter(str(target), sync_files=True)
+        started = dcp.async_save(self._sharded_state(), storage_writer=writer, process_group=group)
+        upload = getattr(started, "upload_completion", started)  # AsyncSaveResponse where staging is async
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+
+        def finish() -> list[str]:
+            try:
+                upload.result()
+            except CheckpointException as e:
+                raise first_failure(e) from None
+            # Complete on every rank now: each checksums its share of the folder.
+            names = sorted(str(f.relative_to(directory)) for f in target.rglob("*") if f.is_file())
+            return names[rank::world]
+
+        return BackgroundSave(finish, group)
 
     def load(self, directory: Path) -> None:
         state = self._sharded_state()
@@ -139,6 +173,17 @@ class FSDPEngine(EngineCore):
         # Model and optimizer separately: the combined set_state_dict path can hang on load.
         set_model_state_dict(self.module, state["model"])
         set_optimizer_state_dict(self.module, self.optimizer, state["optim"])
+
+
+def first_failure(e: CheckpointException) -> Exception:
+    """The exception behind DCP's report (a BaseException raised on every rank when any rank failed):
+    the first failing rank's own (an OSError stays one, so a full disk is said as such)."""
+    for rank, (cause, _) in sorted(e.failures.items()):
+        if isinstance(cause, Exception):
+            if isinstance(cause, OSError):
+                return cause
+            return RuntimeError(f"rank {rank}: {type(cause).__name__}: {cause}")
+    return RuntimeError(f"DCP save failed on ranks {sorted(e.failures)}")
 
 
 def load_dcp_model(directory: Path) -> dict[str, torch.Tensor]:

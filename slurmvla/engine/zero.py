@@ -7,11 +7,22 @@ actually steps (DeepSpeed's wrapper is not a ``torch.optim.Optimizer``): the LR 
 its ``param_groups``. DeepSpeed clips inside ``step()``; ``clip_grad_norm`` returns a tensor that
 the following ``step()`` fills with the global norm it measured. The stage comes from the
 registry entry's options.
+
+In the background (``checkpoint.async_save``) DeepSpeed's own ``save_checkpoint`` runs as usual (its
+barriers, its file names) but with a checkpoint engine that serializes each file into host memory
+instead of writing it; every rank writes its bytes later from its checkpoint thread. DeepSpeed's own
+asynchronous engines do not serve here: the decoupled one (``checkpoint.writer.decoupled``) shares the
+live tensors with a spawned process (no snapshot; it waits for the write before the next optimizer
+step, needs DeepSpeed's launcher environment, and on the CPU fails to pass ZeRO's state through its
+queue), the fast one writes synchronously through libaio, and DataStates is a separate package.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import io
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +31,7 @@ import torch
 from torch import nn
 
 from slurmvla.config import EngineConfig, OptimConfig
-from slurmvla.engine.base import EngineCore, StepSettings, read_param_groups
+from slurmvla.engine.base import BackgroundSave, EngineCore, StepSettings, checkpoint_group, read_param_groups
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
 
@@ -131,11 +142,68 @@ class DeepSpeedEngine(EngineCore):
     def save(self, directory: Path) -> None:
         self._ds.save_checkpoint(str(directory / DS_DIR), tag=DS_TAG, save_latest=False)
 
+    def save_in_background(self, directory: Path) -> BackgroundSave:
+        """DeepSpeed's save, every file serialized into host memory now (the same bytes ``torch.save``
+        would write: a snapshot of the state at this step); ``finish`` writes and flushes this rank's
+        files (no collective: each rank's files are its own) and returns them."""
+        capture = _in_memory_files()(self._ds.checkpoint_engine)  # the class imports DeepSpeed: built on first use
+        original, self._ds.checkpoint_engine = self._ds.checkpoint_engine, capture
+        try:
+            self._ds.save_checkpoint(str(directory / DS_DIR), tag=DS_TAG, save_latest=False)
+        finally:
+            self._ds.checkpoint_engine = original
+        files, capture.files = capture.files, []
+
+        def finish() -> list[str]:
+            written = []
+            while files:
+                path, data = files.pop(0)  # each buffer is freed once written
+                with open(path, "wb") as fh:
+                    fh.write(data.getbuffer())
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                written.append(str(Path(path).relative_to(directory)))
+            return written
+
+        return BackgroundSave(finish, checkpoint_group(self.cfg.timeout_s))
+
     def load(self, directory: Path) -> None:
         path, _ = self._ds.load_checkpoint(str(directory / DS_DIR), tag=DS_TAG, load_optimizer_states=True,
                                            load_lr_scheduler_states=False)
         if path is None:
             raise ValueError(f"{directory / DS_DIR} holds no DeepSpeed checkpoint with tag {DS_TAG!r}")
+
+
+@functools.cache
+def _in_memory_files() -> type:
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+    class InMemoryFiles(CheckpointEngine):
+        """A DeepSpeed checkpoint engine that keeps each file it is asked to save as bytes in memory."""
+
+        def __init__(self, inner: Any):
+            super().__init__()
+            self.name = "slurmvla.InMemoryFiles"
+            self.inner = inner
+            # DeepSpeed's torch engine writes zip archives unless configured not to: the same here.
+            self.zipfile = getattr(inner, "zipfile_serialization", True)
+            self.files: list[tuple[str, io.BytesIO]] = []
+
+        def create(self, info: Any) -> None:
+            pass
+
+        def save(self, state_dict: Any, path: str) -> None:
+            data = io.BytesIO()
+            torch.save(state_dict, data, _use_new_zipfile_serialization=self.zipfile)
+            self.files.append((path, data))
+
+        def load(self, path: str, map_location: Any = None) -> Any:
+            return self.inner.load(path, map_location=map_location)
+
+        def commit(self, info: Any) -> bool:
+            return True
+
+    return InMemoryFiles
 
 
 def load_zero_model(directory: Path) -> dict[str, torch.Tensor]:
