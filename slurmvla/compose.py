@@ -7,13 +7,16 @@ Every entry point (train, profile, inspect, the tests) composes through :func:`c
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import re
 import typing
 from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from slurmvla.config import POLICY_SCHEMAS, Config, policy_options, policy_schema
 
@@ -30,7 +33,10 @@ def check_override_keys(overrides: list[str], groups: list[str], policy_name: st
     """
     for item in overrides:
         key = item.split("=", 1)[0]
-        if "=" not in item or key.startswith(("hydra", "+", "~")) or "@" in key or key in groups:
+        if "=" not in item or key.startswith(("hydra", "+", "~")) or "@" in key:
+            continue
+        if key in groups:
+            _check_group_option(key, item.split("=", 1)[1])
             continue
         if key.startswith("policy."):
             if policy_name is not None:
@@ -49,6 +55,103 @@ def check_override_keys(overrides: list[str], groups: list[str], policy_name: st
             walked.append(part)
             # The field's declared type: a nested schema is descended into, anything else ends the walk.
             node = typing.get_type_hints(node)[part]
+        value = item.split("=", 1)[1]
+        if len(walked) == len(key.split(".")) and dataclasses.is_dataclass(node) and not value.lstrip().startswith("{"):
+            raise ValueError(group_message(key, node, value))
+
+
+def _check_group_option(group: str, option: str) -> None:
+    """``group=option`` names a file of conf/<group>/ (Hydra would silently skip an optional group's missing
+    option: ``experiment=demoo`` would train the defaults). Sweeps and Hydra's functions pass."""
+    if option == "null" or not re.fullmatch(r"[\w.\-/]+", option):
+        return
+    options = sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+    if options and option not in options:
+        raise ValueError(f"{group}={option} is not an option of {group}; choose one of {options}")
+
+
+def _value(value: Any) -> str:
+    """A value as an override would write it: null for None, strings quoted."""
+    return "null" if value is None else repr(value)
+
+
+def group_message(key: str, schema: type, value: Any) -> str:
+    """``key`` names a group of settings (a nested schema) but was given one value: the line that says so,
+    lists its settings and guesses the one meant (a path-like value: its path / root; else its name / mode)."""
+    names = [f.name for f in dataclasses.fields(schema)]
+    shown = ", ".join(f"{key}.{n}" for n in names[:8]) + (", ..." if len(names) > 8 else "")
+    text = "null" if value is None else str(value)
+    pathlike = "/" in text or text.startswith(("~", ".")) or Path(text).suffix.lower() in (".json", ".yaml", ".txt")
+    wanted = [n for n in names if n in ("path", "root") or n.endswith(("_path", "_dir", "_file"))] if pathlike else []
+    meant = next(iter(wanted + [n for n in ("name", "mode", "path") if n in names] + names))
+    return f"{key} is a group of settings ({shown}), not one value; did you mean {key}.{meant}={text}?"
+
+
+def _expected(tp: Any) -> str:
+    """What a value of the declared type ``tp`` looks like, in words."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if type(None) in typing.get_args(tp) and len(args) == 1:
+        return f"{_expected(args[0])} or null"
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        return "a list, e.g. [a, b]"
+    if origin is dict or tp is dict:
+        return "a mapping, e.g. {key: value}"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _declared_type(schema: Any, key: Any) -> Any:
+    if isinstance(schema, type) and dataclasses.is_dataclass(schema):
+        return typing.get_type_hints(schema).get(str(key))
+    return None
+
+
+def explain_config_error(error: BaseException) -> str | None:
+    """One line for a user's configuration mistake that Hydra or OmegaConf reports over several (an unknown
+    group option, a value of the wrong type, a plain value for a group of settings, an unknown key);
+    None when ``error`` is none of those."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigKeyError, ValidationError
+
+    if isinstance(error, MissingConfigException) and error.options and error.missing_cfg_file:
+        group, _, name = str(error.missing_cfg_file).rpartition("/")
+        group = group.replace("/", ".")
+        return f"{group}={name} is not an option of {group}; choose one of {sorted(error.options)}"
+    if isinstance(error, OverrideParseException):
+        return f"cannot parse the override {error.override!r}: {_one_line(error.message)}"
+    cause = error if isinstance(error, OmegaConfBaseException) else (error.__cause__ or error.__context__)
+    if not isinstance(cause, OmegaConfBaseException) or not getattr(cause, "full_key", None):
+        return None
+    key, schema = str(cause.full_key), cause.object_type
+    if isinstance(cause, ConfigKeyError) and dataclasses.is_dataclass(schema):
+        parent, _, last = key.rpartition(".")
+        names = sorted(f.name for f in dataclasses.fields(schema))
+        return f"unknown config key {key!r}: {parent or 'the top level'} has no {last!r}; valid keys there: {names}"
+    if isinstance(cause, ValidationError):
+        declared = _declared_type(schema, cause.key)
+        if declared is not None and dataclasses.is_dataclass(declared):
+            return group_message(key, declared, cause.value)
+        if declared is not None:
+            return f"{key}={_value(cause.value)} is not valid; it must be {_expected(declared)}"
+    outer = _one_line(str(error)) if error is not cause else ""
+    if outer and not outer.startswith("Error merging override"):  # Hydra's own words say more (e.g. use +key=)
+        return outer
+    return f"{key}: {_one_line(str(cause.msg))}"
+
+
+def _one_line(text: str) -> str:
+    """A Hydra / OmegaConf message as one line, without OmegaConf's context lines (full_key, types)."""
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    context = ("full_key:", "reference_type=", "object_type=", "Set the environment variable HYDRA_FULL_ERROR")
+    return "; ".join(ln.rstrip(".") for ln in lines if not ln.startswith(context)) or str(text).strip()
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The programs' command-line parser: a usage mistake (an unknown flag, a missing argument, a value of the
+    wrong type) prints one ``error:`` line, as every other mistake does, and exits 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"error: {message} (--help lists the arguments)\n")
 
 
 def config_dir() -> Path:
@@ -64,18 +167,25 @@ def config_groups() -> list[str]:
 def compose(overrides: list[str]) -> Config:
     """The typed config a run with these overrides would get (keys checked first, every rule run)."""
     from hydra import initialize_config_dir
+    from hydra.errors import HydraException
 
     # A config file's option its policy lacks is translated by _hydra_compose itself: the probe that
     # learns the chosen policy is needed only for policy.* overrides given here.
-    check_overrides(overrides, probe=any(o.split("=", 1)[0].startswith("policy.") for o in overrides))
+    check_overrides(overrides, probe=any(o.split("=", 1)[0].startswith("policy.") for o in overrides), whole=False)
     with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-        return to_config(_hydra_compose(overrides))
+        try:
+            composed = _hydra_compose(overrides)
+        except HydraException as e:  # e.g. sweep syntax outside a multirun: Hydra's lines, as one
+            raise ValueError(_one_line(str(e))) from None
+        return to_config(composed)
 
 
-def check_overrides(overrides: list[str], probe: bool = True) -> None:
+def check_overrides(overrides: list[str], probe: bool = True, whole: bool = True) -> None:
     """Every key checked before Hydra runs: misspelled keys, and ``policy.*`` options (given here or set by a
     config file) against the schema of the policy the other overrides choose (one composition without
-    them tells which)."""
+    them tells which). A value of the wrong type, an unknown group option or a plain value for a group of
+    settings fails here too, as one line (:func:`explain_config_error`); ``whole``: the ``policy.*`` values
+    as well (one more composition, only when there are any; :func:`compose` composes them itself)."""
     from hydra import initialize_config_dir
 
     check_override_keys(overrides, config_groups())
@@ -89,17 +199,26 @@ def check_overrides(overrides: list[str], probe: bool = True) -> None:
             raise
         except Exception:  # sweep syntax (-m policy=a,b) and the like: Hydra reports it per job
             return
-    check_policy_keys(chosen, [o.split("=", 1)[0].split(".")[1] for o in own])
+        check_policy_keys(chosen, [o.split("=", 1)[0].split(".")[1] for o in own])
+        if own and whole:
+            try:
+                _hydra_compose(overrides)
+            except ValueError:
+                raise
+            except Exception:
+                return
 
 
 def _hydra_compose(overrides: list[str]) -> DictConfig:
     """Hydra's composition; a config file setting an option its policy lacks is said as a policy error."""
     from hydra import compose as hydra_compose
-    from hydra.errors import ConfigCompositionException
+    from hydra.errors import ConfigCompositionException, OverrideParseException
     from omegaconf.errors import ConfigKeyError
 
     try:
         return hydra_compose("config", overrides=overrides)
+    except OverrideParseException as e:
+        raise ValueError(explain_config_error(e)) from None
     except ConfigCompositionException as e:
         cause = e.__cause__ or e.__context__
         key = str(getattr(cause, "full_key", "") or "")
@@ -107,20 +226,31 @@ def _hydra_compose(overrides: list[str]) -> DictConfig:
         if isinstance(cause, ConfigKeyError) and key.startswith("policy.") and schema in POLICY_SCHEMAS.values():
             name = next(n for n, c in POLICY_SCHEMAS.items() if c is schema)
             check_policy_keys(name, [key.split(".")[1]])
+        message = explain_config_error(e)
+        if message:
+            raise ValueError(message) from None
         raise
 
 
 def to_config(cfg: DictConfig) -> Config:
     """Resolve a composed DictConfig into the typed dataclasses, running every validation rule."""
     # Hydra's own node, when present, is not part of the schema.
-    container = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:  # an interpolation that does not resolve (${oc.env:UNSET})
+        raise ValueError(f"{getattr(e, 'full_key', '') or 'the config'}: {_one_line(str(getattr(e, 'msg', e)))}") from None
     container.pop("hydra", None)
     typed = OmegaConf.structured(Config)
     # The policy node takes the schema of the policy it names (a saved config re-validates the same way).
     policy = container.get("policy") or {}
+    if not isinstance(policy, dict):
+        raise ValueError(group_message("policy", policy_schema("custom"), policy))
     check_policy_keys(policy.get("name", "custom"), policy)
     typed.policy = OmegaConf.structured(policy_schema(policy.get("name", "custom")))
-    return OmegaConf.to_object(OmegaConf.merge(typed, container))
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(typed, container))
+    except OmegaConfBaseException as e:  # a saved config of another version: an unknown key, a wrong type
+        raise ValueError(explain_config_error(e) or _one_line(str(e))) from None
 
 
 def check_policy_keys(name: str, keys) -> None:

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from slurmvla.compose import ArgumentParser
+from slurmvla.data import DataError
 from slurmvla.data.loader import build_validation_loader, to_device
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.prepare import inference_fields
@@ -181,7 +183,7 @@ def default_out(source: str, loaded: Loaded, split: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="an exported .safetensors file, a checkpoint folder, a run directory or a "
                                            "LeRobot pi0 / pi0.5 checkpoint directory")
     parser.add_argument("--split", default="val", help=f"which samples: {' or '.join(SPLITS)} (default val)")
@@ -205,8 +207,10 @@ def main(argv: list[str] | None = None) -> None:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
         loaded = load_exported(args.source, args.overrides)
         metrics, values = evaluate(loaded, args.split, args.seed, args.batch_size, device)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ValueError as e:  # a DataError may come from a dataloader worker, its traceback as its message
+        print(f"error: {e.line() if isinstance(e, DataError) else e}", file=sys.stderr)
+        # Its frames hold the data loader: let it go now, so that it stops its worker (the exit would wait on it).
+        e.__traceback__ = None
         sys.exit(2)
     out = Path(args.out) if args.out else default_out(args.source, loaded, args.split)
     out.mkdir(parents=True, exist_ok=True)

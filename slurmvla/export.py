@@ -19,18 +19,19 @@ import argparse
 import dataclasses
 import json
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from slurmvla.checkpoint import META_FILE, load_model_file, resolve_checkpoint
-from slurmvla.compose import check_override_keys, to_config
+from slurmvla.compose import ArgumentParser, check_override_keys, explain_config_error, to_config
 from slurmvla.config import Config
-from slurmvla.lerobot_checkpoint import lerobot_config, lerobot_type
+from slurmvla.lerobot_checkpoint import lerobot_config, lerobot_type, not_lerobot_reason
 from slurmvla.policy import Policy, build_policy
 
 CONFIG_FILE = "config.resolved.yaml"
@@ -48,6 +49,12 @@ def export(source: str | Path, out: str | Path, overrides: list[str] | tuple[str
     if overrides:
         raise ValueError(f"overrides {list(overrides)} apply to a LeRobot checkpoint directory; {str(source)!r} is "
                          "a slurmvla checkpoint, exported as it was trained (give overrides to serve or evaluate)")
+    if not Path(source).is_dir():
+        what = "does not exist" if not Path(source).exists() else "is a file"
+        raise ValueError(f"{str(source)!r} {what}; give a checkpoint folder, a run directory or a LeRobot pi0 / pi0.5 "
+                         "checkpoint directory")
+    if reason := not_lerobot_reason(source):
+        raise ValueError(reason)
     checkpoint = resolve_checkpoint(source)
     state = load_model_file(checkpoint, ema=ema)
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
@@ -112,20 +119,23 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
             raise ValueError(f"{str(path)!r} carries no config in its metadata (exported from a checkpoint without "
                              f"its run directory's {CONFIG_FILE}); load the run directory instead")
         config_yaml, step, origin = metadata["config_yaml"], int(metadata.get("step", -1)), str(path)
+        where = f"the config in {path}'s metadata"
         state = load_file(str(path))
     elif path.is_dir():
+        if reason := not_lerobot_reason(path):
+            raise ValueError(reason)
         checkpoint = resolve_checkpoint(path)
         config = checkpoint.parent.parent / CONFIG_FILE
         if not config.is_file():
             raise ValueError(f"checkpoint {checkpoint} has no {CONFIG_FILE} in its run directory {config.parent}: "
                              "the policy cannot be rebuilt without its config")
-        config_yaml = config.read_text()
+        config_yaml, where = config.read_text(), str(config)
         step = int(json.loads((checkpoint / META_FILE).read_text())["step"])
         origin, state = str(checkpoint), load_model_file(checkpoint, ema=ema)
     else:
         raise ValueError(f"{str(path)!r} does not exist; give an exported .safetensors file, a checkpoint folder "
                          "or a run directory")
-    cfg = _config(config_yaml, list(overrides), origin)
+    cfg = _config(config_yaml, list(overrides), where)
     # The trained weights (and normalization buffers) replace any pretrained ones: do not read (or
     # need) the pretrained file; keep its tokenizer, which the policy's prompts are written with.
     policy = build_policy(_without_pretrained(cfg.policy))
@@ -186,17 +196,39 @@ def export_lerobot(source: str | Path, out: str | Path, overrides: list[str] | t
     return out
 
 
-def _config(config_yaml: str, overrides: list[str], origin: str) -> Config:
-    check_override_keys(overrides, groups=[], policy_name=(OmegaConf.create(config_yaml).get("policy") or {}).get("name"))
+def _config(config_yaml: str, overrides: list[str], where: str) -> Config:
+    """The run's config (``where``: the file or metadata it came from, for errors) with ``overrides`` applied. A
+    config this version cannot read (written by another version: a key it no longer has, a value of another
+    type) fails naming ``where``; a bad override fails naming the override."""
+    try:
+        saved = OmegaConf.create(config_yaml)
+    except Exception as e:  # YAML's errors span lines: the first says what
+        raise ValueError(f"{where} is not a YAML config ({str(e).strip().splitlines()[0]})") from None
+    if not isinstance(saved, DictConfig) or not isinstance(saved.get("policy", {}), (DictConfig, dict)):
+        raise ValueError(f"{where} is not a slurmvla run config (no policy / data / trainer sections)")
+    check_override_keys(overrides, groups=[], policy_name=(saved.get("policy") or {}).get("name"))
     bad = [o for o in overrides if "=" not in o or o.startswith(("+", "~"))]
     if bad:
         raise ValueError(f"override {bad[0]!r} is not key=value; overrides change the run's config, e.g. "
                          "policy.num_inference_steps=5")
     try:
-        merged = OmegaConf.merge(OmegaConf.create(config_yaml), OmegaConf.from_dotlist(overrides))
+        merged = OmegaConf.merge(saved, OmegaConf.from_dotlist(overrides))
     except Exception as e:
-        raise ValueError(f"{origin}: the config cannot take the overrides {overrides} ({e})") from None
-    return to_config(merged)
+        raise ValueError(f"{where}: the config cannot take the overrides {overrides} ({explain_config_error(e) or e})") \
+            from None
+    try:
+        return to_config(merged)
+    except ValueError as e:
+        error = e
+    if overrides:  # the file's fault or the overrides'? The file alone tells (only on this error path).
+        try:
+            to_config(saved)
+        except ValueError as e:
+            error = e
+        else:
+            raise error
+    raise ValueError(f"{where}: {error} (written by another version of slurmvla, or edited? fix or remove that key "
+                     "there)") from None
 
 
 def _mismatch(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
@@ -207,7 +239,7 @@ def _mismatch(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor])
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a checkpoint folder, a run directory (its newest checkpoint), or a LeRobot "
                                            "pi0 / pi0.5 checkpoint directory")
     parser.add_argument("out", help="the .safetensors file to write (--layout lerobot: a directory)")
@@ -221,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         write = export if args.layout == "slurmvla" else export_lerobot
         out = write(args.source, args.out, args.overrides, ema=args.ema)
     except ValueError as e:
-        parser.error(str(e))
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"wrote {out}")
 
 

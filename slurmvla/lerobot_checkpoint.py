@@ -38,11 +38,24 @@ def lerobot_type(path: str | Path) -> str | None:
     return kind if kind in TYPES else None
 
 
+def not_lerobot_reason(path: str | Path) -> str | None:
+    """Why ``path``, a directory that looks like a LeRobot checkpoint (``config.json`` beside
+    ``model.safetensors``), is not one of pi0 / pi0.5; None when it is one, or does not look like one."""
+    path = Path(path)
+    if lerobot_type(path) or not (path.is_dir() and (path / CONFIG_JSON).is_file() and (path / WEIGHTS).is_file()):
+        return None
+    try:
+        kind = json.loads((path / CONFIG_JSON).read_text()).get("type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return f"{path / CONFIG_JSON} is not a LeRobot config (not a JSON object)"
+    return f"{path} is a LeRobot checkpoint of type {kind!r}; slurmvla reads LeRobot's {' and '.join(TYPES)} checkpoints"
+
+
 def lerobot_overrides(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The overrides that build LeRobot's model from ``path``'s config.json, then ``overrides``."""
     path = Path(path).resolve()
     where = path / CONFIG_JSON
-    c = json.loads(where.read_text())
+    c = json.loads(where.read_text())  # lerobot_type has read it: a JSON object of a known type
     kind = c["type"]
 
     def need(key: str):
@@ -67,6 +80,11 @@ def lerobot_overrides(path: str | Path, overrides: list[str] | tuple[str, ...] =
     if "observation.state" not in inputs or "action" not in outputs or not cameras:
         raise ValueError(f"{where}: input_features {sorted(inputs)} / output_features {sorted(outputs)} lack "
                          "observation.state, action or a camera")
+    try:
+        state_dim, action_dim = inputs["observation.state"]["shape"][0], outputs["action"]["shape"][0]
+    except (KeyError, IndexError, TypeError):
+        raise ValueError(f"{where}: input_features.observation.state / output_features.action have no shape "
+                         "[dim]; not a LeRobot 0.6 config") from None
     modes = need("normalization_mapping")
     for part in ("STATE", "ACTION"):
         if modes.get(part) not in NORMALIZATION:
@@ -81,8 +99,8 @@ def lerobot_overrides(path: str | Path, overrides: list[str] | tuple[str, ...] =
         f"policy.max_action_dim={need('max_action_dim')}",
         f"policy.image_size={resolution[0]}",
         f"policy.num_cameras={len(cameras) + int(c.get('empty_cameras', 0))}",
-        f"policy.state_dim={inputs['observation.state']['shape'][0]}",
-        f"policy.action_dim={outputs['action']['shape'][0]}",
+        f"policy.state_dim={state_dim}",
+        f"policy.action_dim={action_dim}",
         f"policy.state_normalization={NORMALIZATION[modes['STATE']]}",
         f"policy.action_normalization={NORMALIZATION[modes['ACTION']]}",
         f"data.cameras=[{','.join(cameras)}]",

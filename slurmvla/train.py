@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import hydra
@@ -14,7 +15,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from slurmvla.compose import check_overrides, config_dir, to_config
-from slurmvla.launch.preempt import REQUEUE_EXIT_CODE
+from slurmvla.launch.grace import SIGNAL_DELAY_ENV
+from slurmvla.launch.preempt import REQUEUE_EXIT_CODE, PreemptionFlag
 
 __all__ = ["cli", "config_dir", "main"]
 
@@ -26,6 +28,10 @@ def main(cfg: DictConfig) -> float | None:
     from slurmvla.engine.liveness import CollectiveFailure
     from slurmvla.trainer import Trainer
 
+    # The submitit path's signal lead, for the check that a checkpoint fits in it (slurmvla.launch.grace).
+    delay = HydraConfig.get().launcher.get("signal_delay_s")
+    if delay and SIGNAL_DELAY_ENV not in os.environ:
+        os.environ[SIGNAL_DELAY_ENV] = str(delay)
     try:
         trainer = Trainer(to_config(cfg), HydraConfig.get().runtime.output_dir)
     except ValueError as e:
@@ -40,6 +46,20 @@ def main(cfg: DictConfig) -> float | None:
         # untouched), or a peer stopped answering (the message names it): one line, not a traceback.
         trainer.close(failed=True)
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except ValueError as e:
+        trainer.close(failed=True)
+        from slurmvla.data import DataError
+
+        if not isinstance(e, DataError):
+            raise
+        # A dataset file that cannot be read (missing, truncated: found when first read, perhaps in a
+        # dataloader worker): one line naming it. Checkpoints written so far are kept.
+        print(f"error: {e.line()}", file=sys.stderr)
+        # Its frames hold the data loader's iterator: let it go now, so that its workers (which outlive stop
+        # signals) are shut down by it, not left for the exit to wait on.
+        e.__traceback__ = None
+        del trainer
         sys.exit(1)
     except BaseException:
         trainer.close(failed=True)
@@ -76,6 +96,11 @@ def dry_run(overrides: list[str]) -> None:
 def cli() -> None:
     """Entry point: a misspelled key fails here with the valid keys listed, before Hydra starts;
     ``--dry-run`` prints what would be run or submitted and runs nothing."""
+    # From the first moment: a stop signal during imports and composition is kept for the trainer
+    # (which takes this flag over), not fatal (slurmvla.launch.preempt). Not in a multirun's
+    # submitting process, which trains nothing.
+    if not {"-m", "--multirun"} & set(sys.argv[1:]):
+        PreemptionFlag().install()
     overrides = [a for a in sys.argv[1:] if not a.startswith("-")]
     try:
         check_overrides(overrides)

@@ -227,8 +227,9 @@ def test_synthetic_cli(tmp_path, capsys):
     synthetic_main(["--out", str(tmp_path / "d"), "--episodes", "3"])
     meta = LeRobotMetadata(tmp_path / "d")
     assert meta.num_episodes == 3 and "wrote 3 episodes" in capsys.readouterr().out
-    with pytest.raises(FileExistsError):
+    with pytest.raises(SystemExit):
         synthetic_main(["--out", str(tmp_path / "d"), "--episodes", "3"])
+    assert "already holds a dataset" in capsys.readouterr().err
     assert Fraction(meta.fps) == 15
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from slurmvla.data import DataError
+
 GCS_ROOT = "gs://xembodiment_data/r2d2/r2d2-data-full"
 SEMANTICS = ("frame", "window")
 
@@ -53,14 +55,31 @@ class KeepRanges:
         return out
 
 
+LAYOUT = ('one JSON object {"<recording_folderpath>--<file_path>": [[start, end], ...]} (DROID\'s keep-ranges layout, '
+          'keep_ranges_1_0_1.json)')
+
+
+def read_json(path: str | Path, what: str) -> object:
+    """A JSON file's content; a file that is not JSON fails naming it, where, and ``what`` it should hold."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_bytes())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} is not JSON ({e.msg} at line {e.lineno} column {e.colno}); expected {what}") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{path} is not JSON (not UTF-8 text); expected {what}") from None
+    except OSError as e:
+        raise DataError(f"{path} cannot be read ({e.strerror or e}); expected {what}") from None
+
+
 def load_keep_ranges(path: str | Path) -> KeepRanges:
     """Read and validate: one object of lists of disjoint ``[start, end)`` integer ranges (sorted here)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"keep-ranges file {str(path)!r} does not exist")
-    raw = json.loads(path.read_text())
+    raw = read_json(path, LAYOUT)
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected one JSON object {{key: [[start, end], ...]}}, got {type(raw).__name__}")
+        raise ValueError(f"{path}: expected {LAYOUT}, got a JSON {type(raw).__name__}")
     keys = list(raw)
     counts = np.zeros(len(keys) + 1, dtype=np.int64)
     flat: list = []

@@ -13,6 +13,7 @@ caller can get wrong raises ``ValueError`` naming the path, the value and what w
 
 from __future__ import annotations
 
+import contextlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from slurmvla.data import DataError
+from slurmvla.data.keep_ranges import read_json
 
 SUPPORTED_VERSIONS = ("v2.1", "v3.0")
 
@@ -47,7 +51,48 @@ def to_numpy(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """One JSON object per line (v2.1's meta/*.jsonl); a line that is not one fails naming the file and line."""
+    with reading(path, "a JSON-lines file"):
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {number} is not JSON ({e.msg} at column {e.colno}); expected one JSON "
+                            "object per line (LeRobot v2.1's meta/*.jsonl)") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path} line {number}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+@contextlib.contextmanager
+def reading(path: Path, what: str = "parquet"):
+    """A file the dataset names that is missing or cannot be read fails as a DataError naming it (pyarrow's and
+    the OS's own errors say neither the file nor, often, which dataset)."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise DataError(f"{path} does not exist, but the dataset's metadata names it (an incomplete copy?)") from None
+    except IsADirectoryError:
+        raise DataError(f"{path} is a directory, but the dataset needs it to be a file ({what})") from None
+    except (OSError, pa.ArrowException) as e:
+        reason = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = reason.replace(f"Could not open Parquet input source '{path}': ", "")  # the path, said once
+        raise DataError(f"{path} cannot be read as {what} ({reason}); the file is damaged or incomplete") from None
+
+
+def read_table(path: Path, columns: list[str] | None = None) -> pa.Table:
+    with reading(path):
+        return pq.read_table(path, columns=columns)
+
+
+def read_schema(path: Path) -> pa.Schema:
+    with reading(path):
+        return pq.read_schema(path)
 
 
 
@@ -58,7 +103,11 @@ def read_rows(path: Path, keys: list[str], where: tuple[str, int, int] | None = 
     Read through ``ParquetFile`` on the calling thread (``use_threads=False``), never through Arrow's
     dataset scanner: data-loader workers are forked from a process that has used Arrow's thread
     pools, and a scanner in the child can wait forever on a pool that did not survive the fork."""
-    f = pq.ParquetFile(path)
+    with reading(path):
+        return _read_rows(pq.ParquetFile(path), keys, where)
+
+
+def _read_rows(f: pq.ParquetFile, keys: list[str], where: tuple[str, int, int] | None) -> dict[str, np.ndarray]:
     keys = list(dict.fromkeys(keys))
     groups = list(range(f.num_row_groups))
     if where is not None:
@@ -77,6 +126,7 @@ def read_rows(path: Path, keys: list[str], where: tuple[str, int, int] | None = 
         out = {k: v[keep] for k, v in out.items()}
     return out
 
+
 class LeRobotMetadata:
     """Metadata of one LeRobot dataset plus per-episode column access."""
 
@@ -90,12 +140,24 @@ class LeRobotMetadata:
                 f"data root {str(self.root)!r} is not a LeRobot dataset: it has no meta/info.json "
                 "(expected meta/info.json, meta/episodes/ or meta/episodes.jsonl, data/ and videos/)"
             )
-        self.info = json.loads(info_path.read_text())
+        self.info = read_json(info_path, "LeRobot's dataset description (codebase_version, fps, features, ...)")
+        if not isinstance(self.info, dict):
+            raise DataError(f"{info_path}: expected one JSON object (codebase_version, fps, features, ...), got a JSON "
+                            f"{type(self.info).__name__}")
         version = self.info.get("codebase_version")
         if version not in SUPPORTED_VERSIONS:
             raise ValueError(
                 f"{info_path}: codebase_version={version!r} is not supported; supported: {list(SUPPORTED_VERSIONS)}"
             )
+        features = self.info.get("features")
+        videos = isinstance(features, dict) and any(isinstance(f, dict) and f.get("dtype") == "video"
+                                                    for f in features.values())
+        needed = ["fps", "features", "data_path", *(["video_path"] if videos else [])]
+        missing = [k for k in needed if k not in self.info] or ([] if isinstance(features, dict) else ["features"])
+        if missing:
+            raise DataError(f"{info_path} has no {missing[0]!r} (an object); a LeRobot {version} info.json has {needed}"
+                            if missing[0] == "features" else
+                            f"{info_path} has no {missing[0]!r}; a LeRobot {version} info.json has {needed}")
         self.version: str = version
         self.fps: float = float(self.info["fps"])
         self.features: dict[str, dict] = self.info["features"]
@@ -134,7 +196,7 @@ class LeRobotMetadata:
         if not files:
             raise ValueError(f"{self.root}: no episode metadata under meta/episodes/ (LeRobot v3.0 layout)")
         # Only numeric columns: v3.0 also stores per-episode stats and task lists there.
-        table = pa.concat_tables([pq.read_table(f) for f in files], promote_options="default")
+        table = pa.concat_tables([read_table(f) for f in files], promote_options="default")
         required = ["episode_index", "length", "dataset_from_index", "dataset_to_index",
                     "data/chunk_index", "data/file_index"]
         missing = [c for c in required if c not in table.column_names]
@@ -155,10 +217,11 @@ class LeRobotMetadata:
         path = self.root / "meta" / "episodes.jsonl"
         if not path.is_file():
             raise ValueError(f"{self.root}: no meta/episodes.jsonl (LeRobot v2.1 layout)")
-        rows = sorted(_read_jsonl(path), key=lambda r: r["episode_index"])
+        rows = _read_jsonl(path)
         for r in rows:
             if "episode_index" not in r or "length" not in r:
                 raise ValueError(f"{path}: every line needs 'episode_index' and 'length'; got keys {sorted(r)}")
+        rows = sorted(rows, key=lambda r: r["episode_index"])
         self._episode_rows = rows
         index = np.asarray([r["episode_index"] for r in rows], dtype=np.int64)
         lengths = np.asarray([r["length"] for r in rows], dtype=np.int64)
@@ -170,7 +233,7 @@ class LeRobotMetadata:
     def _read_tasks(self) -> dict[int, str]:
         v3, v2 = self.root / "meta" / "tasks.parquet", self.root / "meta" / "tasks.jsonl"
         if v3.is_file():
-            t = pq.read_table(v3).to_pydict()
+            t = read_table(v3).to_pydict()
             names = t.get("task", t.get("__index_level_0__", []))
             return {int(i): str(s) for i, s in zip(t["task_index"], names)}
         if v2.is_file():
@@ -180,7 +243,7 @@ class LeRobotMetadata:
     def _read_stats(self) -> dict[str, dict[str, np.ndarray]]:
         path = self.root / "meta" / "stats.json"
         if path.is_file():
-            raw = json.loads(path.read_text())
+            raw = read_json(path, "LeRobot's statistics: one object {feature: {mean, std, min, max, ...}}")
             return {k: {s: np.asarray(v, dtype=np.float64) for s, v in d.items()} for k, d in raw.items()}
         per_episode = self.root / "meta" / "episodes_stats.jsonl"
         if per_episode.is_file():
@@ -195,7 +258,7 @@ class LeRobotMetadata:
                 return None
             return [r[column] for r in self._episode_rows]
         files = sorted((self.root / "meta" / "episodes").glob("**/*.parquet"))
-        tables = [pq.read_table(f, columns=["episode_index", column]) if column in pq.read_schema(f).names else None
+        tables = [read_table(f, columns=["episode_index", column]) if column in read_schema(f).names else None
                   for f in files]
         if any(t is None for t in tables):
             return None
@@ -254,9 +317,9 @@ class LeRobotMetadata:
         if self.version == "v3.0":
             files = sorted((self.root / "meta" / "episodes").glob("**/*.parquet"))
             names = [f"stats/{key}/min", f"stats/{key}/max"]
-            if not files or not all(n in pq.read_schema(files[0]).names for n in names):
+            if not files or not all(n in read_schema(files[0]).names for n in names):
                 return None
-            table = pa.concat_tables([pq.read_table(f, columns=["episode_index", *names]) for f in files])
+            table = pa.concat_tables([read_table(f, columns=["episode_index", *names]) for f in files])
             order = np.argsort(np.asarray(table["episode_index"]), kind="stable")
             lo, hi = (to_numpy(table[n]).reshape(table.num_rows, -1)[order, 0] for n in names)
         else:
@@ -281,14 +344,16 @@ class LeRobotMetadata:
         read from the data files (v2.1: the first row group of each episode's file, many at once)."""
         if self.version == "v2.1":
             def first(pos: int) -> np.ndarray:
-                return to_numpy(pq.ParquetFile(self.episode_data_path(pos)).read_row_group(0, columns=[key])[key])[:1]
+                path = self.episode_data_path(pos)
+                with reading(path):
+                    return to_numpy(pq.ParquetFile(path).read_row_group(0, columns=[key])[key])[:1]
 
             # Opening many small files is latency-bound: threads overlap it (pyarrow releases the GIL).
             with ThreadPoolExecutor(max_workers=16) as pool:
                 out = list(pool.map(first, range(self.num_episodes), chunksize=256))
             return np.concatenate(out).reshape(self.num_episodes, -1)[:, 0]
         paths = sorted({self.episode_data_path(p) for p in range(self.num_episodes)})
-        table = pa.concat_tables([pq.read_table(p, columns=["index", key]) for p in paths])
+        table = pa.concat_tables([read_table(p, columns=["index", key]) for p in paths])
         index, values = np.asarray(table["index"]), to_numpy(table[key]).reshape(table.num_rows, -1)[:, 0]
         where = np.full(self.num_frames, -1, dtype=np.int64)
         where[index] = np.arange(len(index))

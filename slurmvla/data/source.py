@@ -14,7 +14,6 @@ which episodes to load and in which order.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from slurmvla.config import DataConfig, KeepRangesConfig
 from slurmvla.data.facts import episode_values
 from slurmvla.data.index import SampleIndex, build_index, keep_range_keys
-from slurmvla.data.keep_ranges import load_keep_ranges
+from slurmvla.data.keep_ranges import load_keep_ranges, read_json
 from slurmvla.data.lerobot import LeRobotMetadata
 from slurmvla.data.prepare import text_fields
 from slurmvla.data.spec import DataFeatures, SampleSpec
@@ -33,6 +32,8 @@ from slurmvla.data.video import FrameReader, decode_range, read_concurrently
 from slurmvla.registry import JOINT_MODE, SAMPLE_MODES
 
 log = logging.getLogger("slurmvla")
+ID_TO_PATH = ('one JSON object {"<episode_id>": "<lab>/<success|failure>/<date>/<folder>"} (DROID\'s '
+              'episode_id_to_path.json)')
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,14 @@ def dataset_specs(cfg: DataConfig) -> list[DatasetSpec]:
 def _existing(key: str, path: str) -> Path:
     """A configured file, checked where it is opened (a saved config must validate on any machine)."""
     resolved = Path(path).expanduser()
+    if resolved.is_dir():
+        raise ValueError(f"{key}={path!r} is a directory; give the file itself")
+    if resolved.is_symlink() and not resolved.exists():
+        raise ValueError(f"{key}={path!r} is a broken symbolic link (to {str(resolved.readlink())!r}, which does not exist)")
+    if resolved.exists() and not resolved.is_file():
+        raise ValueError(f"{key}={path!r} is not a regular file (a pipe, socket or device); give the file itself")
     if not resolved.is_file():
-        raise ValueError(f"{key}={path!r} does not exist (or is not a file)")
+        raise ValueError(f"{key}={path!r} does not exist")
     return resolved
 
 
@@ -212,7 +219,9 @@ class LeRobotSource:
             if kr.episode_id_to_path is None:
                 raise ValueError("keep_ranges.episode_id_to_path is needed to turn episode ids into keep-ranges "
                                  "keys (or set keep_ranges.relative_path_column)")
-            mapping = json.loads(_existing("data.keep_ranges.episode_id_to_path", kr.episode_id_to_path).read_text())
+            mapping = read_json(_existing("data.keep_ranges.episode_id_to_path", kr.episode_id_to_path), ID_TO_PATH)
+            if not isinstance(mapping, dict):
+                raise ValueError(f"{kr.episode_id_to_path}: expected {ID_TO_PATH}, got a JSON {type(mapping).__name__}")
         keys = keep_range_keys(values, mapping)
         index = build_index(lengths, mask, keys, ranges, self.sample_spec.action_horizon, kr.semantics)
         c = index.counts

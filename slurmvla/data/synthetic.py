@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -31,6 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from slurmvla.compose import ArgumentParser
 from slurmvla.data.keep_ranges import episode_key
 from slurmvla.droid_features import DROID_CAMERAS
 
@@ -389,7 +391,7 @@ def ensure_sample_dataset(cfg) -> None:  # noqa: ANN001 - a DataConfig
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output folder (must not hold a dataset yet)")
     parser.add_argument("--episodes", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
@@ -400,14 +402,29 @@ def main(argv: list[str] | None = None) -> None:
                         help="video codec: av1 (SVT-AV1, GOP 2, CRF 30: LeRobot's DROID port; default) or h264")
     parser.add_argument("--gop", type=int, default=None, help="keyframe interval in frames (default: 2 for av1, 15 for h264)")
     args = parser.parse_args(argv)
+    out = Path(args.out).expanduser()
+    problem = None
     if args.episodes < 1:
-        parser.error(f"--episodes={args.episodes} must be >= 1")
-    if args.episodes_per_file < 1:
-        parser.error(f"--episodes-per-file={args.episodes_per_file} must be >= 1")
-    if args.gop is not None and args.gop < 1:
-        parser.error(f"--gop={args.gop} must be >= 1")
-    path = write_droid_sample(args.out, args.episodes, seed=args.seed, episodes_per_file=args.episodes_per_file,
-                              format=args.format, codec=args.codec, gop=args.gop)
+        problem = f"--episodes={args.episodes} must be >= 1"
+    elif args.episodes_per_file < 1:
+        problem = f"--episodes-per-file={args.episodes_per_file} must be >= 1"
+    elif args.gop is not None and args.gop < 1:
+        problem = f"--gop={args.gop} must be >= 1"
+    elif (out / "meta" / "info.json").is_file():
+        problem = f"--out={args.out!r} already holds a dataset; give a new or empty folder"
+    elif out.exists() and not out.is_dir():
+        problem = f"--out={args.out!r} is a file; give a new or empty folder"
+    elif out.is_dir() and any(out.iterdir()):
+        problem = f"--out={args.out!r} is a folder that holds other files; give a new or empty folder"
+    if problem is None:
+        try:
+            path = write_droid_sample(out, args.episodes, seed=args.seed, episodes_per_file=args.episodes_per_file,
+                                      format=args.format, codec=args.codec, gop=args.gop)
+        except OSError as e:  # e.g. a folder that cannot be written
+            problem = f"cannot write the dataset to --out={args.out!r}: {e.strerror or e}"
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     print(f"wrote {args.episodes} episodes to {path}")
 
 

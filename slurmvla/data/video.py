@@ -22,6 +22,7 @@ from pathlib import Path
 import av
 import numpy as np
 
+from slurmvla.data import DataError
 from slurmvla.data.prepare import resize_frame
 
 
@@ -36,7 +37,17 @@ class FrameReader:
         self.path, self.from_ts, self.num_frames, self.fps = path, from_ts, num_frames, fps
         self.size, self.resize = size, resize
         self.next = 0  # index (in the range) of the next frame read() returns
-        self._container = av.open(str(path))
+        self._container = None
+        try:
+            self._container = av.open(str(path))
+        except FileNotFoundError:
+            raise DataError(f"video {path} does not exist, but the dataset's metadata names it (an incomplete "
+                            "copy?)") from None
+        except (OSError, av.error.FFmpegError) as e:
+            raise DataError(f"video {path} cannot be opened ({_reason(e)}); the file is damaged or not a video") from None
+        if not self._container.streams.video:
+            self.close()
+            raise DataError(f"video {path} has no video stream")
         stream = self._container.streams.video[0]
         stream.thread_type = "AUTO"
         if from_ts > 0:
@@ -55,7 +66,11 @@ class FrameReader:
             if self._ahead is not None:
                 (k, frame), self._ahead = self._ahead, None
             else:
-                frame = next(self._frames, None)
+                try:
+                    frame = next(self._frames, None)
+                except av.error.FFmpegError as e:  # a damaged stream past the header
+                    self.close()
+                    raise DataError(f"{self.path}: the video cannot be decoded ({_reason(e)})") from None
                 if frame is None:
                     break
                 if frame.pts is None:
@@ -77,7 +92,7 @@ class FrameReader:
             missing = int((~filled).sum())
             t0, t1 = self.from_ts + start / self.fps, self.from_ts + end / self.fps
             self.close()
-            raise ValueError(f"{self.path}: {missing} of {n} frames in [{t0:.3f}, {t1:.3f}) s could not be decoded")
+            raise DataError(f"{self.path}: {missing} of {n} frames in [{t0:.3f}, {t1:.3f}) s could not be decoded")
         self.next = end
         return out
 
@@ -100,6 +115,11 @@ class FrameReader:
 # parent, where freeing a decoder works); in the child, every inherited reader is orphaned.
 _OPEN: weakref.WeakSet[FrameReader] = weakref.WeakSet()
 _ORPHANS: list = []
+
+
+def _reason(e: BaseException) -> str:
+    """PyAV's error without the file name it repeats (the message names the file once)."""
+    return getattr(e, "strerror", None) or str(e)
 
 
 def _orphan_inherited_readers() -> None:

@@ -41,16 +41,42 @@ def requeue_decision(run_dir: Path, exit_code: int, env: dict[str, str]) -> tupl
     job = SlurmJob.from_environ(env)
     if not job.in_job:
         return "failed", exit_code or 1
-    budget = int(env.get("SLURMVLA_MAX_RESTARTS", DEFAULT_MAX_RESTARTS))
-    if job.restart_count >= budget:
+    if job.restart_count >= restart_budget(env):
         return "failed", exit_code or 1
     return "requeue", 0
 
 
+def restart_budget(env: dict[str, str]) -> int:
+    """SLURMVLA_MAX_RESTARTS (default 3); a ValueError names a value that is not a whole number >= 0."""
+    value = env.get("SLURMVLA_MAX_RESTARTS", str(DEFAULT_MAX_RESTARTS))
+    if not value.strip().isdigit():
+        raise ValueError(f"SLURMVLA_MAX_RESTARTS={value!r} is not a number of restarts; give a whole number >= 0 "
+                         f"(default {DEFAULT_MAX_RESTARTS})")
+    return int(value)
+
+
+COMMANDS = {"master-addr": [], "master-port": [], "nproc-per-node": [], "requeue": ["RUN_DIR", "EXIT_CODE"],
+            "check-file": ["NAME", "PATH"], "check-budget": []}
+
+
 def main(argv: list[str]) -> int:
+    try:
+        return _main(argv)
+    except ValueError as e:  # a value the caller (a wrapper script, its environment) gave wrongly
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     env = dict(os.environ)
-    job = SlurmJob.from_environ(env)
     cmd = argv[0] if argv else "help"
+    if cmd in COMMANDS and len(argv) - 1 != len(COMMANDS[cmd]):
+        usage = " ".join([cmd, *COMMANDS[cmd]])
+        raise ValueError(f"{cmd} takes {len(COMMANDS[cmd])} argument(s), got {len(argv) - 1}: "
+                         f"python -m slurmvla.launch {usage}")
+    if cmd not in COMMANDS and cmd not in ("help", "-h", "--help"):
+        raise ValueError(f"unknown command {cmd!r}; choose one of {list(COMMANDS)} (python -m slurmvla.launch help)")
+    job = SlurmJob.from_environ(env)
     if cmd == "master-addr":
         print(env.get("MASTER_ADDR") or job.master_addr or "127.0.0.1")
     elif cmd == "master-port":
@@ -60,17 +86,21 @@ def main(argv: list[str]) -> int:
     elif cmd == "check-file":
         name, path = argv[1], argv[2]
         if not Path(path).is_file():
-            print(f"error: {name}={path!r} does not exist (or is not a file); fix it or unset {name}", file=sys.stderr)
+            what = "is a directory, not a file" if Path(path).is_dir() else "does not exist (or is not a file)"
+            print(f"error: {name}={path!r} {what}; fix it or unset {name}", file=sys.stderr)
             return 2
     elif cmd == "check-budget":
         # SLURM itself requeues a --requeue job after a node failure; the budget holds for those too.
-        budget = int(env.get("SLURMVLA_MAX_RESTARTS", DEFAULT_MAX_RESTARTS))
+        budget = restart_budget(env)
         if job.restart_count > budget:
             print(f"error: job {job.job_id} was requeued {job.restart_count} times, more than its budget "
                   f"SLURMVLA_MAX_RESTARTS={budget}; not starting again", file=sys.stderr)
             return 1
     elif cmd == "requeue":
-        run_dir, code = Path(argv[1]), int(argv[2])
+        run_dir, code = Path(argv[1]), argv[2]
+        if not code.lstrip("-").isdigit():
+            raise ValueError(f"requeue: EXIT_CODE={code!r} is not an exit code (a whole number, e.g. $? of the job step)")
+        code = int(code)
         decision, rc = requeue_decision(run_dir, code, env)
         restarts = job.restart_count
         if decision == "requeue":

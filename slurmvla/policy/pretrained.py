@@ -261,17 +261,37 @@ def tokenizer_dir(cfg: PolicyConfig) -> Path | None:
     None for the byte tokenizer. A ValueError names a directory that holds none."""
     if cfg.tokenizer_path:
         path = Path(cfg.tokenizer_path).expanduser()
+        _must_be_dir("policy.tokenizer_path", cfg.tokenizer_path, "a PaliGemma directory with tokenizer files")
         if not any((path / f).exists() for f in TOKENIZER_FILES):
-            raise ValueError(f"policy.tokenizer_path={cfg.tokenizer_path!r} holds none of {list(TOKENIZER_FILES)}")
+            raise ValueError(f"policy.tokenizer_path={cfg.tokenizer_path!r} holds no tokenizer: none of "
+                             f"{list(TOKENIZER_FILES)} is in it (it has: {_listing(path)})")
         return path
     if cfg.pretrained_path:
         path = Path(cfg.pretrained_path).expanduser()
+        if not path.exists():
+            _must_be_dir("policy.pretrained_path", cfg.pretrained_path, "a Hugging Face PaliGemma directory or a "
+                         "LeRobot pi0 / pi0.5 checkpoint directory")
         if path.is_dir() and any((path / f).exists() for f in TOKENIZER_FILES):
             return path
-        raise ValueError(f"policy.pretrained_path={cfg.pretrained_path!r} holds no tokenizer ({list(TOKENIZER_FILES)}): "
-                         "set policy.tokenizer_path to the PaliGemma directory whose tokenizer the weights were "
-                         "trained with")
+        where = f"none of {list(TOKENIZER_FILES)} is in it (it has: {_listing(path)})" if path.is_dir() else \
+            "it is a file, not a directory with tokenizer files"
+        raise ValueError(f"policy.pretrained_path={cfg.pretrained_path!r} holds no tokenizer: {where}; set "
+                         "policy.tokenizer_path to the PaliGemma directory whose tokenizer the weights were trained with")
     return None
+
+
+def _must_be_dir(key: str, value: str, what: str) -> None:
+    """A configured directory that does not exist (or is a file) fails naming the key and the value."""
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise ValueError(f"{key}={value!r} does not exist; give {what}")
+    if not path.is_dir():
+        raise ValueError(f"{key}={value!r} is not a directory; give {what}")
+
+
+def _listing(path: Path, most: int = 6) -> str:
+    names = sorted(p.name for p in path.iterdir())
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "") if names else "nothing"
 
 
 @dataclass(frozen=True)
