@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,3 +158,23 @@ def test_a_signal_during_start_up_stops_before_the_first_step_and_saves_nothing(
     trainer.close()
     assert trainer.stopped_for_requeue and trainer.step == 0
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_a_process_that_fails_with_live_data_workers_still_exits(tmp_path):
+    """Workers that ignore SIGTERM would hang the exit of a process whose exception keeps its loader
+    alive (multiprocessing's exit SIGTERMs daemonic children and waits): slurmvla.data.loader ends them."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "from torch.utils.data import DataLoader\n"
+        "import slurmvla.data.loader\n"
+        "from slurmvla.launch.preempt import ignore_stop_signals\n"
+        "it = iter(DataLoader(range(1000), batch_size=1, num_workers=2, worker_init_fn=ignore_stop_signals))\n"
+        "next(it)\n"
+        "raise RuntimeError('a bug mid-run')\n")
+    repo = str(Path(__file__).resolve().parents[1])
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": repo})
+    assert res.returncode == 1 and res.stderr.strip().endswith("RuntimeError: a bug mid-run"), res.stderr[-2000:]

@@ -8,7 +8,9 @@ position carries over as the same fraction of the epoch, with a warning.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import multiprocessing
 from collections.abc import Iterator
 
 import torch
@@ -20,6 +22,27 @@ from slurmvla.data.readers import EpisodeStream, EpochSampler, MapDataset, Valid
 from slurmvla.launch.preempt import ignore_stop_signals
 
 log = logging.getLogger("slurmvla")
+
+
+@atexit.register
+def _end_workers_at_exit() -> None:
+    """Data workers ignore the stop signals (slurmvla.launch.preempt.ignore_stop_signals). A loader still
+    alive at exit (an exception's traceback holds it) would hang the process: multiprocessing's own exit
+    sends its daemonic children SIGTERM and waits for them. Registered after it, this runs first and ends
+    them: first as the loader itself would (its workers finish on their own), then, for any left, by PID
+    with SIGKILL. A loader shut down normally has no children left."""
+    import gc
+
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    if multiprocessing.active_children():
+        for obj in gc.get_objects():
+            if type(obj) is _MultiProcessingDataLoaderIter:
+                obj._shutdown_workers()
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join(timeout=5)
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
