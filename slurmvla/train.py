@@ -93,6 +93,32 @@ def dry_run(overrides: list[str]) -> None:
     print(describe(job, hydra_cfg, [o for o in overrides if not o.startswith("hydra")]))
 
 
+# Hydra's own flags (python -m slurmvla.train --help) and ours.
+FLAGS = ("--dry-run", "-m", "--multirun", "-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "-p", "--package",
+         "-i", "--info", "--resolve", "-r", "--run", "-sc", "--shell-completion", "-cp", "--config-path", "-cn",
+         "--config-name", "-cd", "--config-dir", "--experimental-rerun")
+
+
+def check_command_line(args: list[str], overrides: list[str]) -> None:
+    """An unknown flag, or several values for a key without -m: one line instead of Hydra's usage block."""
+    for arg in args:
+        if arg.startswith("-") and arg.split("=", 1)[0] not in FLAGS:
+            raise ValueError(f"unknown option {arg!r}; the options are {', '.join(FLAGS)} (overrides are key=value)")
+    if {"-m", "--multirun"} & set(args):
+        return
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return  # check_overrides says what is wrong with it
+    sweeps = [o.input_line for o in parsed if o.is_sweep_override()]
+    if sweeps:
+        raise ValueError(f"{sweeps[0]} gives several values: add -m (--multirun) to run one job per value, or give "
+                         "one value (a comma inside a value: quote it, key='a,b')")
+
+
 def cli() -> None:
     """Entry point: a misspelled key fails here with the valid keys listed, before Hydra starts;
     ``--dry-run`` prints what would be run or submitted and runs nothing."""
@@ -103,6 +129,7 @@ def cli() -> None:
         PreemptionFlag().install()
     overrides = [a for a in sys.argv[1:] if not a.startswith("-")]
     try:
+        check_command_line(sys.argv[1:], overrides)
         check_overrides(overrides)
         if "--dry-run" in sys.argv:
             dry_run(overrides)

@@ -125,6 +125,8 @@ def test_a_plain_value_for_a_group_of_settings_says_which_key_was_meant(capsys, 
     ("engine=fsdp3", ["engine=fsdp3", "'fsdp_full'"]),
     ("experiment=demoo", ["experiment=demoo", "'demo'"]),  # Hydra skips an optional group's unknown option
     ("logging.wandb=offline", ["did you mean logging.wandb.mode=offline"]),
+    ("engine=ddp,single", ["engine=ddp,single gives several values", "-m (--multirun)"]),
+    ("--bogus-flag", ["unknown option '--bogus-flag'", "--multirun"]),
 ])
 def test_train_override_mistakes(override, words, capsys, monkeypatch, restore_signals):
     monkeypatch.setattr(sys, "argv", ["train", override])
