@@ -85,19 +85,26 @@ def example_policy() -> str:
     return "slurmvla_example_policy.MLPPolicy"
 
 
+def run_until(cmd: list[str], timeout: int, what: str) -> tuple[int, str]:
+    """``cmd`` from the repository in a session of its own (output merged), under a deadline: a hang
+    SIGKILLs its whole process group and fails the test naming ``what``. Returns (exit code, log)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"{what} did not finish within {timeout}s (a hang):\n{proc.communicate()[0][-4000:]}")
+    return proc.returncode, log
+
+
 def run_train(args: list[str], nproc: int = 0, timeout: int = 600) -> str:
     """``python -m slurmvla.train ARGS`` (or under torchrun with ``nproc`` ranks) from the repository,
     under a deadline (a hang fails the test); returns the log."""
     launcher = [sys.executable, "-m", "slurmvla.train"] if nproc == 0 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "slurmvla.train"]
-    proc = subprocess.Popen([*launcher, *args], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"training did not finish within {timeout}s:\n{proc.communicate()[0][-3000:]}")
-    assert proc.returncode == 0, log[-4000:]
+    code, log = run_until([*launcher, *args], timeout, "training")
+    assert code == 0, log[-4000:]
     return log
 
 

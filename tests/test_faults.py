@@ -27,7 +27,7 @@ from slurmvla.launch.runlock import LOCK_FILE, RunDirInUse, RunLock
 from slurmvla.registry import ENGINES
 from slurmvla.trainer import Trainer
 
-from .conftest import REPO, rel_l2
+from .conftest import REPO, rel_l2, run_until
 
 pytestmark = pytest.mark.faults
 
@@ -381,15 +381,9 @@ def drive(out: Path, job: int, base: list[str], runs: list[dict], timeout: int =
     """One torchrun job of tests/dist_driver.py at world size 2 (its exit code is not checked here)."""
     spec = out / f"spec{job}.json"
     spec.write_text(json.dumps({"out": str(out), "base": base, "runs": runs}))
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(DRIVER), str(spec)], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"torchrun job {job} did not finish within {timeout}s (a hang):\n{proc.communicate()[0][-4000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, log)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(DRIVER), str(spec)]
+    code, log = run_until(cmd, timeout, f"torchrun job {job}")
+    return subprocess.CompletedProcess(cmd, code, log)
 
 
 @pytest.fixture(scope="module")
