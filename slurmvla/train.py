@@ -99,6 +99,24 @@ FLAGS = ("--dry-run", "-m", "--multirun", "-h", "--help", "--hydra-help", "--ver
          "--config-name", "-cd", "--config-dir", "--experimental-rerun")
 
 
+# Hydra's flags that take the next argument as their value (--cfg job, -cn NAME, ...).
+VALUE_FLAGS = ("-c", "--cfg", "-p", "--package", "-i", "--info", "-cp", "--config-path", "-cn", "--config-name", "-cd",
+               "--config-dir", "--experimental-rerun", "-sc", "--shell-completion")
+
+
+def overrides_of(args: list[str]) -> list[str]:
+    """The key=value overrides of a command line: not its flags, nor a flag's value."""
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg.startswith("-"):
+            skip = arg in VALUE_FLAGS
+        else:
+            out.append(arg)
+    return out
+
+
 def check_command_line(args: list[str], overrides: list[str]) -> None:
     """An unknown flag, or several values for a key without -m: one line instead of Hydra's usage block."""
     for arg in args:
@@ -127,7 +145,7 @@ def cli() -> None:
     # submitting process, which trains nothing.
     if not {"-m", "--multirun"} & set(sys.argv[1:]):
         PreemptionFlag().install()
-    overrides = [a for a in sys.argv[1:] if not a.startswith("-")]
+    overrides = overrides_of(sys.argv[1:])
     try:
         check_command_line(sys.argv[1:], overrides)
         check_overrides(overrides)
