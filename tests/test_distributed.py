@@ -131,9 +131,12 @@ def single_reference(single_references):
 # engine once, pi0.5 (the superset) on the two that shard parameters. The cells left out gave figures
 # identical to a kept one (fsdp_grad_op == fsdp_full == hsdp, zero1 == zero2 to all digits; pi0 == pi0.5
 # on fsdp_full and zero3 to the same digits).
-PI0_CELLS = {"ddp": "pi05_tiny", "fsdp_full": "pi05_tiny", "fsdp_grad_op": "pi0_tiny", "hsdp": "pi05_tiny",
+# fsdp_grad_op wraps the same units as fsdp_full and differs only in resharding after forward: the
+# reference policy there (its pi0 cell gave fsdp_full's figures to all digits).
+PI0_CELLS = {"ddp": "pi05_tiny", "fsdp_full": "pi05_tiny", "fsdp_grad_op": None, "hsdp": "pi05_tiny",
              "zero1": "pi0_tiny", "zero2": "pi05_tiny", "zero3": "pi05_tiny"}
-STRATEGY_CELLS = [(e, p) for e in ENGINES if e != "single" for p in ("reference", PI0_CELLS.get(e, "pi0_tiny"))]
+STRATEGY_CELLS = [(e, p) for e in ENGINES if e != "single"
+                  for p in ("reference", PI0_CELLS.get(e, "pi0_tiny")) if p is not None]
 # Gradient accumulation (the engine's no_sync) and bf16 autocast with fp32 masters are the engine's
 # alone: every engine runs them with the reference policy; bf16 also with pi0.5 where the engine shards
 # parameters (mixed precision meets the transformer's own dtype handling there).
