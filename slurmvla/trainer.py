@@ -76,6 +76,8 @@ class Trainer:
         self.preempt = PreemptionFlag()
         self.preempt.install()
         self.stopped_for_requeue = False
+        self._grace_checked = False
+        self._fit_start: tuple[float, int] | None = None  # (time, step) when fit began: the step time
         self.heartbeats = None
         self.run_lock: RunLock | None = None
         try:
@@ -293,8 +295,8 @@ class Trainer:
                    disable=not (self.env.is_main and tcfg.progress_bar))
         window = {"loss": 0.0, "grad_norm": 0.0, "steps": 0}
         last: dict[str, float] = {}
-        t0 = self._fit_start = time.perf_counter()
-        self._fit_start_step = self.step
+        t0 = time.perf_counter()
+        self._fit_start = (t0, self.step)
         # A signal that came during start-up: nothing trained since the last checkpoint; stop now.
         self._preemption_agreed()
         while self.step < end and not self.stopped_for_requeue:
@@ -410,19 +412,20 @@ class Trainer:
         path = self.checkpoints.save(self.step, self.engine, self.state_dict(), self.rank_state_dict(), self.ema)
         if self.env.is_main and not self.checkpoints.pending:
             log.info("saved checkpoint %s", path)  # a background save says so when it is in place
-        self._check_grace(getattr(self.checkpoints, "last_save_seconds", None))
+        self._check_grace(self.checkpoints.last_save_seconds)
         return path
 
     def _check_grace(self, save_s: float | None) -> None:
         """Once per run, on rank 0, with the first measured save: warn when a stop for a signal
         (agreement, a save in flight, the checkpoint) does not fit in the time SLURM gives."""
-        if not self.env.is_main or save_s is None or getattr(self, "_grace_checked", False):
+        if not self.env.is_main or save_s is None or self._grace_checked:
             return
         self._grace_checked = True
-        steps = self.step - getattr(self, "_fit_start_step", self.step)
-        step_s = (time.perf_counter() - self._fit_start) / steps if steps > 0 else 0.0
-        background = bool(self.cfg.checkpoint.async_save and getattr(self.checkpoints, "background", True))
-        for warning in shortfalls(save_s, step_s, self.cfg.trainer.signal_check_every_steps, background):
+        started, first_step = self._fit_start or (0.0, self.step)
+        steps = self.step - first_step
+        step_s = (time.perf_counter() - started) / steps if steps > 0 else 0.0
+        for warning in shortfalls(save_s, step_s, self.cfg.trainer.signal_check_every_steps,
+                                  self.checkpoints.background):
             log.warning("%s", warning)
 
     def _resume(self) -> None:
