@@ -43,6 +43,16 @@ FINISHED_MARKER = "FINISHED"
 STOP_SIGNALS = ("SIGTERM", "SIGUSR2")
 
 
+def signal_name(raw: str) -> str:
+    """``usr2``, ``USR2`` or ``SIGUSR2`` -> ``SIGUSR2`` (a ValueError for a name that is no signal)."""
+    name = raw.strip().upper()
+    name = name if name.startswith("SIG") else f"SIG{name}"
+    if not isinstance(getattr(signal, name, None), signal.Signals):
+        raise ValueError(f"SLURMVLA_STOP_SIGNALS / SUBMITIT_PREEMPT_SIGNAL names {raw!r}, which is not a signal "
+                         "(e.g. USR1, USR2, TERM)")
+    return name
+
+
 def stop_signals(environ: dict[str, str] | None = None) -> tuple[str, ...]:
     """The signals that mean "checkpoint and stop" in this job: SIGTERM, SIGUSR2, submitit's
     preemption signal, and any named (comma-separated) in ``SLURMVLA_STOP_SIGNALS``."""
@@ -50,13 +60,9 @@ def stop_signals(environ: dict[str, str] | None = None) -> tuple[str, ...]:
     names = list(STOP_SIGNALS)
     extra = [env.get("SUBMITIT_PREEMPT_SIGNAL", ""), *env.get("SLURMVLA_STOP_SIGNALS", "").split(",")]
     for raw in extra:
-        name = raw.strip().upper()
-        if not name:
+        if not raw.strip():
             continue
-        name = name if name.startswith("SIG") else f"SIG{name}"
-        if not isinstance(getattr(signal, name, None), signal.Signals):
-            raise ValueError(f"SLURMVLA_STOP_SIGNALS / SUBMITIT_PREEMPT_SIGNAL names {raw!r}, which is not a signal "
-                             "(e.g. USR1, USR2, TERM)")
+        name = signal_name(raw)
         if name not in names:
             names.append(name)
     return tuple(names)
@@ -115,8 +121,7 @@ class PreemptionFlag:
         if self.signal_name is None:
             return
         came = getattr(signal, self.signal_name)
-        name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").upper()
-        requeue_sig = getattr(signal, name if name.startswith("SIG") else f"SIG{name}", signal.SIGUSR2)
+        requeue_sig = getattr(signal, signal_name(os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")))
         for sig in (came, requeue_sig):
             previous = self._previous.get(sig)
             if callable(previous) and getattr(previous, "__name__", "") != "bypass":
