@@ -126,6 +126,42 @@ def test_both_layouts_of_the_same_episodes_give_the_same_samples(make_cfg, tmp_p
             assert (x["images"].float() - y["images"].float()).abs().mean() < 3
 
 
+def test_v30_is_written_as_lerobots_writer_writes_it_and_the_older_form_still_reads(make_cfg, tmp_path):
+    """Shape-[1] features as plain scalars and the task table indexed by the task string, as LeRobot's
+    own writer stores them (LeRobot 0.6.1 opens the files: tests/reference/interop_lerobot.py); files in
+    the form slurmvla wrote before (one-element lists, a plain task column) give the same samples."""
+    import shutil
+
+    from slurmvla.data.synthetic import write_droid_sample
+
+    new = write_droid_sample(tmp_path / "new", 4, seed=5, episodes_per_file=2)
+    schema = pq.read_schema(next((new / "data").rglob("*.parquet")))
+    assert schema.field("observation.state.gripper_position").type == pa.float32()
+    assert pa.types.is_fixed_size_list(schema.field("observation.state.joint_position").type)
+    tasks = pq.read_table(new / "meta" / "tasks.parquet")
+    assert json.loads(tasks.schema.metadata[b"pandas"])["index_columns"] == ["task"]
+    old = tmp_path / "old"
+    shutil.copytree(new, old)
+    for path in (old / "data").rglob("*.parquet"):
+        table = pq.read_table(path)
+        for i, field in enumerate(table.schema):
+            if field.type == pa.float32():
+                col = table.column(i).combine_chunks()
+                table = table.set_column(i, field.name, pa.FixedSizeListArray.from_arrays(col, 1))
+        pq.write_table(table, path)
+    pq.write_table(tasks.replace_schema_metadata(None), old / "meta" / "tasks.parquet")
+    over = ["data.state_keys=[observation.state.joint_position,observation.state.gripper_position]",
+            "data.action_keys=[action.joint_velocity,action.gripper_velocity]", "data.instruction_keys=[]"]
+    sources = [_source(make_cfg(f"data.root={r}", *over)) for r in (new, old)]
+    assert sources[0].meta.tasks == sources[1].meta.tasks and sources[0].use_task
+    for e in range(4):
+        a, b = (s.load_episode(e) for s in sources)
+        for t in (0, len(a.state) - 1):
+            x, y = sources[0].sample(a, t, 0), sources[1].sample(b, t, 0)
+            assert x["instruction"] == y["instruction"] and x["instruction"] in sources[0].meta.tasks.values()
+            assert all(torch.equal(x[k], y[k]) for k in x if isinstance(x[k], torch.Tensor))
+
+
 def test_normalization_modes_use_the_dataset_stats(make_cfg, sample_root):
     stats = json.loads((sample_root / "meta" / "stats.json").read_text())["action"]
     mixture = Mixture(make_cfg().data, policy_spec(make_cfg(), 32, 8, 32), 0)

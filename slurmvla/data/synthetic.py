@@ -262,7 +262,10 @@ def _episode_id(e: int) -> str:
 def _table(columns: dict[str, np.ndarray]) -> pa.Table:
     arrays = {}
     for key, value in columns.items():
-        if value.ndim == 2:
+        if value.ndim == 2 and value.shape[1] == 1:
+            # A shape-[1] feature is a plain scalar column, as LeRobot's writer stores it (datasets' Value).
+            arrays[key] = pa.array(value[:, 0], pa.float32())
+        elif value.ndim == 2:
             arrays[key] = _float_list(value)
         elif value.dtype == object:
             arrays[key] = pa.array(value.tolist(), pa.string())
@@ -300,11 +303,25 @@ def _write_v3(tmp: Path, per_episode: list, tasks: list[str], episodes_per_file:
     meta = tmp / "meta"
     (meta / "episodes" / "chunk-000").mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), meta / "episodes" / "chunk-000" / "file-000.parquet")
-    pq.write_table(pa.table({"task_index": list(range(len(tasks))), "task": tasks}), meta / "tasks.parquet")
+    _write_tasks(meta / "tasks.parquet", tasks)
     state = np.concatenate([c["observation.state"] for c, _, _ in per_episode])
     action = np.concatenate([c["action"] for c, _, _ in per_episode])
     stats = {"observation.state": _stats(state), "action": _stats(action)}
     (meta / "stats.json").write_text(json.dumps(stats, indent=2))
+
+
+def _write_tasks(path: Path, tasks: list[str]) -> None:
+    """``meta/tasks.parquet`` as LeRobot writes it (a pandas frame indexed by the task string): LeRobot
+    reads the string from the frame's index, and would take the row number for it without this metadata."""
+    pandas_meta = {"index_columns": ["task"], "column_indexes": [{"name": None, "field_name": None, "pandas_type": "unicode",
+                                                                  "numpy_type": "object", "metadata": {"encoding": "UTF-8"}}],
+                   "columns": [{"name": "task_index", "field_name": "task_index", "pandas_type": "int64", "numpy_type": "int64",
+                                "metadata": None},
+                               {"name": "task", "field_name": "task", "pandas_type": "unicode", "numpy_type": "object",
+                                "metadata": None}],
+                   "attributes": {}, "creator": {"library": "pyarrow", "version": pa.__version__}, "pandas_version": "2.2.0"}
+    table = pa.table({"task_index": pa.array(range(len(tasks)), pa.int64()), "task": pa.array(tasks, pa.string())})
+    pq.write_table(table.replace_schema_metadata({"pandas": json.dumps(pandas_meta)}), path)
 
 
 def _write_v2(tmp: Path, per_episode: list, tasks: list[str], video: tuple) -> None:
@@ -371,7 +388,7 @@ def _info(format: str, num_episodes: int, num_frames: int, num_tasks: int, codec
     if format == "v2.1":
         return {"codebase_version": "v2.1", **common, "total_chunks": 1, "total_videos": 3 * num_episodes,
                 "data_path": V2_DATA_PATH, "video_path": V2_VIDEO_PATH, "features": features}
-    return {"codebase_version": "v3.0", **common, "files_size_in_mb": 100, "data_files_size_in_mb": 100,
+    return {"codebase_version": "v3.0", **common, "data_files_size_in_mb": 100,
             "video_files_size_in_mb": 500, "data_path": DATA_PATH, "video_path": VIDEO_PATH, "features": features}
 
 
