@@ -78,15 +78,25 @@ def _cartesian(joints: np.ndarray) -> np.ndarray:
     return np.concatenate([np.cos(c[:, :3]) * 0.5, np.sin(c[:, 3:]) * 0.5], axis=1).astype(np.float32)
 
 
-def _render(state: np.ndarray, goal_id: int, camera: int) -> np.ndarray:
-    """Frames ``[T, H, W, 3]``: scene colour shows the goal, a square tracks the arm, brightness the gripper."""
+def _render(state: np.ndarray, goal_id: int, camera: int, texture: np.random.Generator | None = None) -> np.ndarray:
+    """Frames ``[T, H, W, 3]``: scene colour shows the goal, a square tracks the arm, brightness the gripper.
+    With ``texture`` (a generator for the noise) the scene is textured, drifts as a moving camera's view
+    does and carries sensor noise: it decodes like camera footage, which flat colour flatters."""
     length = len(state)
     hue = np.array([[200, 60, 60], [60, 60, 200], [60, 180, 60], [210, 200, 60], [40, 40, 40], [220, 220, 220]])
     frames = np.empty((length, HEIGHT, WIDTH, 3), dtype=np.uint8)
     base = (hue[goal_id] * (0.6 + 0.2 * camera)).clip(0, 255)
+    if texture is not None:
+        yy, xx = np.mgrid[0 : HEIGHT + 64, 0 : WIDTH + 64].astype(np.float32)
+        pattern = 45 * np.sin(xx / (4.0 + camera)) * np.cos(yy / 6.0) + 25 * np.sin((xx + 2 * yy) / 17.0)
     for i in range(length):
         frame = frames[i]
-        frame[:] = base.astype(np.uint8)
+        if texture is None:
+            frame[:] = base.astype(np.uint8)
+        else:
+            dy, dx = (i // 2) % 64, (3 * i) % 64
+            view = pattern[dy : dy + HEIGHT, dx : dx + WIDTH, None] + base + texture.normal(0, 5, (HEIGHT, WIDTH, 3))
+            frame[:] = view.clip(0, 255).astype(np.uint8)
         x = int((state[i, camera] + 1.2) / 2.4 * (WIDTH - 40))
         y = int((state[i, camera + 3] + 1.2) / 2.4 * (HEIGHT - 40))
         x, y = min(max(x, 0), WIDTH - 40), min(max(y, 0), HEIGHT - 40)
@@ -96,6 +106,7 @@ def _render(state: np.ndarray, goal_id: int, camera: int) -> np.ndarray:
 
 
 CODECS = ("av1", "h264")
+CONTENTS = ("flat", "camera")
 # LeRobot's DROID port: AV1 through SVT-AV1, a keyframe every 2 frames, CRF 30, yuv420p. The preset
 # only trades encoding speed for size. H.264 (libx264) stays available for comparison.
 ENCODERS = {"av1": ("libsvtav1", {"crf": "30", "preset": "10"}), "h264": ("libx264", {"crf": "23", "preset": "veryfast", "bf": "0"})}
@@ -160,15 +171,18 @@ def _float_list(x: np.ndarray) -> pa.Array:
 
 def write_droid_sample(out: str | Path, num_episodes: int, seed: int = 0, episodes_per_file: int = 8,
                        min_length: int = 4, max_length: int = 60, format: str = "v3.0", codec: str = "av1",
-                       gop: int | None = None, length: int | None = None) -> Path:
+                       gop: int | None = None, length: int | None = None, content: str = "flat") -> Path:
     """Write the dataset into ``out`` atomically (a temporary folder renamed at the end).
 
     ``format`` is the LeRobot layout: ``v3.0`` (``episodes_per_file`` episodes per parquet / mp4) or
     ``v2.1`` (one parquet and one mp4 per episode, jsonl metadata, per-episode stats). The same
     seed gives the same episodes in either layout. ``codec``: ``av1`` (SVT-AV1 at GOP 2 and CRF 30,
     as LeRobot's DROID port) or ``h264``; ``gop`` overrides the keyframe interval (frames);
-    ``length`` makes every episode that long.
+    ``length`` makes every episode that long. ``content``: ``flat`` scenes, or ``camera`` (textured,
+    drifting, noisy: decodes like camera footage; for benchmarks).
     """
+    if content not in CONTENTS:
+        raise ValueError(f"content={content!r} is not valid; choose one of {list(CONTENTS)}")
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not valid; choose one of {list(FORMATS)}")
     if codec not in CODECS:
@@ -232,7 +246,8 @@ def write_droid_sample(out: str | Path, num_episodes: int, seed: int = 0, episod
         }
         for k, key in enumerate(("language_instruction", "language_instruction_2", "language_instruction_3")):
             columns[key] = np.array([instructions[k]] * n, dtype=object)
-        frames = {cam: _render(ep["state"], ep["goal_id"], c) for c, cam in enumerate(DROID_CAMERAS)}
+        noise = np.random.default_rng([seed, e]) if content == "camera" else None
+        frames = {cam: _render(ep["state"], ep["goal_id"], c, noise) for c, cam in enumerate(DROID_CAMERAS)}
         row = {"episode_index": e, "tasks": [instructions[0]], "length": n, "episode_id": episode_id}
         per_episode.append((columns, frames, row))
         global_index += n

@@ -25,7 +25,7 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" "torch==2.11.0" "torchvision==0.26.0"
 PINS=$(mktemp)
 "$VENV/bin/python" -c "import importlib.metadata as m; print(f\"torch=={m.version('torch')}\ntorchvision=={m.version('torchvision')}\")" >"$PINS"
-"${PIP[@]}" -c "$PINS" "lerobot[pi,dataset]==0.6.1" safetensors
+"${PIP[@]}" -c "$PINS" "lerobot[pi,dataset]==0.6.1" safetensors psutil
 rm -f "$PINS"
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as m
