@@ -163,11 +163,46 @@ def lerobot_loading(root: str, workers: int, batch_size: int, batches: int, mode
     return measure(make, batches)
 
 
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def slurmvla_startup(root: str, cache: str) -> dict:
+    from slurmvla.config import DataConfig, FlowVLAConfig
+    from slurmvla.data.mixture import Mixture
+    from slurmvla.policy import sample_spec
+
+    t0 = time.perf_counter()
+    cfg = DataConfig(root=root, cache_dir=cache, cameras=[CAMERA], state_keys=["observation.state"],
+                     action_keys=["action"], instruction_keys=[])
+    mixture = Mixture(cfg, sample_spec(FlowVLAConfig(action_horizon=HORIZON)), seed=0)
+    mixture.plan(0)  # the first epoch's order: what a rank needs before its first batch
+    return {"seconds": time.perf_counter() - t0, "peak_rss_mib": _peak_rss_mib(), "samples": mixture.samples_per_epoch}
+
+
+def lerobot_startup(root: str, cache: str) -> dict:
+    import os
+
+    os.environ["HF_DATASETS_CACHE"] = cache  # before datasets is imported
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    t0 = time.perf_counter()
+    ds = LeRobotDataset("local/droid_size", root=root,
+                        delta_timestamps={"action": [i / 15 for i in range(HORIZON)]})
+    return {"seconds": time.perf_counter() - t0, "peak_rss_mib": _peak_rss_mib(), "samples": len(ds)}
+
+
 def side(argv: list[str]) -> None:
     torch.set_num_threads(1)
-    kind, root, workers, batch_size, batches, *rest = argv
-    args = (root, int(workers), int(batch_size), int(batches))
-    result = slurmvla_loading(*args) if kind == "slurmvla-loading" else lerobot_loading(*args, *rest)
+    kind, *rest = argv
+    if kind.endswith("-startup"):
+        result = (slurmvla_startup if kind == "slurmvla-startup" else lerobot_startup)(*rest)
+    else:
+        root, workers, batch_size, batches, *mode = rest
+        args = (root, int(workers), int(batch_size), int(batches))
+        result = slurmvla_loading(*args) if kind == "slurmvla-loading" else lerobot_loading(*args, *mode)
     print("RESULT " + json.dumps(result))
 
 
@@ -189,8 +224,7 @@ def lerobot_versions(python: str) -> str:
 def loading(args, tmp: Path) -> None:
     from slurmvla.data.synthetic import write_droid_sample
 
-    print(f"LeRobot side: {lerobot_versions(args.lerobot_python)}; slurmvla side: torch {torch.__version__}")
-    print(f"data: {args.episodes} episodes x {args.length} frames, 3 cameras 180x320 AV1 GOP 2, 4 episodes per file; "
+    print(f"loading: {args.episodes} episodes x {args.length} frames, 3 cameras 180x320 AV1 GOP 2, 4 episodes per file; "
           f"batch {args.batch_size}, {args.batches} batches after the first, chunk {HORIZON}, frames to {IMAGE_SIZE} where "
           "resized")
     head = (f"{'content':7s} {'workers':>7s} {'reader':22s} {'samples/s':>9s} {'/CPU-s':>7s} {'first s':>8s} "
@@ -213,6 +247,91 @@ def loading(args, tmp: Path) -> None:
             del ours
 
 
+CAMERA = "observation.images.exterior_1_left"
+
+
+def write_droid_size(root: Path, episodes: int, frames: int, per_file: int = 1000) -> None:
+    """Metadata and frame data at DROID's size in LeRobot's v3.0 layout as LeRobot's writer lays it out
+    (one camera; its video files exist but are empty: opening a dataset decodes none)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sys.path.insert(0, str(HERE.parent))
+    from data_index import synthetic_droid
+
+    lengths = synthetic_droid(episodes, frames)[0]
+    n = len(lengths)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    file_of = np.arange(n) // per_file
+    local = starts - starts[file_of * per_file]
+    vec = {"dtype": "float32", "shape": [8], "names": None}
+    one = lambda dtype: {"dtype": dtype, "shape": [1], "names": None}  # noqa: E731
+    features = {CAMERA: {"dtype": "video", "shape": [180, 320, 3], "names": ["height", "width", "channels"],
+                         "info": {"video.fps": 15, "video.height": 180, "video.width": 320, "video.channels": 3,
+                                  "video.codec": "av1", "video.pix_fmt": "yuv420p", "video.is_depth_map": False,
+                                  "has_audio": False}},
+                "observation.state": vec, "action": vec, "timestamp": one("float32"), "frame_index": one("int64"),
+                "episode_index": one("int64"), "index": one("int64"), "task_index": one("int64")}
+    (root / "meta" / "episodes" / "chunk-000").mkdir(parents=True)
+    episodes_table = pa.table({
+        "episode_index": np.arange(n), "tasks": [["do it"]] * n, "length": lengths,
+        "data/chunk_index": file_of // 1000, "data/file_index": file_of % 1000,
+        "dataset_from_index": starts, "dataset_to_index": ends,
+        f"videos/{CAMERA}/chunk_index": file_of // 1000, f"videos/{CAMERA}/file_index": file_of % 1000,
+        f"videos/{CAMERA}/from_timestamp": local / 15.0, f"videos/{CAMERA}/to_timestamp": (local + lengths) / 15.0,
+        "meta/episodes/chunk_index": np.zeros(n, np.int64), "meta/episodes/file_index": np.zeros(n, np.int64)})
+    pq.write_table(episodes_table, root / "meta" / "episodes" / "chunk-000" / "file-000.parquet")
+    for f in range(int(file_of.max()) + 1):
+        eps = np.arange(f * per_file, min(n, (f + 1) * per_file))
+        lo, hi = int(starts[eps[0]]), int(ends[eps[-1]])
+        m = hi - lo
+        frame = np.concatenate([np.arange(k) for k in lengths[eps]])
+        zeros = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(8 * m, np.float32)), 8)
+        path = root / f"data/chunk-{f // 1000:03d}/file-{f % 1000:03d}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"observation.state": zeros, "action": zeros,
+                                 "timestamp": pa.array((frame / 15).astype(np.float32)), "frame_index": frame,
+                                 "episode_index": np.repeat(eps, lengths[eps]), "index": np.arange(lo, hi),
+                                 "task_index": np.zeros(m, np.int64)}), path)
+        video = root / f"videos/{CAMERA}/chunk-{f // 1000:03d}/file-{f % 1000:03d}.mp4"
+        video.parent.mkdir(parents=True, exist_ok=True)
+        video.touch()
+    stat = {"mean": [0.0] * 8, "std": [1.0] * 8, "min": [-1.0] * 8, "max": [1.0] * 8, "count": [int(ends[-1])]}
+    (root / "meta" / "stats.json").write_text(json.dumps({"observation.state": stat, "action": stat}))
+    tasks = pa.table({"task_index": [0], "task": ["do it"]})
+    pandas_meta = {"index_columns": ["task"], "columns": [{"name": "task_index", "field_name": "task_index",
+                   "pandas_type": "int64", "numpy_type": "int64", "metadata": None}, {"name": "task", "field_name": "task",
+                   "pandas_type": "unicode", "numpy_type": "object", "metadata": None}], "column_indexes": []}
+    pq.write_table(tasks.replace_schema_metadata({"pandas": json.dumps(pandas_meta)}), root / "meta" / "tasks.parquet")
+    info = {"codebase_version": "v3.0", "robot_type": "franka", "fps": 15, "total_episodes": n,
+            "total_frames": int(ends[-1]), "total_tasks": 1, "chunks_size": 1000, "data_files_size_in_mb": 100,
+            "video_files_size_in_mb": 500, "splits": {"train": f"0:{n}"},
+            "data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
+            "video_path": "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4", "features": features}
+    (root / "meta" / "info.json").write_text(json.dumps(info, indent=1))
+
+
+def startup(args, tmp: Path) -> None:
+    root = tmp / "droid_size"
+    t0 = time.perf_counter()
+    write_droid_size(root, args.startup_episodes, args.startup_frames)
+    print(f"start-up: {args.startup_episodes} episodes, {args.startup_frames} frames (wrote them in "
+          f"{time.perf_counter() - t0:.0f} s); the first open (cold: LeRobot converts the data files into its "
+          "datasets cache) and a second (warm)")
+    print(f"{'':9s} {'side':9s} {'seconds':>8s} {'peak RSS MiB':>13s} {'samples':>10s}")
+    rows = {}
+    for state in ("cold", "warm"):
+        for name, python in (("slurmvla", sys.executable), ("LeRobot", args.lerobot_python)):
+            kind = "slurmvla-startup" if name == "slurmvla" else "lerobot-startup"
+            r = rows[state, name] = run_side(python, kind, root, tmp / f"cache-{name}")
+            print(f"{state:9s} {name:9s} {r['seconds']:8.2f} {r['peak_rss_mib']:13.0f} {r['samples']:10d}")
+    for state in ("cold", "warm"):
+        a, b = rows[state, "slurmvla"], rows[state, "LeRobot"]
+        print(f"{state}: LeRobot / slurmvla time {b['seconds'] / a['seconds']:.1f}x, peak memory "
+              f"{b['peak_rss_mib'] / a['peak_rss_mib']:.1f}x")
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--side":
         side(sys.argv[2:])
@@ -225,14 +344,20 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--batches", type=int, default=40, help="batches timed after the first")
+    parser.add_argument("--startup-episodes", type=int, default=95_600, help="start-up: episodes (DROID: 95.6k)")
+    parser.add_argument("--startup-frames", type=int, default=27_600_000, help="start-up: frames (DROID: 27.6M)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     args = parser.parse_args()
     if not Path(args.lerobot_python).is_file():
         raise SystemExit(f"error: --lerobot-python={args.lerobot_python!r} does not exist; build it with "
                          "bash tests/reference/make_env.sh")
+    print(f"LeRobot side: {lerobot_versions(args.lerobot_python)}; slurmvla side: torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
-        loading(args, Path(tmp))
+        for part in args.parts:
+            PARTS[part](args, Path(tmp))
 
+
+PARTS = {"loading": loading, "startup": startup}
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
     main()
