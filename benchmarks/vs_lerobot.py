@@ -13,6 +13,18 @@ same resize-with-pad to 224 in the workers (equal work); against slurmvla's trai
 episode stream, resize-with-pad to 224 in the workers), same workers and batch size. Per reader:
 samples/s after the first batch, samples per CPU-second (main process and workers), time to first
 batch, and per worker the peak RSS and private memory (USS).
+
+Start-up at DROID's size (95.6k episodes, 27.6M frames of metadata and frame data; video files present
+but empty, as opening decodes none): ``LeRobotDataset`` (it converts every data file into a ``datasets``
+cache on first open) against slurmvla's data layer up to its first epoch's plan; cold and warm.
+
+Training step and inference: the same pi0.5 architecture at a size this CPU runs (``SIZES``), fp32.
+LeRobot's ``PI05Policy`` (its size tables patched as tests/reference/generate_pi0_golden.py patches
+them) with its own preprocessor, AdamW and clipping; slurmvla's Trainer step on a batch of its loader.
+Inference: ``predict_action_chunk`` against ``sample_actions``, batch 1, 10 steps. The parameter counts
+differ by LeRobot's dead weights: the last backbone layer's query, output projection and MLP and the
+final norm (the expert reads only that layer's keys and values; LeRobot computes them for every prefix
+token) and two unused language-model heads. slurmvla does not build them.
 """
 
 from __future__ import annotations
@@ -194,10 +206,130 @@ def lerobot_startup(root: str, cache: str) -> dict:
     return {"seconds": time.perf_counter() - t0, "peak_rss_mib": _peak_rss_mib(), "samples": len(ds)}
 
 
+# pi0.5 at a size this CPU trains: the published architecture (SigLIP, a Gemma backbone and an action
+# expert of the same depth attending jointly, 8 query heads and 1 KV head), narrower and shallower; the
+# byte-level tokenizer of tests/golden/lerobot061 on both sides (nothing can be downloaded here).
+SIZES = {"image": 112, "patch": 16, "vision": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+                                               "intermediate_size": 1024},
+         "backbone": (512, 4, 2048, 8, 1, 64), "expert": (256, 4, 1024, 8, 1, 64), "vocab": 320, "text": 128,
+         "horizon": 50, "batch": 8, "steps": 10}
+TOKENIZER = HERE.parents[1] / "tests" / "golden" / "lerobot061" / "tokenizer"
+
+
+def _timed(fn, steps: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _summary(step_s: list[float], infer_s: list[float], params: int) -> dict:
+    import statistics
+
+    return {"step_ms": 1e3 * statistics.median(step_s), "infer_ms": 1e3 * statistics.median(infer_s),
+            "infer_p90_ms": 1e3 * sorted(infer_s)[int(0.9 * (len(infer_s) - 1))], "params": params,
+            "peak_rss_mib": _peak_rss_mib()}
+
+
+def slurmvla_model(steps: int) -> dict:
+    from slurmvla.compose import compose
+    from slurmvla.data.synthetic import write_droid_sample
+    from slurmvla.trainer import Trainer
+
+    (vw, vd, vh, vm), (w, d, m, h, kv, hd), (ew, _, em, *_) = (
+        SIZES["vision"].values(), SIZES["backbone"], SIZES["expert"])
+    with tempfile.TemporaryDirectory() as tmp:
+        root = write_droid_sample(Path(tmp) / "data", 4, seed=0, episodes_per_file=4, length=60)
+        cfg = compose([f"data.root={root}", "data.num_workers=0", "logging.wandb.mode=disabled", "trainer.progress_bar=false",
+                       "checkpoint.every_steps=0", "policy=pi05", f"policy.image_size={SIZES['image']}",
+                       f"policy.patch_size={SIZES['patch']}", f"policy.vision_width={vw}", f"policy.vision_depth={vd}",
+                       f"policy.vision_heads={vh}", f"policy.vision_mlp_dim={vm}", f"policy.width={w}",
+                       f"policy.depth={d}", f"policy.mlp_dim={m}", f"policy.num_heads={h}", f"policy.num_kv_heads={kv}",
+                       f"policy.head_dim={hd}", f"policy.expert_width={ew}", f"policy.expert_mlp_dim={em}",
+                       f"policy.vocab_size={SIZES['vocab']}", f"policy.max_text_len={SIZES['text']}",
+                       f"policy.action_horizon={SIZES['horizon']}", "policy.num_inference_steps=10",
+                       f"trainer.global_batch_size={SIZES['batch']}", "precision=fp32"])
+        trainer = Trainer(cfg, Path(tmp) / "run")
+        batch = trainer._next_batch()
+        step_s = _timed(lambda: trainer.train_step([batch]), steps, 2)
+        policy = trainer.policy.eval()
+        one = {k: v[:1] for k, v in batch.items()}
+        with torch.inference_mode():
+            infer_s = _timed(lambda: policy.sample_actions(one), 3 * steps, 2)
+        params = sum(p.numel() for p in policy.parameters())
+        trainer.close()
+    return _summary(step_s, infer_s, params)
+
+
+def lerobot_model(steps: int) -> dict:
+    sys.path.insert(0, str(HERE.parents[1] / "tests" / "reference"))
+    import generate_pi0_golden as golden  # LeRobot's size tables, patched as the golden files patch them
+    import transformers
+    from lerobot.configs import FeatureType, PolicyFeature
+    from lerobot.policies.pi05 import modeling_pi05 as modeling
+    from lerobot.policies.pi05.configuration_pi05 import PI05Config
+    from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors
+
+    golden.TINY_GEMMA.update({"bench_backbone": SIZES["backbone"], "bench_expert": SIZES["expert"]})
+    golden.TINY_SIGLIP.update({**SIZES["vision"], "patch_size": SIZES["patch"]})
+    golden.patch_sizes(modeling)
+    res, horizon, b = SIZES["image"], SIZES["horizon"], SIZES["batch"]
+    cams = ("observation.images.exterior_1_left", "observation.images.exterior_2_left", "observation.images.wrist_left")
+    config = PI05Config(
+        paligemma_variant="gemma_2b", action_expert_variant="gemma_300m", chunk_size=horizon, n_action_steps=horizon,
+        image_resolution=(res, res), tokenizer_max_length=SIZES["text"], num_inference_steps=10, device="cpu",
+        input_features={**{c: PolicyFeature(type=FeatureType.VISUAL, shape=(3, res, res)) for c in cams},
+                        "observation.state": PolicyFeature(type=FeatureType.STATE, shape=(8,))},
+        output_features={"action": PolicyFeature(type=FeatureType.ACTION, shape=(8,))})
+    config.paligemma_variant, config.action_expert_variant = "bench_backbone", "bench_expert"
+    torch.manual_seed(0)
+    policy = modeling.PI05Policy(config)
+    stats = {k: {s: torch.full((8,), v) for s, v in (("mean", 0.0), ("std", 1.0), ("q01", -1.0), ("q99", 1.0),
+                                                      ("min", -2.0), ("max", 2.0))} for k in ("observation.state", "action")}
+    real = transformers.AutoTokenizer.from_pretrained
+    transformers.AutoTokenizer.from_pretrained = lambda name, *a, **kw: real(str(TOKENIZER), *a, **kw)
+    try:
+        pre, _ = make_pi05_pre_post_processors(config, dataset_stats=stats)
+    finally:
+        transformers.AutoTokenizer.from_pretrained = real
+    g = torch.Generator().manual_seed(0)
+
+    def raw(n: int) -> dict:
+        return {**{c: torch.rand(n, 3, res, res, generator=g) for c in cams},
+                "observation.state": torch.rand(n, 8, generator=g) * 2 - 1,
+                "action": torch.rand(n, horizon, 8, generator=g) * 2 - 1,
+                "task": ["put the yellow sponge in the left bin"] * n}
+
+    batch = raw(b)
+    opt = torch.optim.AdamW(policy.parameters(), lr=2.5e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+    def step() -> None:  # what LeRobot's trainer does per step: its preprocessor, forward, backward, clip, AdamW
+        loss, _ = policy.forward(pre(dict(batch)))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    policy.train()
+    step_s = _timed(step, steps, 2)
+    policy.eval()
+    one = raw(1)
+    one.pop("action")
+    with torch.inference_mode():
+        infer_s = _timed(lambda: policy.predict_action_chunk(pre(dict(one))), 3 * steps, 2)
+    return _summary(step_s, infer_s, sum(p.numel() for p in policy.parameters()))
+
+
 def side(argv: list[str]) -> None:
     torch.set_num_threads(1)
     kind, *rest = argv
-    if kind.endswith("-startup"):
+    if kind.endswith("-model"):
+        result = (slurmvla_model if kind == "slurmvla-model" else lerobot_model)(int(rest[0]))
+    elif kind.endswith("-startup"):
         result = (slurmvla_startup if kind == "slurmvla-startup" else lerobot_startup)(*rest)
     else:
         root, workers, batch_size, batches, *mode = rest
@@ -332,6 +464,24 @@ def startup(args, tmp: Path) -> None:
               f"{b['peak_rss_mib'] / a['peak_rss_mib']:.1f}x")
 
 
+def model(args, tmp: Path) -> None:
+    print(f"training step and inference, pi0.5 on the CPU, fp32: image {SIZES['image']} (3 cameras), backbone "
+          f"{SIZES['backbone']}, expert {SIZES['expert']} (width, depth, mlp, heads, kv heads, head dim), SigLIP "
+          f"{tuple(SIZES['vision'].values())}, text {SIZES['text']}, horizon {SIZES['horizon']}; step: batch "
+          f"{SIZES['batch']}, AdamW, clipping (LeRobot: its preprocessor too); inference: batch 1, 10 steps; "
+          f"{torch.get_num_threads()} threads")
+    rows = {name: run_side(python, kind, args.steps) for name, python, kind in
+            (("slurmvla", sys.executable, "slurmvla-model"), ("LeRobot", args.lerobot_python, "lerobot-model"))}
+    print(f"{'side':9s} {'params':>10s} {'step ms':>9s} {'samples/s':>9s} {'infer ms p50':>12s} {'p90':>7s} "
+          f"{'peak RSS MiB':>12s}")
+    for name, r in rows.items():
+        print(f"{name:9s} {r['params']:10d} {r['step_ms']:9.0f} {SIZES['batch'] / r['step_ms'] * 1e3:9.2f} "
+              f"{r['infer_ms']:12.0f} {r['infer_p90_ms']:7.0f} {r['peak_rss_mib']:12.0f}")
+    a, b = rows["slurmvla"], rows["LeRobot"]
+    print(f"slurmvla / LeRobot: step time {a['step_ms'] / b['step_ms']:.2f}x, inference {a['infer_ms'] / b['infer_ms']:.2f}x, "
+          f"peak memory {a['peak_rss_mib'] / b['peak_rss_mib']:.2f}x")
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--side":
         side(sys.argv[2:])
@@ -346,6 +496,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=40, help="batches timed after the first")
     parser.add_argument("--startup-episodes", type=int, default=95_600, help="start-up: episodes (DROID: 95.6k)")
     parser.add_argument("--startup-frames", type=int, default=27_600_000, help="start-up: frames (DROID: 27.6M)")
+    parser.add_argument("--steps", type=int, default=SIZES["steps"], help="model: timed training steps (3x inference calls)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     args = parser.parse_args()
     if not Path(args.lerobot_python).is_file():
@@ -357,7 +508,7 @@ def main() -> None:
             PARTS[part](args, Path(tmp))
 
 
-PARTS = {"loading": loading, "startup": startup}
+PARTS = {"loading": loading, "startup": startup, "model": model}
 
 if __name__ == "__main__":
     main()
