@@ -31,6 +31,8 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(spec["out"])
     for run in spec["runs"]:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"dist_driver: run {run['name']}", flush=True)  # a failed job's log names its run
         cfg = compose([*spec["base"], *run.get("overrides", [])])
         trainer = Trainer(cfg, out / run.get("dir", run["name"]))
         if "kill_before_commit" in run:
@@ -49,7 +51,8 @@ def main() -> None:
             save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"{run['name']}.safetensors"))
             if ema is not None:
                 save_file({k: v.contiguous() for k, v in ema.items()}, str(out / f"{run['name']}.ema.safetensors"))
-            report = {"param_dtypes": dtypes, "state_dtypes": state, "metrics": metrics, "step": trainer.step,
+            report = {"engine": type(trainer.engine).__name__ + ":" + trainer.engine.name,
+                      "param_dtypes": dtypes, "state_dtypes": state, "metrics": metrics, "step": trainer.step,
                       "resumed_from": str(trainer.resumed_from) if trainer.resumed_from else None}
             (out / f"{run['name']}.json").write_text(json.dumps(report))
         trainer.close(keep_process_group=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,7 +33,6 @@ from tiny_weights import fingerprint, tiny_state_dict  # noqa: E402
 
 from tests.test_pi0 import policy_cfg  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "lerobot061"
 META = json.loads((GOLDEN / "meta.json").read_text())
 RTOL = 1e-5
@@ -305,15 +303,15 @@ def test_a_lerobot_checkpoint_directory_loads_with_its_config_statistics_and_wei
 
 
 def test_a_lerobot_checkpoint_directory_exports_in_both_layouts(case, tmp_path):
-    from slurmvla.export import load_exported
+    # The CLI, in this process (its start-up is tested elsewhere).
+    from slurmvla.export import load_exported, main
 
     kind, folder, g = case
-    args = [str(folder), str(tmp_path / "policy.safetensors"), *lerobot_source_overrides(kind)]
-    subprocess.run([sys.executable, "-m", "slurmvla.export", *args], check=True, cwd=REPO)
+
+    main([str(folder), str(tmp_path / "policy.safetensors"), *lerobot_source_overrides(kind)])
     from_file = load_exported(tmp_path / "policy.safetensors")
     assert rel(golden_chunk_of(from_file.policy, g), g["chunk"]) < RTOL
-    args = [str(folder), str(tmp_path / "lerobot"), "--layout", "lerobot", *lerobot_source_overrides(kind)]
-    subprocess.run([sys.executable, "-m", "slurmvla.export", *args], check=True, cwd=REPO)
+    main([str(folder), str(tmp_path / "lerobot"), "--layout", "lerobot", *lerobot_source_overrides(kind)])
     again, source = load_file(str(tmp_path / "lerobot" / "model.safetensors")), load_file(str(folder / "model.safetensors"))
     assert sorted(again) == sorted(source) and all(torch.equal(again[k], source[k]) for k in source)
     assert (tmp_path / "lerobot" / "config.json").read_text() == (folder / "config.json").read_text()
@@ -359,20 +357,22 @@ def test_a_lerobot_checkpoint_directory_serves_lerobots_actions_to_openpis_clien
 
 
 def test_a_lerobot_checkpoint_directory_is_evaluated_on_episodes(case, sample_root, tmp_path):
+    from slurmvla.evaluate import main as evaluate_main  # the CLI, in this process
+
     kind, folder, _ = case
-    res = subprocess.run([sys.executable, "-m", "slurmvla.evaluate", str(folder), "--out", str(tmp_path),
-                          "--split", "all", "--plot-episodes", "0", "--batch-size", "64", *lerobot_source_overrides(kind),
-                          f"data.root={sample_root}", "data.num_workers=0"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
+    evaluate_main([str(folder), "--out", str(tmp_path), "--split", "all", "--plot-episodes", "0", "--batch-size", "64",
+                   *lerobot_source_overrides(kind), f"data.root={sample_root}", "data.num_workers=0"])
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["num_samples"] > 0 and np.isfinite(metrics["chunk_mse"])
 
 
-def test_a_lerobot_checkpoint_directory_without_its_tokenizer_or_at_an_unknown_size_is_one_line(case):
+def test_a_lerobot_checkpoint_directory_without_its_tokenizer_or_at_an_unknown_size_is_one_line(case, capsys):
+    from slurmvla.serve import main as serve_main  # the CLI, in this process
+
     kind, folder, _ = case
     for args, expected in (([f"policy={NAMES[kind]}"], "holds no tokenizer"),
                            ([], "are not the published sizes")):
-        res = subprocess.run([sys.executable, "-m", "slurmvla.serve", str(folder), "--port", "0", *args],
-                             cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert res.returncode == 2 and expected in res.stderr and "Traceback" not in res.stderr, res.stderr
+        with pytest.raises(SystemExit) as stop:
+            serve_main([str(folder), "--port", "0", *args])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and expected in err and len(err.strip().splitlines()) == 1, err

@@ -131,9 +131,11 @@ def _checker(args: list[str]) -> subprocess.CompletedProcess:
                           cwd=REPO, timeout=600)
 
 
+# pi0.5 stands for pi0 (one module code path; pi0.5 the superset: adaptive norms, the prompt from the
+# state); pi0's one extra, its optional fields for the rank-divergent check, the reference policy has too.
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("policy", ["reference", "pi0_tiny", "pi05_tiny"])
+@pytest.mark.parametrize("policy", ["reference", "pi05_tiny"])
 def test_the_built_in_policies_pass_every_check(policy, sample_root):
     res = _checker([f"data.root={sample_root}", *([] if policy == "reference" else [f"policy={policy}"])])
     print(res.stdout)
