@@ -85,25 +85,42 @@ def _evaluate_cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+def _evaluate_here(*args: str) -> subprocess.CompletedProcess:
+    """The same command line through the CLI's main() in this process (no interpreter start-up):
+    its exit code and what it wrote to stderr."""
+    import contextlib
+    import io
+
+    from slurmvla.evaluate import main
+
+    err, code = io.StringIO(), 0
+    with contextlib.redirect_stderr(err):
+        try:
+            main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(args, code, "", err.getvalue())
+
+
 @pytest.mark.slow
 def test_cli_writes_json_and_plots_and_repeats_its_numbers(trained_run, tmp_path):
     first = _evaluate_cli(str(trained_run), "--out", str(tmp_path / "a"))
     assert first.returncode == 0, first.stderr[-3000:]
-    second = _evaluate_cli(str(trained_run / "policy.safetensors"), "--out", str(tmp_path / "b"), "--plot-episodes", "0")
+    second = _evaluate_here(str(trained_run / "policy.safetensors"), "--out", str(tmp_path / "b"), "--plot-episodes", "0")
     assert second.returncode == 0, second.stderr[-3000:]
     a = json.loads((tmp_path / "a" / "metrics.json").read_text())
     b = json.loads((tmp_path / "b" / "metrics.json").read_text())
     # The flow policy samples from noise: only the seeds make the two runs agree.
     for key in ("chunk_mse", "first_step_mse", "chunk_mse_per_dim", "by_dataset", "validation_loss", "num_samples"):
         assert a[key] == b[key], key
-    other = _evaluate_cli(str(trained_run), "--out", str(tmp_path / "c"), "--seed", "1", "--plot-episodes", "0")
+    other = _evaluate_here(str(trained_run), "--out", str(tmp_path / "c"), "--seed", "1", "--plot-episodes", "0")
     assert json.loads((tmp_path / "c" / "metrics.json").read_text())["chunk_mse"] != a["chunk_mse"], other.stderr
     for name in ("trajectories.png", "error_per_dim.png"):
         data = (tmp_path / "a" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
     assert not (tmp_path / "b" / "trajectories.png").exists()
     # Without --out, next to the run's checkpoints.
-    default = _evaluate_cli(str(trained_run), "--split", "all", "--plot-episodes", "0")
+    default = _evaluate_here(str(trained_run), "--split", "all", "--plot-episodes", "0")
     assert default.returncode == 0, default.stderr[-3000:]
     out = json.loads((trained_run / "eval" / "step_00000008_all" / "metrics.json").read_text())
     assert out["num_samples"] > a["num_samples"] and out["split"] == "all"
@@ -115,6 +132,6 @@ def test_cli_writes_json_and_plots_and_repeats_its_numbers(trained_run, tmp_path
     (["{run}", "data.val_fraction=0.0"], "use --split all"),
 ])
 def test_cli_mistakes_print_one_line(trained_run, args, expected):
-    res = _evaluate_cli(*(a.format(run=trained_run) for a in args))
+    res = _evaluate_here(*(a.format(run=trained_run) for a in args))
     assert res.returncode == 2, res.stdout + res.stderr
     assert expected in res.stderr and "Traceback" not in res.stderr, res.stderr
