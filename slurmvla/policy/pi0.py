@@ -389,8 +389,9 @@ class Pi0Policy(Policy):
         keep = [batch["image_mask"].repeat_interleave(per_cam, dim=1)]
         text = self._text(batch)
         if text is not None:
-            parts.append(self.embed_tokens(text[0]) * math.sqrt(self.cfg.width))
-            keep.append(text[1])
+            ids, mask = _trim_padding(*text)
+            parts.append(self.embed_tokens(ids) * math.sqrt(self.cfg.width))
+            keep.append(mask)
         parts, keep = self._state_in_prefix(batch, parts, keep)
         dtype = parts[0].dtype
         return torch.cat([x.to(dtype) for x in parts], dim=1), torch.cat(keep, dim=1)
@@ -472,6 +473,16 @@ class Pi0Policy(Policy):
             t = torch.full((b,), 1.0 + i * dt, device=x.device)
             x = x + dt * self._velocity(prefix, keep, batch, x.to(prefix.dtype), t, cache).float()
         return x[..., : self.cfg.action_dim] * self.action_scale + self.action_offset
+
+
+def _trim_padding(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt without its trailing columns that are padding in every sample of the batch. Padding is
+    masked out of every attention and shifts no position (positions count the tokens kept), so the
+    outputs are the same with less work: a pi0.5 prompt fills ~60 of its 200 tokens, and LeRobot runs
+    all 200 through the backbone."""
+    used = mask.any(dim=0)
+    n = int(used.nonzero().max()) + 1 if bool(used.any()) else 1
+    return ids[:, :n], mask[:, :n]
 
 
 class Pi05Policy(Pi0Policy):
