@@ -230,7 +230,8 @@ def _timed(fn, steps: int, warmup: int) -> list[float]:
 def _summary(step_s: list[float], infer_s: list[float], params: int) -> dict:
     import statistics
 
-    return {"step_ms": 1e3 * statistics.median(step_s), "infer_ms": 1e3 * statistics.median(infer_s),
+    return {"threads": torch.get_num_threads(), "step_ms": 1e3 * statistics.median(step_s),
+            "infer_ms": 1e3 * statistics.median(infer_s),
             "infer_p90_ms": 1e3 * sorted(infer_s)[int(0.9 * (len(infer_s) - 1))], "params": params,
             "peak_rss_mib": _peak_rss_mib()}
 
@@ -325,8 +326,9 @@ def lerobot_model(steps: int) -> dict:
 
 
 def side(argv: list[str]) -> None:
-    torch.set_num_threads(1)
     kind, *rest = argv
+    if not kind.endswith("-model"):  # data loading: one thread per process, as DataLoader workers run
+        torch.set_num_threads(1)
     if kind.endswith("-model"):
         result = (slurmvla_model if kind == "slurmvla-model" else lerobot_model)(int(rest[0]))
     elif kind.endswith("-startup"):
@@ -468,14 +470,13 @@ def model(args, tmp: Path) -> None:
     print(f"training step and inference, pi0.5 on the CPU, fp32: image {SIZES['image']} (3 cameras), backbone "
           f"{SIZES['backbone']}, expert {SIZES['expert']} (width, depth, mlp, heads, kv heads, head dim), SigLIP "
           f"{tuple(SIZES['vision'].values())}, text {SIZES['text']}, horizon {SIZES['horizon']}; step: batch "
-          f"{SIZES['batch']}, AdamW, clipping (LeRobot: its preprocessor too); inference: batch 1, 10 steps; "
-          f"{torch.get_num_threads()} threads")
+          f"{SIZES['batch']}, AdamW, clipping (LeRobot: its preprocessor too); inference: batch 1, 10 steps")
     rows = {name: run_side(python, kind, args.steps) for name, python, kind in
             (("slurmvla", sys.executable, "slurmvla-model"), ("LeRobot", args.lerobot_python, "lerobot-model"))}
-    print(f"{'side':9s} {'params':>10s} {'step ms':>9s} {'samples/s':>9s} {'infer ms p50':>12s} {'p90':>7s} "
-          f"{'peak RSS MiB':>12s}")
+    print(f"{'side':9s} {'threads':>7s} {'params':>10s} {'step ms':>9s} {'samples/s':>9s} {'infer ms p50':>12s} "
+          f"{'p90':>7s} {'peak RSS MiB':>12s}")
     for name, r in rows.items():
-        print(f"{name:9s} {r['params']:10d} {r['step_ms']:9.0f} {SIZES['batch'] / r['step_ms'] * 1e3:9.2f} "
+        print(f"{name:9s} {r['threads']:7d} {r['params']:10d} {r['step_ms']:9.0f} {SIZES['batch'] / r['step_ms'] * 1e3:9.2f} "
               f"{r['infer_ms']:12.0f} {r['infer_p90_ms']:7.0f} {r['peak_rss_mib']:12.0f}")
     a, b = rows["slurmvla"], rows["LeRobot"]
     print(f"slurmvla / LeRobot: step time {a['step_ms'] / b['step_ms']:.2f}x, inference {a['infer_ms'] / b['infer_ms']:.2f}x, "
