@@ -393,6 +393,8 @@ def write_droid_size(root: Path, episodes: int, frames: int, per_file: int = 100
     sys.path.insert(0, str(HERE.parent))
     from data_index import synthetic_droid
 
+    from slurmvla.data.synthetic import _write_tasks as write_tasks
+
     lengths = synthetic_droid(episodes, frames)[0]
     n = len(lengths)
     ends = np.cumsum(lengths)
@@ -433,11 +435,7 @@ def write_droid_size(root: Path, episodes: int, frames: int, per_file: int = 100
         video.touch()
     stat = {"mean": [0.0] * 8, "std": [1.0] * 8, "min": [-1.0] * 8, "max": [1.0] * 8, "count": [int(ends[-1])]}
     (root / "meta" / "stats.json").write_text(json.dumps({"observation.state": stat, "action": stat}))
-    tasks = pa.table({"task_index": [0], "task": ["do it"]})
-    pandas_meta = {"index_columns": ["task"], "columns": [{"name": "task_index", "field_name": "task_index",
-                   "pandas_type": "int64", "numpy_type": "int64", "metadata": None}, {"name": "task", "field_name": "task",
-                   "pandas_type": "unicode", "numpy_type": "object", "metadata": None}], "column_indexes": []}
-    pq.write_table(tasks.replace_schema_metadata({"pandas": json.dumps(pandas_meta)}), root / "meta" / "tasks.parquet")
+    write_tasks(root / "meta" / "tasks.parquet", ["do it"])  # as LeRobot writes it (slurmvla's writer)
     info = {"codebase_version": "v3.0", "robot_type": "franka", "fps": 15, "total_episodes": n,
             "total_frames": int(ends[-1]), "total_tasks": 1, "chunks_size": 1000, "data_files_size_in_mb": 100,
             "video_files_size_in_mb": 500, "splits": {"train": f"0:{n}"},
