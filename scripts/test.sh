@@ -8,4 +8,7 @@ bash scripts/install.sh dev,deepspeed,vla
 # openpi's published client drives the policy server in the tests. It pins numpy<2 although its code
 # runs on numpy 2: --no-deps keeps this environment's numpy (its other needs come with [dev]).
 "${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check --no-deps openpi-client==0.1.2
-exec "${PYTHON:-python3}" -m pytest "$@"
+# Two workers (pytest-xdist): the suite waits on SLURM and on process teardown as much as it computes.
+# tests/conftest.py keeps together the tests that share a module's fixture (one SLURM cluster, one
+# parity job per policy). SLURMVLA_TEST_WORKERS=0 runs it in this one process.
+exec "${PYTHON:-python3}" -m pytest -p no:benchmark -n "${SLURMVLA_TEST_WORKERS:-2}" --dist loadgroup "$@"

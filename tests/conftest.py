@@ -17,6 +17,33 @@ from slurmvla.data.synthetic import write_droid_sample
 from slurmvla.policy import sample_spec
 
 
+
+# scripts/test.sh runs the suite on pytest-xdist workers (--dist loadgroup). Tests that share what
+# must exist once go to one worker as a group: the SLURM test cluster (one at a time on a machine),
+# one parity job per policy, and any other fixture a test module computes once for its tests.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = _worker_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+# Module fixtures each worker may compute for itself (a few seconds), so that their tests spread.
+CHEAP_TO_REPEAT = {"matrix_root", "single_references", "single_reference"}
+
+
+def _worker_group(item) -> str | None:
+    if "cluster" in item.fixturenames:
+        return "slurm"
+    if "strategy_jobs" in item.fixturenames:  # one torchrun job per policy, computed on first use
+        return f"matrix-{item.callspec.params['policy']}"
+    defs = getattr(item, "_fixtureinfo", None)
+    shared = any(fixturedefs[-1].scope == "module" and name not in CHEAP_TO_REPEAT
+                 for name, fixturedefs in (defs.name2fixturedefs.items() if defs else ()))
+    return item.module.__name__ if shared else None
+
+
 @pytest.fixture(scope="session")
 def sample_root(tmp_path_factory) -> Path:
     """A small DROID-format dataset (LeRobot v3.0, real mp4), several episodes per file."""

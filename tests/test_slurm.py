@@ -238,6 +238,10 @@ GRACE_S = 30  # tests/slurm/cluster.sh: partition debug's GraceTime
 # Long enough (~15 s of tiny steps on two nodes) for a preemption decided within a scheduling
 # interval to land in the middle of the run.
 LONG_STEPS, LONG_EVERY = 400, 100
+# Two DDP ranks against one process over 400 steps: the gradient all-reduce sums in another order, and
+# the difference grows to ~1e-6 (1.09e-6 measured on one machine's CPU); one step lost or repeated moves
+# the weights by 2.3e-4 (400 vs 399 single-process steps). 1e-5 keeps both a margin.
+LONG_TOL = 1e-5
 
 
 # SLURM's default SIGTERM on the sbatch path; the user's USR2 on the submitit path below (both there).
@@ -282,7 +286,7 @@ def test_sbatch_job_preempted_by_a_higher_priority_job_resumes_to_the_same_weigh
     assert (run / "FINISHED").read_text().strip() == str(steps)
     reference = references(steps, extra)
     final = load_file(str(run / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
-    assert rel_l2(final, reference) < 1e-6
+    assert rel_l2(final, reference) < LONG_TOL
     print(f"preempted ({signal_name}): checkpoint complete {took:.1f}s after the signal; preemption -> finished "
           f"{time.monotonic() - t_preempt:.1f}s")
 
@@ -339,7 +343,7 @@ def test_submitit_two_nodes_matches_a_single_process_and_sweeps_are_arrays(clust
         assert meta["world_size"] == 2
     reference = references(steps)
     final = load_file(str(sweep / "0" / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
-    assert rel_l2(final, reference) < 1e-6
+    assert rel_l2(final, reference) < LONG_TOL
     other = load_file(str(sweep / "1" / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
     assert rel_l2(other, reference) > 1e-3, "the seed sweep point trained a different model"
 
@@ -385,7 +389,7 @@ def test_submitit_job_preempted_by_a_higher_priority_job_resumes_to_the_same_wei
     assert _stop_line(train_log, signal_name) < GRACE_S
     reference = references(steps)
     final = load_file(str(sweep / "0" / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
-    assert rel_l2(final, reference) < 1e-6
+    assert rel_l2(final, reference) < LONG_TOL
 
 
 def _nodes_idle(env: dict, count: int, timeout: float) -> bool:
@@ -436,7 +440,7 @@ def test_a_lost_node_ends_the_step_requeues_and_resumes_to_the_same_weights(clus
     assert "restart 1" in log and "resumed from" in (run / "train.log").read_text()
     reference = references(steps)
     final = load_file(str(run / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
-    assert rel_l2(final, reference) < 1e-6
+    assert rel_l2(final, reference) < LONG_TOL
     assert _nodes_idle(cluster, 2, 60), "node2 did not return to service"
     print(f"lost node: job left RUNNING {t_left:.1f}s after the kill; running again (restart 1) {t_again or float('nan'):.1f}s "
           f"after; finished {time.monotonic() - t_kill:.1f}s after")
