@@ -227,16 +227,27 @@ def _timed(fn, steps: int, warmup: int) -> list[float]:
     return out
 
 
-def _summary(step_s: list[float], infer_s: list[float], params: int) -> dict:
+def _flops(fn) -> float:
+    """GFLOP of one call, as torch's FlopCounterMode counts them (matrix products, attention,
+    convolutions: the work that sets the time of a compute-bound step)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops() / 1e9
+
+
+def _summary(step_s: list[float], infer_s: list[float], params: int, step_gflop: float, infer_gflop: float) -> dict:
     import statistics
 
-    return {"threads": torch.get_num_threads(), "step_ms": 1e3 * statistics.median(step_s),
+    return {"step_gflop": step_gflop, "infer_gflop": infer_gflop,
+            "threads": torch.get_num_threads(), "step_ms": 1e3 * statistics.median(step_s),
             "infer_ms": 1e3 * statistics.median(infer_s),
             "infer_p90_ms": 1e3 * sorted(infer_s)[int(0.9 * (len(infer_s) - 1))], "params": params,
             "peak_rss_mib": _peak_rss_mib()}
 
 
-def slurmvla_model(steps: int) -> dict:
+def slurmvla_model(steps: int, checkpointing: bool) -> dict:
     from slurmvla.compose import compose
     from slurmvla.data.synthetic import write_droid_sample
     from slurmvla.trainer import Trainer
@@ -253,20 +264,23 @@ def slurmvla_model(steps: int) -> dict:
                        f"policy.head_dim={hd}", f"policy.expert_width={ew}", f"policy.expert_mlp_dim={em}",
                        f"policy.vocab_size={SIZES['vocab']}", f"policy.max_text_len={SIZES['text']}",
                        f"policy.action_horizon={SIZES['horizon']}", "policy.num_inference_steps=10",
-                       f"trainer.global_batch_size={SIZES['batch']}", "precision=fp32"])
+                       f"trainer.global_batch_size={SIZES['batch']}", "precision=fp32",
+                       f"policy.gradient_checkpointing={str(checkpointing).lower()}"])
         trainer = Trainer(cfg, Path(tmp) / "run")
         batch = trainer._next_batch()
         step_s = _timed(lambda: trainer.train_step([batch]), steps, 2)
+        step_gflop = _flops(lambda: trainer.train_step([batch]))
         policy = trainer.policy.eval()
         one = {k: v[:1] for k, v in batch.items()}
         with torch.inference_mode():
             infer_s = _timed(lambda: policy.sample_actions(one), 3 * steps, 2)
+            infer_gflop = _flops(lambda: policy.sample_actions(one))
         params = sum(p.numel() for p in policy.parameters())
         trainer.close()
-    return _summary(step_s, infer_s, params)
+    return _summary(step_s, infer_s, params, step_gflop, infer_gflop)
 
 
-def lerobot_model(steps: int) -> dict:
+def lerobot_model(steps: int, checkpointing: bool) -> dict:
     sys.path.insert(0, str(HERE.parents[1] / "tests" / "reference"))
     import generate_pi0_golden as golden  # LeRobot's size tables, patched as the golden files patch them
     import transformers
@@ -283,6 +297,7 @@ def lerobot_model(steps: int) -> dict:
     config = PI05Config(
         paligemma_variant="gemma_2b", action_expert_variant="gemma_300m", chunk_size=horizon, n_action_steps=horizon,
         image_resolution=(res, res), tokenizer_max_length=SIZES["text"], num_inference_steps=10, device="cpu",
+        gradient_checkpointing=checkpointing,
         input_features={**{c: PolicyFeature(type=FeatureType.VISUAL, shape=(3, res, res)) for c in cams},
                         "observation.state": PolicyFeature(type=FeatureType.STATE, shape=(8,))},
         output_features={"action": PolicyFeature(type=FeatureType.ACTION, shape=(8,))})
@@ -317,12 +332,14 @@ def lerobot_model(steps: int) -> dict:
 
     policy.train()
     step_s = _timed(step, steps, 2)
+    step_gflop = _flops(step)
     policy.eval()
     one = raw(1)
     one.pop("action")
     with torch.inference_mode():
         infer_s = _timed(lambda: policy.predict_action_chunk(pre(dict(one))), 3 * steps, 2)
-    return _summary(step_s, infer_s, sum(p.numel() for p in policy.parameters()))
+        infer_gflop = _flops(lambda: policy.predict_action_chunk(pre(dict(one))))
+    return _summary(step_s, infer_s, sum(p.numel() for p in policy.parameters()), step_gflop, infer_gflop)
 
 
 def side(argv: list[str]) -> None:
@@ -330,7 +347,7 @@ def side(argv: list[str]) -> None:
     if not kind.endswith("-model"):  # data loading: one thread per process, as DataLoader workers run
         torch.set_num_threads(1)
     if kind.endswith("-model"):
-        result = (slurmvla_model if kind == "slurmvla-model" else lerobot_model)(int(rest[0]))
+        result = (slurmvla_model if kind == "slurmvla-model" else lerobot_model)(int(rest[0]), rest[1] == "on")
     elif kind.endswith("-startup"):
         result = (slurmvla_startup if kind == "slurmvla-startup" else lerobot_startup)(*rest)
     else:
@@ -468,17 +485,23 @@ def model(args, tmp: Path) -> None:
     print(f"training step and inference, pi0.5 on the CPU, fp32: image {SIZES['image']} (3 cameras), backbone "
           f"{SIZES['backbone']}, expert {SIZES['expert']} (width, depth, mlp, heads, kv heads, head dim), SigLIP "
           f"{tuple(SIZES['vision'].values())}, text {SIZES['text']}, horizon {SIZES['horizon']}; step: batch "
-          f"{SIZES['batch']}, AdamW, clipping (LeRobot: its preprocessor too); inference: batch 1, 10 steps")
-    rows = {name: run_side(python, kind, args.steps) for name, python, kind in
-            (("slurmvla", sys.executable, "slurmvla-model"), ("LeRobot", args.lerobot_python, "lerobot-model"))}
-    print(f"{'side':9s} {'threads':>7s} {'params':>10s} {'step ms':>9s} {'samples/s':>9s} {'infer ms p50':>12s} "
-          f"{'p90':>7s} {'peak RSS MiB':>12s}")
-    for name, r in rows.items():
-        print(f"{name:9s} {r['threads']:7d} {r['params']:10d} {r['step_ms']:9.0f} {SIZES['batch'] / r['step_ms'] * 1e3:9.2f} "
-              f"{r['infer_ms']:12.0f} {r['infer_p90_ms']:7.0f} {r['peak_rss_mib']:12.0f}")
-    a, b = rows["slurmvla"], rows["LeRobot"]
-    print(f"slurmvla / LeRobot: step time {a['step_ms'] / b['step_ms']:.2f}x, inference {a['infer_ms'] / b['infer_ms']:.2f}x, "
-          f"peak memory {a['peak_rss_mib'] / b['peak_rss_mib']:.2f}x")
+          f"{SIZES['batch']}, AdamW, clipping (LeRobot: its preprocessor too); inference: batch 1, 10 steps; "
+          "activation checkpointing off and on, the same on both sides")
+    print(f"{'ckpt':4s} {'side':9s} {'threads':>7s} {'params':>10s} {'step ms':>9s} {'samples/s':>9s} {'GFLOP':>7s} "
+          f"{'infer ms p50':>12s} {'p90':>7s} {'GFLOP':>7s} {'peak RSS MiB':>12s}")
+    ratios = []
+    for ckpt in args.checkpointing:
+        rows = {name: run_side(python, kind, args.steps, ckpt) for name, python, kind in
+                (("slurmvla", sys.executable, "slurmvla-model"), ("LeRobot", args.lerobot_python, "lerobot-model"))}
+        for name, r in rows.items():
+            print(f"{ckpt:4s} {name:9s} {r['threads']:7d} {r['params']:10d} {r['step_ms']:9.0f} "
+                  f"{SIZES['batch'] / r['step_ms'] * 1e3:9.2f} {r['step_gflop']:7.1f} {r['infer_ms']:12.0f} "
+                  f"{r['infer_p90_ms']:7.0f} {r['infer_gflop']:7.1f} {r['peak_rss_mib']:12.0f}")
+        a, b = rows["slurmvla"], rows["LeRobot"]
+        ratios.append(f"checkpointing {ckpt}: step time {a['step_ms'] / b['step_ms']:.2f}x (FLOPs "
+                      f"{a['step_gflop'] / b['step_gflop']:.2f}x), inference {a['infer_ms'] / b['infer_ms']:.2f}x (FLOPs "
+                      f"{a['infer_gflop'] / b['infer_gflop']:.2f}x), peak memory {a['peak_rss_mib'] / b['peak_rss_mib']:.2f}x")
+    print("slurmvla / LeRobot:\n  " + "\n  ".join(ratios))
 
 
 def main() -> None:
@@ -496,6 +519,8 @@ def main() -> None:
     parser.add_argument("--startup-episodes", type=int, default=95_600, help="start-up: episodes (DROID: 95.6k)")
     parser.add_argument("--startup-frames", type=int, default=27_600_000, help="start-up: frames (DROID: 27.6M)")
     parser.add_argument("--steps", type=int, default=SIZES["steps"], help="model: timed training steps (3x inference calls)")
+    parser.add_argument("--checkpointing", nargs="+", choices=("off", "on"), default=["off", "on"],
+                        help="model: activation checkpointing, the same on both sides")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     args = parser.parse_args()
     if not Path(args.lerobot_python).is_file():

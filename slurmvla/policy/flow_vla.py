@@ -52,9 +52,14 @@ def resolve_attention(impl: str) -> str:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str) -> torch.Tensor:
-    """``q, k, v``: ``[B, heads, L, head_dim]``; ``mask``: bool, True where a query may attend."""
+    """``q``: ``[B, heads, L, head_dim]``; ``k, v``: ``[B, kv_heads, L', head_dim]`` (grouped-query
+    attention where ``kv_heads`` divides ``heads``: each key / value head serves ``heads / kv_heads``
+    query heads, and is not copied for them); ``mask``: bool, True where a query may attend."""
+    groups = q.shape[1] // k.shape[1]
     if impl == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))

@@ -202,9 +202,7 @@ class JointLayer(nn.Module):
                 qp, kp = apply_rotary(qp, kp, cos[:, :p], sin[:, :p])
         else:
             kp, vp = prefix_kv
-        groups = qs.shape[1] // ks.shape[1]
-        k = torch.cat([kp, ks], dim=2).repeat_interleave(groups, dim=1)
-        v = torch.cat([vp, vs], dim=2).repeat_interleave(groups, dim=1)
+        k, v = torch.cat([kp, ks], dim=2), torch.cat([vp, vs], dim=2)
         ys = attention(qs, k, v, masks[1], self.impl)
         suffix = self._finish(self.expert, suffix, ys, gate_s, cond)
         if prefix_kv is not None or self.last:
@@ -225,11 +223,13 @@ class VisionTower(nn.Module):
         self.layers = nn.ModuleList(hf.SiglipEncoderLayer(config) for _ in range(config.num_hidden_layers))
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixels: torch.Tensor, checkpointed: bool = False) -> torch.Tensor:
+        """``checkpointed``: each encoder layer's activations are recomputed in the backward pass
+        (with the policy's gradient checkpointing, as LeRobot checkpoints its vision tower too)."""
         x = self.embeddings.patch_embedding(pixels.to(self.embeddings.patch_embedding.weight.dtype))
         x = x.flatten(2).transpose(1, 2) + self.embeddings.position_embedding.weight[None]
         for layer in self.layers:
-            x = layer(x, None)
+            x = checkpoint(layer, x, None, use_reentrant=False) if checkpointed else layer(x, None)
         return self.post_layernorm(x)
 
 
@@ -375,6 +375,9 @@ class Pi0Policy(Policy):
         padding (aspect kept, centred, black bars) by bilinear interpolation without antialiasing."""
         return resize_with_pad(images.permute(0, 3, 1, 2).float() / 255.0, self.cfg.image_size) * 2.0 - 1.0
 
+    def _checkpointing(self) -> bool:
+        return self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+
     def _text(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The prompt's token ids and mask: pi0's come with the batch (the data pipeline tokenizes the
         instruction)."""
@@ -383,7 +386,7 @@ class Pi0Policy(Policy):
     def _prefix(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         images = batch["images"]
         b, cams = images.shape[:2]
-        img = self.projector(self.vision(self._pixels(images.flatten(0, 1))))
+        img = self.projector(self.vision(self._pixels(images.flatten(0, 1)), self._checkpointing()))
         per_cam = img.shape[1]
         parts = [img.reshape(b, cams * per_cam, -1)]
         keep = [batch["image_mask"].repeat_interleave(per_cam, dim=1)]
@@ -436,7 +439,7 @@ class Pi0Policy(Policy):
         else:
             rotary, masks = self._masks(keep, suffix.shape[1], lead)
         for j, layer in enumerate(self.layers):
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            if self._checkpointing():
                 prefix, suffix, _ = checkpoint(layer, prefix, suffix, rotary, masks, cond, use_reentrant=False)
             else:
                 prefix, suffix, kv = layer(prefix, suffix, rotary, masks, cond, cache.kv[j] if filled else None)
