@@ -18,13 +18,17 @@ Start-up at DROID's size (95.6k episodes, 27.6M frames of metadata and frame dat
 but empty, as opening decodes none): ``LeRobotDataset`` (it converts every data file into a ``datasets``
 cache on first open) against slurmvla's data layer up to its first epoch's plan; cold and warm.
 
-Training step and inference: the same pi0.5 architecture at a size this CPU runs (``SIZES``), fp32.
-LeRobot's ``PI05Policy`` (its size tables patched as tests/reference/generate_pi0_golden.py patches
-them) with its own preprocessor, AdamW and clipping; slurmvla's Trainer step on a batch of its loader.
-Inference: ``predict_action_chunk`` against ``sample_actions``, batch 1, 10 steps. The parameter counts
+Training step and inference: the same pi0.5 architecture at a size this CPU runs (``SIZES``), fp32,
+activation checkpointing off and on (``--checkpointing``), the same on both sides. LeRobot's
+``PI05Policy`` (its size tables patched as tests/reference/generate_pi0_golden.py patches them) with its
+own preprocessor, AdamW and clipping; slurmvla's Trainer step on a batch of its loader. Inference:
+``predict_action_chunk`` against ``sample_actions``, batch 1, 10 steps. Each side's FLOPs (torch's
+``FlopCounterMode``: matrix products, attention, convolutions) are printed beside its time: on a CPU
+both are compute-bound, and the time ratio follows the work ratio. The parameter counts
 differ by LeRobot's dead weights: the last backbone layer's query, output projection and MLP and the
 final norm (the expert reads only that layer's keys and values; LeRobot computes them for every prefix
-token) and two unused language-model heads. slurmvla does not build them.
+token) and two unused language-model heads. slurmvla does not build them, and runs the prompt without
+its trailing padding (LeRobot runs all ``tokenizer_max_length`` tokens).
 """
 
 from __future__ import annotations

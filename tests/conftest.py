@@ -17,7 +17,6 @@ from slurmvla.data.synthetic import write_droid_sample
 from slurmvla.policy import sample_spec
 
 
-
 # scripts/test.sh runs the suite on pytest-xdist workers (--dist loadgroup). Tests that share what
 # must exist once go to one worker as a group: the SLURM test cluster (one at a time on a machine),
 # one parity job per policy, and any other fixture a test module computes once for its tests.
