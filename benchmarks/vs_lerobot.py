@@ -180,9 +180,13 @@ def lerobot_loading(root: str, workers: int, batch_size: int, batches: int, mode
 
 
 def _peak_rss_mib() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's own peak RSS (VmHWM). Not getrusage's ru_maxrss: Linux carries the parent's peak
+    into a child started by fork / vfork and exec, so every side would report at least the peak of
+    this script's main process (which writes the DROID-size metadata)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def slurmvla_startup(root: str, cache: str) -> dict:
