@@ -205,15 +205,17 @@ def test_windowed_pieces_equal_whole_episodes_and_hold_only_their_window(make_cf
     window.close()
 
 
-def test_a_reader_open_before_a_fork_is_closed_and_freed_in_the_child_without_waiting(sample_root):
+def test_a_reader_open_before_a_fork_is_closed_and_freed_in_the_child_without_waiting(sample_root, monkeypatch):
     """Data-loader workers are forked while the parent may hold open readers. An inherited decoder's
     threads exist only in the parent: closing or freeing it in the child waited on them forever
-    (holding the GIL, so the whole worker hung). The child must close, drop and collect it at once."""
+    (holding the GIL, so the whole worker hung). The child must close, drop and collect it at once.
+    (The readers decode on one thread now; a threaded decoder is what this protects against.)"""
     import gc
     import multiprocessing
 
     from slurmvla.data import video
 
+    monkeypatch.setattr(video, "DECODER_THREADS", 0)  # FFmpeg's automatic count: a thread per core
     path = sorted((Path(sample_root) / "videos").glob("**/*.mp4"))[0]
     reader = video.FrameReader(path, 0.0, 20, 15.0, 64)
     reader.read(8)  # the decoder's threads are running
@@ -233,3 +235,27 @@ def test_a_reader_open_before_a_fork_is_closed_and_freed_in_the_child_without_wa
         proc.join()
     reader.close()
     assert not alive and proc.exitcode == 0, "the forked child hung closing a decoder it inherited"
+
+
+def test_readers_start_no_threads_of_their_own(sample_root):
+    """A stream worker holds a reader per camera of each interleaved episode (24 by default). FFmpeg's
+    decoder and libswscale each default to a thread per core per reader: thousands of threads per worker
+    on a many-core node. The readers decode and convert on the calling thread (the cameras run in
+    parallel on read_concurrently's pool instead)."""
+    import os
+
+    from slurmvla.data import video
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    path = sorted((Path(sample_root) / "videos").glob("**/*.mp4"))[0]
+    before = threads()
+    readers = [video.FrameReader(path, 0.0, 10, 15.0, size) for size in (None, 64, 64, 48)]
+    try:
+        for reader in readers:
+            reader.read(4)
+        assert threads() == before, f"{threads() - before} threads started by {len(readers)} readers"
+    finally:
+        for reader in readers:
+            reader.close()

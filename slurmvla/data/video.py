@@ -25,6 +25,8 @@ import numpy as np
 from slurmvla.data import DataError
 from slurmvla.data.prepare import resize_frame
 
+DECODER_THREADS = 1
+
 
 class FrameReader:
     """Frames ``[from_ts, from_ts + num_frames / fps)`` of one video, forward, as uint8 RGB
@@ -49,7 +51,11 @@ class FrameReader:
             self.close()
             raise DataError(f"video {path} has no video stream")
         stream = self._container.streams.video[0]
-        stream.thread_type = "AUTO"
+        # One decoding thread per decoder: the cameras decode in parallel on read_concurrently's pool
+        # and the loader's workers run side by side. FFmpeg's automatic count is one thread per core for
+        # every open decoder, and a stream worker holds one per camera of each interleaved episode (24
+        # by default): thousands of threads per worker on a many-core node, each with its own buffers.
+        stream.codec_context.thread_count = DECODER_THREADS
         if from_ts > 0:
             self._container.seek(int(from_ts / stream.time_base), stream=stream, backward=True, any_frame=False)
         self._time_base = float(stream.time_base)
