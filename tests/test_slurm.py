@@ -228,7 +228,11 @@ def references(sample_root, tmp_path_factory):
 
 
 def _stop_line(log: str, signal_name: str) -> float:
-    """Seconds from the signal to the complete checkpoint, as the trainer logs it."""
+    """Seconds from the signal to the complete checkpoint, as the trainer logs it. SLURM signals every
+    task at once, but another rank may see its signal at the agreement before rank 0 sees its own: rank
+    0 then logs "preemption signal on another rank", and names its own signal in the stop line (it has
+    arrived by the end of the save)."""
+    assert f"preemption signal here ({signal_name}" in log or "preemption signal on another rank" in log, log[-4000:]
     m = re.search(rf"stopped at step \d+, ([\d.]+) s after {signal_name}: checkpoint \S+ complete", log)
     assert m, log[-4000:]
     return float(m.group(1))
@@ -276,7 +280,6 @@ def test_sbatch_job_preempted_by_a_higher_priority_job_resumes_to_the_same_weigh
         time.sleep(0.2)
     log = out.read_text()
     signal_name = "SIGUSR2" if user_signal else "SIGTERM"
-    assert f"preemption signal here ({signal_name}" in log, log[-4000:]
     took = _stop_line(log, signal_name)
     assert took < GRACE_S, f"the checkpoint took {took} s after the signal, past the grace time"
     if not user_signal:
@@ -385,7 +388,7 @@ def test_submitit_job_preempted_by_a_higher_priority_job_resumes_to_the_same_wei
     logs = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_0_log.*"))
     assert f"handing {signal_name} over to SignalHandler.checkpoint_and_try_requeue" in logs, logs[-4000:]
     train_log = (sweep / "0" / "train.log").read_text()
-    assert f"preemption signal here ({signal_name}" in train_log and "resumed from" in train_log
+    assert "resumed from" in train_log, train_log[-4000:]
     assert _stop_line(train_log, signal_name) < GRACE_S
     reference = references(steps)
     final = load_file(str(sweep / "0" / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
