@@ -418,7 +418,7 @@ def write_droid_size(root: Path, episodes: int, frames: int, per_file: int = 100
     sys.path.insert(0, str(HERE.parent))
     from data_index import synthetic_droid
 
-    from slurmvla.data.synthetic import _write_tasks as write_tasks
+    from slurmvla.data.writer import write_tasks
 
     lengths = synthetic_droid(episodes, frames)[0]
     n = len(lengths)

@@ -262,8 +262,9 @@ def test_av1_at_gop_2_decodes_frame_i_as_frame_i_in_every_file(tmp_path):
     """The DROID port's encoding (SVT-AV1, GOP 2): flat gray frames that encode their index, two
     files of several episodes each; every episode range, read by seek + forward decode, holds
     exactly its own frames, also in the second file."""
-    from slurmvla.data.synthetic import FPS, HEIGHT, WIDTH, _encode
+    from slurmvla.data.synthetic import FPS, HEIGHT, WIDTH
     from slurmvla.data.video import decode_range
+    from slurmvla.data.writer import encode_video as _encode
 
     lengths = [[9, 4, 13], [6, 11]]
     for f, file_lengths in enumerate(lengths):
