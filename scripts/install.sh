@@ -3,6 +3,8 @@
 #
 #   bash scripts/install.sh          # runtime dependencies
 #   bash scripts/install.sh dev      # + test tools        (extras are comma separated: dev,deepspeed)
+#   bash scripts/install.sh sim      # + the closed loop: MuJoCo, openpi's client, and (as root, with apt)
+#                                    #   the EGL libraries MuJoCo renders offscreen with
 #
 # torch is installed first and exactly once: an environment that already has torch keeps it (a
 # cluster's CUDA build stays); otherwise torch==$TORCH_VERSION (default 2.13.0) is installed, which
@@ -24,4 +26,16 @@ fi
 # at install time would need CUDA. TORCH_EXTENSIONS_DIR caches what it compiles.
 export DS_BUILD_OPS=${DS_BUILD_OPS:-0}
 "${PIP[@]}" -e ".${EXTRAS:+[$EXTRAS]}"
+if [[ ",$EXTRAS," == *",sim,"* ]]; then
+  # MuJoCo renders offscreen through EGL: Mesa's (llvmpipe on a CPU machine; a GPU node's driver has its own).
+  if ! ldconfig -p 2>/dev/null | grep -q 'libEGL_mesa.so\|libEGL_nvidia.so'; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      apt-get install -y -qq libegl1 libegl-mesa0 libgl1-mesa-dri >/dev/null
+    else
+      echo "slurmvla: the simulator renders through EGL; install Mesa's (Debian/Ubuntu: apt-get install libegl1 libegl-mesa0 libgl1-mesa-dri)" >&2
+    fi
+  fi
+  # openpi's client pins numpy<2 although its code runs on numpy 2: --no-deps keeps this environment's numpy.
+  "${PIP[@]}" --no-deps openpi-client==0.1.2
+fi
 echo "slurmvla installed with torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"

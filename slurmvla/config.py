@@ -422,6 +422,9 @@ class TrainerConfig:
     signal_check_every_steps: int = 5
     # A validation pass over data.val_fraction's split every this many steps (and at the last); 0 disables.
     val_every_steps: int = 0
+    # Closed-loop episodes in the simulator (rollout.*) every this many steps (and at the last), on rank 0,
+    # logged as rollout/success_rate etc.; 0 disables. Needs the [sim] extra.
+    rollout_every_steps: int = 0
     # Deterministic kernels where torch has them (cuBLAS workspace, no cuDNN autotuning), warning where
     # it has none: a resumed GPU run then repeats the uninterrupted one as closely as the kernels allow.
     # Slower; CPU runs are deterministic without it.
@@ -443,6 +446,7 @@ class TrainerConfig:
         _positive("trainer.log_every_steps", self.log_every_steps)
         _positive("trainer.signal_check_every_steps", self.signal_check_every_steps)
         _positive("trainer.val_every_steps", self.val_every_steps, allow_zero=True)
+        _positive("trainer.rollout_every_steps", self.rollout_every_steps, allow_zero=True)
         _choice("trainer.device", self.device, DEVICES)
 
     def micro_batch_size(self, world_size: int) -> int:
@@ -561,6 +565,38 @@ class ServeConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """python -m slurmvla.rollout and trainer.rollout_every_steps: closed-loop episodes in the simulated
+    pick task (slurmvla.sim, the [sim] extra), the policy queried through openpi's client."""
+
+    episodes: int = 50
+    # Episode e is the environment's seed first_seed + e. The recorded demonstrations use 0..N-1;
+    # the default evaluates on seeds no demonstration was recorded from.
+    first_seed: int = 100000
+    # Actions of each predicted chunk executed before the policy is asked again (openpi's DROID
+    # client: open_loop_horizon = 8); at most policy.action_horizon.
+    replan_steps: int = 4
+    # An episode ends at success or after this many control steps (15 Hz).
+    max_steps: int = 100
+    # Camera frames as the environment renders them (DROID's are 180 x 320).
+    height: int = 180
+    width: int = 320
+    # Episodes (the first ones) written as MP4 videos: the exterior and wrist cameras side by side.
+    videos: int = 3
+    # Where the summary (rollout.json), per-episode results and videos go; null: beside the source
+    # (RUN_DIR/rollout/step_N/) for a run, ./rollout/ for a server address.
+    out: str | None = None
+
+    def __post_init__(self) -> None:
+        _positive("rollout.episodes", self.episodes)
+        _positive("rollout.replan_steps", self.replan_steps)
+        _positive("rollout.max_steps", self.max_steps)
+        _positive("rollout.videos", self.videos, allow_zero=True)
+        if min(self.height, self.width) < 16:
+            raise ValueError(f"rollout.height={self.height} / rollout.width={self.width}: each must be >= 16 pixels")
+
+
+@dataclass
 class Config:
     engine: EngineConfig = MISSING
     policy: PolicyConfig = MISSING
@@ -572,6 +608,7 @@ class Config:
     logging: LoggingConfig = MISSING
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     # bf16: bf16 compute with fp32 master weights and fp32 optimizer state, on every engine.
     precision: str = "fp32"
     name: str = "debug"
@@ -584,6 +621,13 @@ class Config:
                 "checkpointing under ZeRO-3 re-gathers partitioned parameters in the recomputation and is known to "
                 f"corrupt gradients; use it with one of {list(ENGINES.names(activation_checkpointing=True))}, or "
                 "turn it off"
+            )
+        if self.trainer.rollout_every_steps and not ENGINES.get(self.engine.name).whole_model:
+            raise ValueError(
+                f"trainer.rollout_every_steps={self.trainer.rollout_every_steps} runs closed-loop episodes on each rank's "
+                f"copy of the model, which engine={self.engine.name!r} shards; use one of "
+                f"{list(ENGINES.names(whole_model=True))}, or set it to 0 and roll out a checkpoint with "
+                "python -m slurmvla.rollout RUN_DIR"
             )
         if self.policy.num_obs_history != self.data.num_obs_history:
             raise ValueError(

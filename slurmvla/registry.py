@@ -56,6 +56,9 @@ class EngineEntry(Entry):
     # Shards a policy built with its parameters on the meta device and materialises only each rank's
     # part (slurmvla/engine/materialize.py), for policies that can initialise parameters one by one.
     deferred_init: bool = False
+    # Every rank holds the whole model between steps (only optimizer state, if anything, is sharded):
+    # in-training closed-loop episodes (trainer.rollout_every_steps) run on each rank's copy.
+    whole_model: bool = True
 
     def load_full_state(self, checkpoint: Any) -> Any:
         return import_target(self.full_state_loader)(checkpoint)
@@ -122,11 +125,11 @@ for _name, _options in (("fsdp_full", {"hybrid": False, "reshard_after_forward":
                         ("hsdp", {"hybrid": True, "reshard_after_forward": True})):
     ENGINES.add(EngineEntry(_name, "slurmvla.engine.fsdp:FSDPEngine", MappingProxyType(_options),
                             full_state_loader="slurmvla.engine.fsdp:load_dcp_model", deferred_init=True,
-                            background_save=True))
+                            background_save=True, whole_model=False))
 for _stage in (1, 2, 3):
     ENGINES.add(EngineEntry(
         f"zero{_stage}", "slurmvla.engine.zero:DeepSpeedEngine", MappingProxyType({"stage": _stage}),
-        activation_checkpointing=_stage != 3, resumes_at_any_world_size=False, background_save=True,
+        activation_checkpointing=_stage != 3, resumes_at_any_world_size=False, background_save=True, whole_model=_stage != 3,
         full_state_loader="slurmvla.engine.zero:load_zero_model", requires="deepspeed",
         profile_note="under DeepSpeed the gradient reduction and part of the optimizer work run inside backward; "
                      "compare phase totals across engines only as a whole step"))

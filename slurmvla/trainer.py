@@ -319,6 +319,8 @@ class Trainer:
                 self.validate()  # agrees on a stop at every batch: a signal ends the pass
                 if self.stopped_for_requeue:
                     break
+            if self._rollout_due():
+                self.closed_loop()
             if self.cfg.checkpoint.every_steps and self.step % self.cfg.checkpoint.every_steps == 0:
                 self.save()
             if self.step % tcfg.signal_check_every_steps == 0 and self._preemption_agreed():
@@ -354,6 +356,31 @@ class Trainer:
             self.logger.log(self.step, metrics)
             log.info("step %d: val/loss %.4f over %d samples", self.step, metrics.get("val/loss", float("nan")),
                      int(metrics["val/num_samples"]))
+        return metrics
+
+    def _rollout_due(self) -> bool:
+        every = self.cfg.trainer.rollout_every_steps
+        return bool(every and (self.step % every == 0 or self.step == self.cfg.trainer.max_steps))
+
+    def closed_loop(self) -> dict[str, float] | None:
+        """``rollout.episodes`` closed-loop episodes split over the ranks, each rank's share against its own
+        copy of the policy through the server and openpi's client (slurmvla.rollout); rank 0 logs
+        ``rollout/*`` and writes RUN_DIR/rollout/step_N/."""
+        from slurmvla.rollout import in_training
+
+        if self.env.is_main:
+            log.info("step %d: %d closed-loop episodes over %d rank(s)", self.step, self.cfg.rollout.episodes,
+                     self.env.world_size)
+        self.policy.eval()
+        try:
+            metrics = in_training(self.policy, self.cfg, self.step, self.run_dir, self.env.rank, self.env.world_size)
+        finally:
+            self.policy.train()
+        if metrics is not None:
+            self.logger.log(self.step, metrics)
+            log.info("step %d: rollout/success_rate %.3f (95%% CI %.3f-%.3f) over %d episodes", self.step,
+                     metrics["rollout/success_rate"], metrics["rollout/success_ci95_low"],
+                     metrics["rollout/success_ci95_high"], metrics["rollout/episodes"])
         return metrics
 
     def _preemption_agreed(self) -> bool:

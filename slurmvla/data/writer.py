@@ -144,9 +144,11 @@ def _write_v3(tmp: Path, per_episode: list, tasks: list[str], episodes_per_file:
     (meta / "episodes" / "chunk-000").mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), meta / "episodes" / "chunk-000" / "file-000.parquet")
     write_tasks(meta / "tasks.parquet", tasks)
-    state = np.concatenate([c["observation.state"] for c, _, _ in per_episode])
-    action = np.concatenate([c["action"] for c, _, _ in per_episode])
-    stats = {"observation.state": _stats(state), "action": _stats(action)}
+    # Every float feature's stats, as LeRobot's writer keeps them: a policy may train on any sub-key
+    # (e.g. action.joint_velocity, DROID's action space).
+    first = per_episode[0][0]
+    stats = {key: _stats(_as_2d(np.concatenate([c[key] for c, _, _ in per_episode])))
+             for key in first if first[key].dtype.kind == "f" and key != "timestamp"}
     (meta / "stats.json").write_text(json.dumps(stats, indent=2))
 
 

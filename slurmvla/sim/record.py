@@ -1,0 +1,158 @@
+"""Record the scripted expert's demonstrations of the simulated pick task as a LeRobot v3.0 dataset in
+DROID's layout, through the project's writer (:mod:`slurmvla.data.writer`).
+
+    python -m slurmvla.sim.record --out DIR [--episodes 100] [--first-seed 0] [--height 180 --width 320]
+
+Episode ``e`` is the environment's seed ``first_seed + e``. Per step: the observed joint and gripper
+positions (``observation.state``), DROID's action keys (``action.joint_velocity``: the commanded joint
+velocities, DROID's action space; ``action.gripper_position``: the commanded gripper, 1 = closed;
+``action``: the next joint positions and the commanded gripper, as DROID stores it), the gripper's
+Cartesian pose, three instructions and the three cameras as AV1 video. Beside it: DROID's keep-ranges
+file (every step kept: the expert never idles) and ``sim.json`` (the task, the seeds, the success
+of each episode), so every data path the project has applies unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from slurmvla.data.keep_ranges import episode_key
+from slurmvla.data.writer import droid_columns, write_dataset
+from slurmvla.droid_features import DROID_CAMERAS
+
+# Steps recorded after the cube first counts as lifted: the demonstrations go on lifting, so a chunk
+# predicted near the goal still lifts.
+HOLD_STEPS = 6
+MAX_STEPS = 120
+INSTRUCTIONS = ("pick up the red cube", "lift the red cube off the table", "grasp the cube and lift it")
+
+
+def _cartesian(env) -> np.ndarray:  # noqa: ANN001 - a PickCube
+    import mujoco
+
+    quat = np.empty(4)
+    mujoco.mju_mat2Quat(quat, env.data.xmat[env._hand])
+    w, x, y, z = quat
+    roll = np.arctan2(2 * (w * x + y * z), 1 - 2 * (x * x + y * y))
+    pitch = np.arcsin(np.clip(2 * (w * y - z * x), -1, 1))
+    yaw = np.arctan2(2 * (w * z + x * y), 1 - 2 * (y * y + z * z))
+    return np.array([*env.tcp_position(), roll, pitch, yaw])
+
+
+def expert_episode(env, seed: int, render: bool = True, noise: float = 0.0) -> dict:  # noqa: ANN001 - a PickCube
+    """One seeded episode of the expert: per-step arrays, frames per camera and whether it succeeded.
+
+    ``noise`` (rad/s): Gaussian noise added to the expert's joint velocities before they are executed
+    (seeded by the episode), so the demonstrations visit states off the expert's path and show its
+    corrections. What is recorded is what was executed; its mean given the state is the expert's action."""
+    from slurmvla.sim.expert import Expert
+
+    env.reset(seed)
+    expert = Expert()
+    rng = np.random.default_rng([7, seed])
+    states, actions, cartesian, frames = [], [], [], {cam: [] for cam in env.cameras}
+    success_at = None
+    for t in range(MAX_STEPS):
+        states.append([*env.joint_position(), env.gripper_position()])
+        cartesian.append(_cartesian(env))
+        if render:
+            for cam in env.cameras:
+                frames[cam].append(env.render(cam))
+        action = expert.act(env)
+        if noise:
+            action[:7] += rng.normal(0.0, noise, size=7).astype(np.float32)
+        actions.append(action)
+        step = env.step(action)
+        if step.success and success_at is None:
+            success_at = t
+        if success_at is not None and t >= success_at + HOLD_STEPS:
+            break
+    states, actions = np.asarray(states, np.float32), np.asarray(actions, np.float32)
+    next_joints = np.concatenate([states[1:, :7], env.joint_position()[None].astype(np.float32)])
+    cartesian = np.asarray(cartesian)
+    next_cartesian = np.concatenate([cartesian[1:], _cartesian(env)[None]])
+    return {"state": states, "joint_velocity": actions[:, :7],
+            "action": np.concatenate([next_joints, actions[:, 7:]], axis=1),
+            "cartesian_state": cartesian, "cartesian_action": next_cartesian,
+            "frames": {cam: np.stack(f) for cam, f in frames.items()} if render else None,
+            "success": success_at is not None, "seed": seed}
+
+
+def record(out: str | Path, episodes: int, first_seed: int = 0, height: int = 180, width: int = 320,
+           episodes_per_file: int = 25, noise: float = 0.0) -> dict:
+    """Write ``episodes`` expert demonstrations into ``out``; returns the ``sim.json`` summary."""
+    from slurmvla.sim.env import PickCube
+
+    env = PickCube(height=height, width=width, cameras=tuple(c.removeprefix("observation.images.") for c in DROID_CAMERAS))
+    per_episode, keep, seeds, successes = [], {}, [], []
+    start = 0
+    try:
+        for e in range(episodes):
+            ep = expert_episode(env, first_seed + e, noise=noise)
+            n = len(ep["state"])
+            columns = droid_columns(ep["state"], ep["action"], ep["joint_velocity"], ep["cartesian_state"],
+                                    ep["cartesian_action"], list(INSTRUCTIONS), ep["success"], episode_index=e,
+                                    start_index=start, task_index=0)
+            frames = {f"observation.images.{cam}": f for cam, f in ep["frames"].items()}
+            episode_id = f"SIM+{first_seed + e:08d}+2026-11-25-00h-00m-00s"
+            per_episode.append((columns, frames, {"episode_index": e, "tasks": [INSTRUCTIONS[0]], "length": n,
+                                                  "episode_id": episode_id}))
+            keep[episode_key(_rel_path(first_seed + e, ep["success"]))] = [[0, n]]
+            seeds.append(first_seed + e)
+            successes.append(ep["success"])
+            start += n
+    finally:
+        env.close()
+    summary = {"task": "pick_cube", "instruction": INSTRUCTIONS[0], "action_noise": noise, "seeds": seeds, "success": successes,
+               "expert_success_rate": float(np.mean(successes)), "frames": start}
+    extra = {"keep_ranges_1_0_1.json": json.dumps(keep, indent=1), "sim.json": json.dumps(summary, indent=1),
+             "episode_id_to_path.json": json.dumps({f"SIM+{s:08d}+2026-11-25-00h-00m-00s": _rel_path(s, ok)
+                                                    for s, ok in zip(seeds, successes)}, indent=1)}
+    write_dataset(out, per_episode, [INSTRUCTIONS[0]], episodes_per_file=episodes_per_file, extra_files=extra,
+                  robot_type="sim_franka")
+    return summary
+
+
+def _rel_path(seed: int, success: bool) -> str:
+    return f"SIM/{'success' if success else 'failure'}/2026-11-25/seed{seed:08d}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="output folder (must not hold a dataset yet)")
+    parser.add_argument("--episodes", type=int, default=100)
+    parser.add_argument("--first-seed", type=int, default=0, help="episode e is the environment's seed first_seed + e")
+    parser.add_argument("--noise", type=float, default=0.0,
+                        help="std (rad/s) of Gaussian noise added to the executed joint velocities (default 0)")
+    parser.add_argument("--height", type=int, default=180)
+    parser.add_argument("--width", type=int, default=320)
+    args = parser.parse_args(argv)
+    out = Path(args.out).expanduser()
+    problem = None
+    if args.episodes < 1:
+        problem = f"--episodes={args.episodes} must be >= 1"
+    elif args.noise < 0:
+        problem = f"--noise={args.noise} must be >= 0 (rad/s)"
+    elif min(args.height, args.width) < 16:
+        problem = f"--height={args.height} --width={args.width}: each must be >= 16 pixels"
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
+        problem = f"--out={args.out!r} exists and is not an empty folder; give a new or empty folder"
+    if problem is None:
+        try:
+            summary = record(out, args.episodes, args.first_seed, args.height, args.width, noise=args.noise)
+        except OSError as e:
+            problem = f"cannot write the dataset to --out={args.out!r}: {e.strerror or e}"
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote {args.episodes} expert episodes ({summary['frames']} frames) to {out}; expert success rate "
+          f"{summary['expert_success_rate']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The closed loop: the simulated pick task, its scripted expert, the demonstrations as a LeRobot dataset,
+and episodes driven through the real policy server and openpi's published client.
+
+References: the expert's own episodes (the simulator is deterministic for a seed), the frames the
+environment renders, a hand-computed Wilson interval."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("slurmvla.sim.env", reason="the [sim] extra (MuJoCo): bash scripts/install.sh sim")
+pytest.importorskip("openpi_client.websocket_client_policy", reason="pip install --no-deps openpi-client")
+
+from slurmvla.compose import compose  # noqa: E402
+from slurmvla.data.prepare import prepare_image  # noqa: E402
+from slurmvla.rollout import run, wilson_interval  # noqa: E402
+from slurmvla.sim.env import PickCube  # noqa: E402
+from slurmvla.sim.expert import Expert  # noqa: E402
+from slurmvla.sim.record import HOLD_STEPS, expert_episode, record  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+EPISODES = 6
+# Small frames keep the recording quick; the layout is DROID's.
+HEIGHT, WIDTH = 72, 128
+
+
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("sim") / "demos"
+    record(root, EPISODES, first_seed=0, height=HEIGHT, width=WIDTH, episodes_per_file=4)
+    return root
+
+
+def _train(demos: Path, run_dir: Path, *overrides: str) -> Path:
+    from slurmvla.trainer import Trainer
+
+    cfg = compose(["experiment=sim_pick", f"data.root={demos}", "data.num_workers=0", "logging.wandb.mode=disabled",
+                   "trainer.progress_bar=false", "trainer.global_batch_size=8", "trainer.log_every_steps=1",
+                   "data.val_fraction=0", "trainer.val_every_steps=0", *overrides])
+    trainer = Trainer(cfg, run_dir)
+    trainer.fit()
+    trainer.close()
+    return run_dir
+
+
+def _reference_policy(demos: Path, run_dir: Path, name: str, steps: int = 1) -> Path:
+    return _train(demos, run_dir, "policy=custom", f"policy.target=slurmvla.sim.policies.{name}",
+                  f"+policy.kwargs={{root: '{demos}'}}" if name == "ReplayPolicy" else "policy.kwargs={}",
+                  f"trainer.max_steps={steps}", f"checkpoint.every_steps={steps}")
+
+
+def test_the_expert_succeeds_on_at_least_90_percent_of_seeded_episodes():
+    env = PickCube(height=HEIGHT, width=WIDTH)
+    wins, starts = 0, set()
+    for seed in range(1000, 1050):
+        env.reset(seed)
+        starts.add(tuple(np.round(env.cube_position()[:2], 4)))
+        expert = Expert()
+        for _ in range(100):
+            if env.step(expert.act(env)).success:
+                wins += 1
+                break
+    assert len(starts) == 50, "the cube's start is not drawn from the seed"
+    assert wins / 50 >= 0.9, f"expert success rate {wins / 50:.2f}"
+
+
+def test_an_episode_is_a_function_of_its_seed():
+    env = PickCube(height=HEIGHT, width=WIDTH)
+    a, b, c = (expert_episode(env, s, render=False) for s in (3, 3, 4))
+    np.testing.assert_array_equal(a["state"], b["state"])
+    np.testing.assert_array_equal(a["joint_velocity"], b["joint_velocity"])
+    assert not np.array_equal(a["state"][0], c["state"][0])
+
+
+def test_demonstrations_read_back_through_the_data_layer_as_recorded(demos):
+    from slurmvla.data.source import LeRobotSource, dataset_specs
+
+    from .conftest import policy_spec
+
+    info = json.loads((demos / "meta" / "info.json").read_text())
+    assert info["codebase_version"] == "v3.0" and info["total_episodes"] == EPISODES
+    assert info["features"]["observation.images.wrist_left"]["info"]["video.codec"] == "av1"
+    summary = json.loads((demos / "sim.json").read_text())
+    assert summary["seeds"] == list(range(EPISODES)) and all(summary["success"])
+    # The dataset as the trainer reads it (the keep-ranges filter on: every step kept), against the
+    # expert's episode re-run from its seed. Episode 5 sits in the second file of the dataset.
+    cfg = compose([f"data.root={demos}", "experiment=sim_pick", "data.val_fraction=0", "data.image_resize=squash"])
+    source = LeRobotSource(dataset_specs(cfg.data)[0], cfg.data, policy_spec(cfg, horizon=4), seed=0)
+    env = PickCube(height=HEIGHT, width=WIDTH)
+    ep = expert_episode(env, 5, render=True)
+    episode = source.load_episode(5)
+    assert source.index.counts["samples"] == summary["frames"], source.index.counts
+    t = 7
+    sample = source.sample(episode, t, epoch=0)
+    np.testing.assert_array_equal(sample["state"].numpy(), ep["state"][t])
+    want = np.concatenate([ep["joint_velocity"], ep["action"][:, 7:]], axis=1)[t : t + 4]
+    np.testing.assert_array_equal(sample["actions"].numpy(), want)
+    assert sample["instruction"] in ("pick up the red cube", "lift the red cube off the table", "grasp the cube and lift it")
+    # Frames: AV1 at CRF 30, resized as training resizes, against what the environment rendered resized
+    # the same way (the codec's tolerance); another step's frame is much further away.
+    size = cfg.policy.image_size
+    for c, cam in enumerate(("exterior_1_left", "wrist_left")):
+        decoded = sample["images"][c].numpy().astype(np.float64)
+        rendered = [prepare_image(ep["frames"][cam][k], size, mode="squash").astype(np.float64) for k in (t, t + 15)]
+        assert np.abs(decoded - rendered[0]).mean() < 4.5, cam  # measured: 2.3 (exterior), 3.1 (wrist)
+        assert np.abs(decoded - rendered[1]).mean() > 2 * np.abs(decoded - rendered[0]).mean(), cam
+
+
+def test_wilson_interval_matches_hand_computed_values():
+    lo, hi = wilson_interval(0, 10)
+    assert lo == 0.0 and hi == pytest.approx(0.27753, abs=1e-4)
+    lo, hi = wilson_interval(5, 10)
+    assert (lo, hi) == (pytest.approx(0.23659, abs=1e-4), pytest.approx(0.76341, abs=1e-4))
+    lo, hi = wilson_interval(50, 50)
+    assert lo == pytest.approx(0.92865, abs=1e-4) and hi == pytest.approx(1.0)  # n / (n + z^2), 1
+
+
+def test_replaying_the_recorded_actions_through_server_and_client_reproduces_the_expert(demos, tmp_path):
+    run_dir = _reference_policy(demos, tmp_path / "replay", "ReplayPolicy")
+    summary = run(str(run_dir), ["rollout.first_seed=0", f"rollout.episodes={EPISODES}", "rollout.replan_steps=4",
+                                 f"rollout.height={HEIGHT}", f"rollout.width={WIDTH}", "rollout.videos=1"])
+    recorded = json.loads((demos / "sim.json").read_text())
+    assert summary["rollout/success_rate"] == np.mean(recorded["success"]) == 1.0
+    # The same trajectories: each episode succeeds at the step its demonstration did.
+    lengths = {e["seed"]: e["length"] for e in summary["episodes"]}
+    env = PickCube(height=HEIGHT, width=WIDTH)
+    for seed in range(EPISODES):
+        demo_len = len(expert_episode(env, seed, render=False)["state"])
+        assert lengths[seed] == demo_len - HOLD_STEPS, (seed, lengths[seed], demo_len)
+    out = Path(summary["out"]).parent
+    assert (out / "episode_0.mp4").stat().st_size > 1000
+    assert summary["episodes"][0]["requests"] == -(-lengths[0] // 4)
+
+
+def test_a_policy_that_outputs_zeros_never_succeeds(demos, tmp_path):
+    run_dir = _reference_policy(demos, tmp_path / "zero", "ZeroPolicy")
+    summary = run(str(run_dir), ["rollout.first_seed=0", "rollout.episodes=3", "rollout.max_steps=30",
+                                 f"rollout.height={HEIGHT}", f"rollout.width={WIDTH}", "rollout.videos=0"])
+    assert summary["rollout/success_rate"] == 0.0
+    assert all(e["length"] == 30 for e in summary["episodes"])
