@@ -581,6 +581,8 @@ class RolloutConfig:
     # Camera frames as the environment renders them (DROID's are 180 x 320).
     height: int = 180
     width: int = 320
+    # How long a client waits for a server address to accept connections (a server still starting).
+    connect_timeout_s: float = 120.0
     # Episodes (the first ones) written as MP4 videos: the exterior and wrist cameras side by side.
     videos: int = 3
     # Where the summary (rollout.json), per-episode results and videos go; null: beside the source
@@ -592,6 +594,7 @@ class RolloutConfig:
         _positive("rollout.replan_steps", self.replan_steps)
         _positive("rollout.max_steps", self.max_steps)
         _positive("rollout.videos", self.videos, allow_zero=True)
+        _positive("rollout.connect_timeout_s", self.connect_timeout_s)
         if min(self.height, self.width) < 16:
             raise ValueError(f"rollout.height={self.height} / rollout.width={self.width}: each must be >= 16 pixels")
 

@@ -192,8 +192,22 @@ def local_server(server: Any) -> Iterator[int]:
         loop.close()
 
 
-def connect(host: str, port: int, api_key: str | None = None) -> Any:
+def connect(host: str, port: int, api_key: str | None = None, timeout_s: float = 120.0) -> Any:
+    """openpi's client, once the address accepts connections (openpi's own client would wait forever
+    for a wrong address)."""
+    import socket
+
     client_module = _need("openpi_client.websocket_client_policy")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=min(5.0, timeout_s)).close()
+            break
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise ValueError(f"cannot reach ws://{host}:{port} within {timeout_s:g} s ({e}); is the server running "
+                                 "there (python -m slurmvla.serve)? rollout.connect_timeout_s waits longer") from None
+            time.sleep(0.5)
     return client_module.WebsocketClientPolicy(host=host, port=port, api_key=api_key)
 
 
@@ -285,7 +299,7 @@ def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None,
         out = Path(cfg.out or "rollout")
         seeds = _seeds(cfg, shard)
         start = time.perf_counter()
-        client = connect(host, int(port), api_key)
+        client = connect(host, int(port), api_key, cfg.connect_timeout_s)
         try:
             episodes = run_episodes(client, cfg, seeds, out)
         finally:
@@ -359,6 +373,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="with --merge: the merged summary's path")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # PyOpenGL says at import that its optional accelerator is absent; websockets logs every connection.
+    for noisy in ("OpenGL", "websockets"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     import os
 
     try:

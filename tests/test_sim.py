@@ -121,8 +121,13 @@ def test_wilson_interval_matches_hand_computed_values():
     assert lo == pytest.approx(0.92865, abs=1e-4) and hi == pytest.approx(1.0)  # n / (n + z^2), 1
 
 
-def test_replaying_the_recorded_actions_through_server_and_client_reproduces_the_expert(demos, tmp_path):
-    run_dir = _reference_policy(demos, tmp_path / "replay", "ReplayPolicy")
+@pytest.fixture(scope="module")
+def replay_run(demos, tmp_path_factory) -> Path:
+    return _reference_policy(demos, tmp_path_factory.mktemp("replay") / "run", "ReplayPolicy")
+
+
+def test_replaying_the_recorded_actions_through_server_and_client_reproduces_the_expert(demos, replay_run):
+    run_dir = replay_run
     summary = run(str(run_dir), ["rollout.first_seed=0", f"rollout.episodes={EPISODES}", "rollout.replan_steps=4",
                                  f"rollout.height={HEIGHT}", f"rollout.width={WIDTH}", "rollout.videos=1"])
     recorded = json.loads((demos / "sim.json").read_text())
@@ -144,3 +149,76 @@ def test_a_policy_that_outputs_zeros_never_succeeds(demos, tmp_path):
                                  f"rollout.height={HEIGHT}", f"rollout.width={WIDTH}", "rollout.videos=0"])
     assert summary["rollout/success_rate"] == 0.0
     assert all(e["length"] == 30 for e in summary["episodes"])
+
+
+def _rollout_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slurmvla.rollout", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_rollout_against_a_running_server_by_address_in_shards_then_merged(replay_run, tmp_path):
+    from .test_serve import start_server, stop
+
+    proc, port = start_server(replay_run)
+    try:
+        common = ["rollout.first_seed=0", "rollout.episodes=3", f"rollout.height={HEIGHT}", f"rollout.width={WIDTH}",
+                  f"rollout.out={tmp_path}", "rollout.videos=0"]
+        for shard in ("0/2", "1/2"):
+            done = _rollout_cli(f"ws://127.0.0.1:{port}", *common, "--shard", shard)
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert "success rate 1.000" in done.stdout
+    finally:
+        stop(proc)
+    parts = [json.loads((tmp_path / f"rollout_shard{i}of2.json").read_text()) for i in range(2)]
+    assert [[e["seed"] for e in p["episodes"]] for p in parts] == [[0, 2], [1]]
+    done = _rollout_cli("--merge", *(str(tmp_path / f"rollout_shard{i}of2.json") for i in range(2)),
+                        "--out", str(tmp_path / "rollout.json"))
+    assert done.returncode == 0, done.stderr
+    merged = json.loads((tmp_path / "rollout.json").read_text())
+    assert merged["rollout/episodes"] == 3 and merged["rollout/successes"] == 3 and merged["shards"] == 2
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["ws://127.0.0.1"], "is not a server address; write it as ws://HOST:PORT"),
+    (["ws://127.0.0.1:1", "policy.action_horizon=4"], "only rollout.* overrides apply"),
+    (["ws://127.0.0.1:1", "rollout.episodez=4"], "rollout.episodez is not a setting; choose from"),
+    (["ws://127.0.0.1:1", "rollout.episodes=0"], "rollout.episodes=0"),
+    (["ws://127.0.0.1:1", "--shard", "2/2"], "--shard '2/2': I must be in 0..N-1"),
+    (["/nonexistent/run"], "'/nonexistent/run' does not exist"),
+])
+def test_bad_rollout_input_fails_with_one_line(args, expected):
+    done = _rollout_cli(*args, timeout=60)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], done.stderr
+
+
+def test_an_unreachable_server_is_one_line(tmp_path):
+    done = _rollout_cli("ws://127.0.0.1:9", "rollout.episodes=1", "rollout.connect_timeout_s=1", timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().startswith("error: cannot reach"), done.stderr
+
+
+def test_training_rolls_out_every_n_steps_on_every_rank_and_logs_the_success_rate(demos, tmp_path):
+    """Two DDP ranks (torchrun, gloo) each run their share of the episodes; rank 0 logs all of them."""
+    from .conftest import run_train
+
+    run_dir = tmp_path / "run"
+    run_train(["experiment=sim_pick", f"data.root={demos}", "engine=ddp", "policy=custom",
+               "policy.target=slurmvla.sim.policies.ReplayPolicy", f"+policy.kwargs={{root: '{demos}'}}",
+               "data.num_workers=0", "logging.wandb.mode=disabled", "trainer.progress_bar=false",
+               "trainer.global_batch_size=8", "trainer.max_steps=2", "trainer.log_every_steps=1",
+               "trainer.val_every_steps=0", "data.val_fraction=0", "trainer.rollout_every_steps=1",
+               "rollout.first_seed=0", "rollout.episodes=3", f"rollout.height={HEIGHT}", f"rollout.width={WIDTH}",
+               "rollout.videos=1", "checkpoint.every_steps=2", f"hydra.run.dir={run_dir}"], nproc=2)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [r for r in rows if "rollout/success_rate" in r]
+    assert [r["step"] for r in rollouts] == [1, 2]
+    assert all(r["rollout/episodes"] == 3 and r["rollout/success_rate"] == 1.0 for r in rollouts)
+    summary = json.loads((run_dir / "rollout" / "step_00000002" / "rollout.json").read_text())
+    assert sorted(e["seed"] for e in summary["episodes"]) == [0, 1, 2]
+    assert (run_dir / "rollout" / "step_00000002" / "episode_0.mp4").is_file()
+
+
+def test_a_sharding_engine_refuses_in_training_rollouts_at_start(demos):
+    with pytest.raises(ValueError, match="trainer.rollout_every_steps=5 runs closed-loop episodes .* engine='fsdp_full'"):
+        compose(["experiment=sim_pick", f"data.root={demos}", "engine=fsdp_full", "trainer.rollout_every_steps=5"])
