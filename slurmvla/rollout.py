@@ -28,6 +28,7 @@ import asyncio
 import json
 import logging
 import math
+import socket
 import sys
 import threading
 import time
@@ -72,6 +73,12 @@ def summarize(episodes: list[dict], wall_s: float) -> dict:
         "rollout/requests_per_s": requests / max(wall_s, 1e-9),
         "episodes": sorted(episodes, key=lambda e: e["seed"]),
     }
+
+
+def require_sim() -> None:
+    """A ValueError naming the extra when the simulator or openpi's client is not installed."""
+    _need("slurmvla.sim.env")
+    _need("openpi_client.websocket_client_policy")
 
 
 def _need(module: str):  # noqa: ANN202
@@ -195,8 +202,6 @@ def local_server(server: Any) -> Iterator[int]:
 def connect(host: str, port: int, api_key: str | None = None, timeout_s: float = 120.0) -> Any:
     """openpi's client, once the address accepts connections (openpi's own client would wait forever
     for a wrong address)."""
-    import socket
-
     client_module = _need("openpi_client.websocket_client_policy")
     deadline = time.monotonic() + timeout_s
     while True:
@@ -290,7 +295,7 @@ def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None,
     returns the summary (``rollout.json``, or ``rollout_shardIofN.json`` for a ``shard`` (I, N))."""
     name = "rollout.json" if shard is None else f"rollout_shard{shard[0]}of{shard[1]}.json"
     shard = shard or (0, 1)
-    _need("slurmvla.sim.env")
+    require_sim()
     if source.startswith(("ws://", "wss://")):
         host, _, port = source.split("://", 1)[1].rstrip("/").rpartition(":")
         if not host or not port.isdigit():
@@ -321,7 +326,7 @@ def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None,
         episodes = rollout_loaded(loaded, cfg, seeds, out)
     summary = summarize(episodes, time.perf_counter() - start)
     summary.update({"source": where, "step": step, "replan_steps": cfg.replan_steps, "max_steps": cfg.max_steps,
-                    "shard": f"{shard[0]}/{shard[1]}"})
+                    "shard": f"{shard[0]}/{shard[1]}", "host": socket.gethostname()})
     out.mkdir(parents=True, exist_ok=True)
     (out / name).write_text(json.dumps(summary, indent=1))
     return summary | {"out": str(out / name)}
@@ -348,6 +353,7 @@ def merge(paths: list[Path], out: Path) -> dict:
     summary = summarize(episodes, wall)
     summary.update({k: parts[0][k] for k in ("source", "step", "replan_steps", "max_steps") if k in parts[0]})
     summary["shards"] = len(parts)
+    summary["hosts"] = sorted({part.get("host", "?") for part in parts})
     out.write_text(json.dumps(summary, indent=1))
     return summary | {"out": str(out)}
 

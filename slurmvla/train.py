@@ -33,7 +33,14 @@ def main(cfg: DictConfig) -> float | None:
     if delay and SIGNAL_DELAY_ENV not in os.environ:
         os.environ[SIGNAL_DELAY_ENV] = str(delay)
     try:
-        trainer = Trainer(to_config(cfg), HydraConfig.get().runtime.output_dir)
+        config = to_config(cfg)
+        closed_loop = None
+        if config.trainer.rollout_every_steps:
+            from slurmvla.rollout import in_training, require_sim
+
+            require_sim()  # at start-up, not after the first N steps
+            closed_loop = in_training
+        trainer = Trainer(config, HydraConfig.get().runtime.output_dir, closed_loop=closed_loop)
     except ValueError as e:
         # A user's mistake found at start-up (a bad value, a policy class that cannot be imported, data
         # that does not fit the policy): one message, not a traceback. Every rank finds the same one.

@@ -13,6 +13,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -66,7 +67,16 @@ _NO_MARKS = _NoMarks()
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: str | Path, env: DistEnv | None = None):
+    def __init__(self, cfg: Config, run_dir: str | Path, env: DistEnv | None = None,
+                 closed_loop: Callable[..., dict[str, float] | None] | None = None):
+        """``closed_loop``: what ``trainer.rollout_every_steps`` calls, as
+        ``closed_loop(policy, cfg, step, run_dir, rank, world_size)`` on every rank, returning the
+        metrics on rank 0 (``python -m slurmvla.train`` passes :func:`slurmvla.rollout.in_training`)."""
+        if cfg.trainer.rollout_every_steps and closed_loop is None:
+            raise ValueError(f"trainer.rollout_every_steps={cfg.trainer.rollout_every_steps} needs the closed loop: "
+                             "python -m slurmvla.train provides it; a Trainer built in code takes "
+                             "closed_loop=slurmvla.rollout.in_training")
+        self._closed_loop = closed_loop
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.env = env or DistEnv.from_environ()
@@ -365,15 +375,13 @@ class Trainer:
     def closed_loop(self) -> dict[str, float] | None:
         """``rollout.episodes`` closed-loop episodes split over the ranks, each rank's share against its own
         copy of the policy through the server and openpi's client (slurmvla.rollout); rank 0 logs
-        ``rollout/*`` and writes RUN_DIR/rollout/step_N/."""
-        from slurmvla.rollout import in_training
-
+        ``rollout/*`` and the closed loop writes RUN_DIR/rollout/step_N/."""
         if self.env.is_main:
             log.info("step %d: %d closed-loop episodes over %d rank(s)", self.step, self.cfg.rollout.episodes,
                      self.env.world_size)
         self.policy.eval()
         try:
-            metrics = in_training(self.policy, self.cfg, self.step, self.run_dir, self.env.rank, self.env.world_size)
+            metrics = self._closed_loop(self.policy, self.cfg, self.step, self.run_dir, self.env.rank, self.env.world_size)
         finally:
             self.policy.train()
         if metrics is not None:

@@ -22,10 +22,11 @@ LAYERS = (
     (1, ("slurmvla.config", "slurmvla.compose")),
     (2, ("slurmvla.data", "slurmvla.optim", "slurmvla.logger")),
     (3, ("slurmvla.policy", "slurmvla.engine")),
-    (4, ("slurmvla.checkpoint", "slurmvla.eval")),
+    (4, ("slurmvla.checkpoint", "slurmvla.eval", "slurmvla.sim")),
     (5, ("slurmvla.trainer",)),
     (6, ("slurmvla.train", "slurmvla.serve", "slurmvla.evaluate", "slurmvla.export", "slurmvla.profile",
-         "slurmvla.lerobot_checkpoint", "slurmvla.inspect", "slurmvla.check", "slurmvla.check_ranks")),
+         "slurmvla.lerobot_checkpoint", "slurmvla.inspect", "slurmvla.check", "slurmvla.check_ranks",
+         "slurmvla.rollout")),
 )
 # Siblings in one layer that must not import each other (the engine reads a policy through the contract only).
 SIBLINGS = (("slurmvla.policy", "slurmvla.engine"),)

@@ -479,3 +479,30 @@ def test_sbatch_serve_answers_a_client_on_the_host(cluster, trained_run, tmp_pat
         subprocess.run(["scancel", job], env=cluster)
     wait_gone(cluster, job, 60)
     assert "Traceback" not in log_file.read_text()
+
+
+def test_sbatch_rollout_serves_on_the_first_node_and_runs_environments_on_the_job_tasks(cluster, tmp_path):
+    """sbatch/rollout.sh: the policy server as one task on the first node, two environment tasks (one per
+    node) reaching it by node name through openpi's client, their shards merged. The policy replays the
+    demonstrations, so every episode must succeed as the expert's did."""
+    pytest.importorskip("slurmvla.sim.env", reason="the [sim] extra (MuJoCo)")
+    from slurmvla.sim.record import record
+
+    from .test_sim import HEIGHT, WIDTH, _reference_policy
+
+    demos = tmp_path / "demos"
+    record(demos, 3, height=HEIGHT, width=WIDTH)
+    run = _reference_policy(demos, tmp_path / "replay", "ReplayPolicy")
+    out = tmp_path / "rollout"
+    args = [str(run), "rollout.first_seed=0", "rollout.episodes=3", f"rollout.height={HEIGHT}", f"rollout.width={WIDTH}",
+            "rollout.videos=0", "serve.device=cpu"]
+    job = sbatch(cluster, "sbatch/rollout.sh", args, tmp_path, {"ROLLOUT_DIR": str(out), "ROLLOUT_PORT": "18555"})
+    wait_gone(cluster, job, 300)
+    log = (tmp_path / f"{job}.out").read_text()
+    assert sacct_state(cluster, job).startswith("COMPLETED"), log[-3000:]
+    summary = json.loads((out / "rollout.json").read_text())
+    assert summary["rollout/episodes"] == 3 and summary["rollout/successes"] == 3, summary
+    assert summary["shards"] == 2 and summary["hosts"] == ["node1", "node2"], summary
+    assert "server on node1:18555" in log and "success rate 1.000" in log
+    server_log = (out / "server.log").read_text()
+    assert "serving" in server_log and "Traceback" not in server_log, server_log[-3000:]
