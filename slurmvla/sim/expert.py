@@ -2,9 +2,12 @@
 simulator and acts in DROID's action space (joint velocities from damped least-squares inverse
 kinematics of the gripper's pose error, and the gripper position).
 
-Phases: over the cube with the fingers across its faces, down around it, close, lift. Each phase ends
-when the gripper is within tolerance of its target (or its time is up); the actions are smooth, so a
-policy trained on them learns a smooth motion.
+Its action is a function of the current state alone (no phase counter, no memory), so what a policy
+must learn is a function of what it observes: the gripper moves over the cube and descends as it
+closes in (a funnel), closes once it is around the cube, and lifts once the fingers hold the cube
+(the gripper's position stops short of closed, the cube between the fingers); a grasp that closes on
+nothing, or a cube that slips, opens the gripper and tries again. The fingers turn to the nearest of the cube's four
+faces; the speed is bounded, so the actions are smooth.
 """
 
 from __future__ import annotations
@@ -12,52 +15,48 @@ from __future__ import annotations
 import mujoco
 import numpy as np
 
-from slurmvla.sim.env import CUBE_HALF, JOINT_VELOCITY_LIMIT, TABLE_Z, PickCube
+from slurmvla.sim.env import CUBE_HALF, FINGER_OPEN, JOINT_VELOCITY_LIMIT, TABLE_Z, PickCube
 
 GAIN_POS = 4.0  # 1/s: the commanded gripper speed per metre of position error
 GAIN_ROT = 3.0
 DAMPING = 0.05
 MAX_SPEED = 0.35  # m/s, the gripper's speed limit
-PRE_GRASP = 0.10  # m above the grasp height
+PRE_GRASP = 0.10  # m above the grasp height while far from the cube
+FUNNEL = 0.03  # m: the horizontal distance over which the gripper descends to the grasp height
 GRASP_Z = TABLE_Z + CUBE_HALF + 0.004
 LIFT_Z = TABLE_Z + 0.22
-CLOSE_STEPS = 7
+# Gripper positions (0 open, 1 closed): closed on the cube the fingers stop at 1 - CUBE_HALF / FINGER_OPEN.
+HOLDING = 0.9 * (1 - CUBE_HALF / FINGER_OPEN)
+CLOSED = 0.9  # closed on nothing
+BETWEEN = 0.025  # m: the cube's centre this near the gripper's is between the fingers
+# Close when the gripper is this near its grasp pose: the fingers open to 10 cm around a 4 cm cube, so
+# 1.5 cm off centre still grasps it.
+AROUND_XY, AROUND_Z = 0.015, 0.01
 
 
 class Expert:
-    """Call ``act(env)`` once per control step after ``env.reset``; it returns the 8-D action."""
-
-    def __init__(self) -> None:
-        self.phase = "approach"
-        self.phase_steps = 0
-        self.yaw = None
-
-    def _target(self, env: PickCube) -> tuple[np.ndarray, float]:
-        cube = env.cube_position()
-        if self.yaw is None:  # the finger axis across the cube's faces, the nearest of the four ways
-            hand_y = env.data.xmat[env._hand].reshape(3, 3)[:, 1]
-            current = np.arctan2(hand_y[1], hand_y[0])
-            options = env.cube_yaw() + np.arange(-4, 5) * np.pi / 2
-            self.yaw = float(options[np.argmin(np.abs(np.angle(np.exp(1j * (options - current)))))])
-        above = np.array([cube[0], cube[1], GRASP_Z + PRE_GRASP])
-        if self.phase == "approach":
-            return above, 0.0
-        if self.phase in ("descend", "close"):
-            return np.array([cube[0], cube[1], GRASP_Z]), float(self.phase == "close")
-        return np.array([env.tcp_position()[0], env.tcp_position()[1], LIFT_Z]), 1.0
+    """``act(env)`` returns the 8-D action for the environment's current state."""
 
     def act(self, env: PickCube) -> np.ndarray:
-        target, gripper = self._target(env)
-        error = target - env.tcp_position()
-        self.phase_steps += 1
-        if self.phase == "approach" and (np.linalg.norm(error) < 0.01 or self.phase_steps > 60):
-            self.phase, self.phase_steps = "descend", 0
-        elif self.phase == "descend" and (abs(error[2]) < 0.006 or self.phase_steps > 40):
-            self.phase, self.phase_steps = "close", 0
-        elif self.phase == "close" and self.phase_steps >= CLOSE_STEPS:
-            self.phase, self.phase_steps = "lift", 0
-        velocity = _joint_velocity(env, target, self.yaw)
-        return np.concatenate([velocity, [gripper]]).astype(np.float32)
+        cube, tcp, gripper = env.cube_position(), env.tcp_position(), env.gripper_position()
+        xy_error = float(np.linalg.norm(cube[:2] - tcp[:2]))
+        if HOLDING < gripper < CLOSED and np.linalg.norm(cube - tcp) < BETWEEN:  # the fingers hold the cube: lift
+            target, close = np.array([tcp[0], tcp[1], LIFT_Z]), 1.0
+        elif xy_error < AROUND_XY and tcp[2] - GRASP_Z < AROUND_Z and gripper < CLOSED:  # around the cube: close
+            target, close = np.array([cube[0], cube[1], GRASP_Z]), 1.0
+        else:  # over the cube, lower as the gripper closes in (opening it if it closed on nothing: a retry)
+            height = GRASP_Z + PRE_GRASP * float(np.clip((xy_error - 0.6 * AROUND_XY) / FUNNEL, 0.0, 1.0))
+            target, close = np.array([cube[0], cube[1], height]), 0.0
+        velocity = _joint_velocity(env, target, _finger_yaw(env))
+        return np.concatenate([velocity, [close]]).astype(np.float32)
+
+
+def _finger_yaw(env: PickCube) -> float:
+    """The finger axis across the cube's faces: of the four ways, the nearest to the hand's now."""
+    hand_y = env.data.xmat[env._hand].reshape(3, 3)[:, 1]
+    current = np.arctan2(hand_y[1], hand_y[0])
+    options = env.cube_yaw() + np.arange(-4, 5) * np.pi / 2
+    return float(options[np.argmin(np.abs(np.angle(np.exp(1j * (options - current)))))])
 
 
 def _joint_velocity(env: PickCube, target: np.ndarray, yaw: float) -> np.ndarray:
