@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
-# Set up (with DeepSpeed: the ZeRO engines are tested for real; with transformers: pi0 / pi0.5) and run the whole test suite. Extra arguments go to pytest, e.g.  bash scripts/test.sh -k resume
+# Set up (with DeepSpeed: the ZeRO engines are tested for real; with transformers: pi0 / pi0.5; with MuJoCo: the
+# closed loop) and run the whole test suite. Extra arguments go to pytest, e.g.  bash scripts/test.sh -k resume
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh dev,deepspeed,vla
+bash scripts/install.sh dev,deepspeed,vla,sim
 # The example policy package, installed as a user installs their own (the plug-in tests train it).
 "${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check -e examples/custom_policy
-# openpi's published client drives the policy server in the tests. It pins numpy<2 although its code
-# runs on numpy 2: --no-deps keeps this environment's numpy (its other needs come with [dev]).
-"${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check --no-deps openpi-client==0.1.2
 # Two workers (pytest-xdist): the suite waits on SLURM and on process teardown as much as it computes.
 # tests/conftest.py keeps together the tests that share a module's fixture (one SLURM cluster, one
 # parity job per policy). SLURMVLA_TEST_WORKERS=0 runs it in this one process.

@@ -45,6 +45,8 @@ from slurmvla.config import RolloutConfig
 log = logging.getLogger("slurmvla.rollout")
 
 INSTALL = "pip install -e '.[sim]' (bash scripts/install.sh sim)"
+# The state the simulator sends, under openpi's DROID keys.
+STATE_KEYS = ("observation/joint_position", "observation/gripper_position")
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -100,14 +102,17 @@ def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: P
     if unknown or not wanted:
         raise ValueError(f"the server asks for cameras {wanted}; the simulator sends {list(CLIENT_CAMERAS)} "
                          "(set serve.cameras to those keys)")
-    state_keys = metadata.get("state") or ["observation/joint_position", "observation/gripper_position"]
+    state_keys = metadata.get("state") or list(STATE_KEYS)
+    if [k for k in state_keys if k not in STATE_KEYS]:
+        raise ValueError(f"the server asks for state keys {state_keys}; the simulator sends {list(STATE_KEYS)} "
+                         "(set serve.state to those keys)")
     prompt_key = metadata.get("prompt") or "prompt"
     horizon = int(metadata.get("action_horizon") or cfg.replan_steps)
     replan = min(cfg.replan_steps, horizon)
     if cfg.replan_steps > horizon:
         log.warning("rollout.replan_steps=%d is more than the policy's action_horizon=%d: replanning every %d",
                     cfg.replan_steps, horizon, horizon)
-    video_keys = [k for k in ("observation/exterior_image_1_left", "observation/wrist_image_left")]
+    video_keys = ["observation/exterior_image_1_left", "observation/wrist_image_left"]
     env = PickCube(height=cfg.height, width=cfg.width, cameras=tuple(CLIENT_CAMERAS.values()))
     results = []
     try:

@@ -7,7 +7,8 @@ train, export and serve like any other policy:
 - :class:`ZeroPolicy`: outputs zeros (the arm holds still, the gripper stays open): the floor.
 - :class:`ReplayPolicy`: replays the recorded actions of a dataset: for the observed state it finds the
   nearest recorded state and returns the actions that followed it in that episode. On the seeds the
-  dataset was recorded from, the simulator is deterministic, so the loop reproduces the expert.
+  dataset was recorded from (without ``--noise``), the simulator is deterministic, so the loop
+  reproduces the expert step for step.
 
     python -m slurmvla.train experiment=sim_pick policy=custom policy.target=slurmvla.sim.policies.MeanChunkPolicy
 """

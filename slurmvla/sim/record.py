@@ -47,9 +47,10 @@ def _cartesian(env) -> np.ndarray:  # noqa: ANN001 - a PickCube
 def expert_episode(env, seed: int, render: bool = True, noise: float = 0.0) -> dict:  # noqa: ANN001 - a PickCube
     """One seeded episode of the expert: per-step arrays, frames per camera and whether it succeeded.
 
-    ``noise`` (rad/s): Gaussian noise added to the expert's joint velocities before they are executed
+    ``noise`` (rad/s): Gaussian noise added to the expert's joint velocities when they are executed
     (seeded by the episode), so the demonstrations visit states off the expert's path and show its
-    corrections. What is recorded is what was executed; its mean given the state is the expert's action."""
+    corrections (DART, Laskey et al. 2017). What is recorded is the expert's command, not the noise: a
+    policy that models the action distribution (flow matching) would otherwise learn to add the noise."""
     from slurmvla.sim.expert import Expert
 
     env.reset(seed)
@@ -64,10 +65,11 @@ def expert_episode(env, seed: int, render: bool = True, noise: float = 0.0) -> d
             for cam in env.cameras:
                 frames[cam].append(env.render(cam))
         action = expert.act(env)
-        if noise:
-            action[:7] += rng.normal(0.0, noise, size=7).astype(np.float32)
         actions.append(action)
-        step = env.step(action)
+        executed = action.copy()
+        if noise:
+            executed[:7] += rng.normal(0.0, noise, size=7).astype(np.float32)
+        step = env.step(executed)
         if step.success and success_at is None:
             success_at = t
         if success_at is not None and t >= success_at + HOLD_STEPS:
@@ -128,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--episodes", type=int, default=100)
     parser.add_argument("--first-seed", type=int, default=0, help="episode e is the environment's seed first_seed + e")
     parser.add_argument("--noise", type=float, default=0.0,
-                        help="std (rad/s) of Gaussian noise added to the executed joint velocities (default 0)")
+                        help="std (rad/s) of Gaussian noise added to the executed joint velocities; the expert's "
+                             "command is what is recorded (default 0)")
     parser.add_argument("--height", type=int, default=180)
     parser.add_argument("--width", type=int, default=320)
     args = parser.parse_args(argv)
