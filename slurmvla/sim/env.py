@@ -26,7 +26,7 @@ SUBSTEPS = round(1 / (FPS * PHYSICS_DT))
 HOME = np.array([0.0, -0.6, 0.0, -2.4, 0.0, 1.8, 0.785])
 JOINT_VELOCITY_LIMIT = 1.5  # rad/s, each joint (the actions are clipped to it)
 TABLE_Z = 0.0
-CUBE_HALF = 0.02
+CUBE_HALF = 0.025
 CUBE_CENTER = np.array([0.5, 0.0])
 CUBE_RANGE = 0.10  # the cube's x and y are drawn uniformly within +-CUBE_RANGE of CUBE_CENTER
 LIFT_HEIGHT = 0.08  # success: the cube's bottom this far above the table
@@ -68,8 +68,8 @@ SCENE = f"""
     <light pos="0.4 0.6 1.2" dir="0 -0.4 -1" diffuse=".3 .3 .3" castshadow="false"/>
     <geom name="table" type="box" pos="0.45 0 -0.02" size="0.45 0.6 0.02" material="table" friction="1 0.005 0.0001"/>
     <geom name="base" type="cylinder" pos="0 0 0.05" size="0.08 0.05" rgba=".25 .25 .25 1" contype="0" conaffinity="0"/>
-    <camera name="exterior_1_left" pos="{_look((0.55, -0.6, 0.45), (0.45, 0.0, 0.08))}" fovy="50"/>
-    <camera name="exterior_2_left" pos="{_look((0.55, 0.6, 0.45), (0.45, 0.0, 0.08))}" fovy="50"/>
+    <camera name="exterior_1_left" pos="{_look((0.5, -0.5, 0.4), (0.5, 0.0, 0.06))}" fovy="45"/>
+    <camera name="exterior_2_left" pos="{_look((0.5, 0.5, 0.4), (0.5, 0.0, 0.06))}" fovy="45"/>
     <body name="link1" pos="0 0 0.333" gravcomp="1">
       <joint name="joint1" axis="0 0 1" range="-2.9 2.9"/>
       <geom type="capsule" fromto="0 0 -0.23 0 0 0" size="0.06" {_LINK}/>

@@ -22,12 +22,13 @@ GAIN_ROT = 3.0
 DAMPING = 0.05
 MAX_SPEED = 0.35  # m/s, the gripper's speed limit
 PRE_GRASP = 0.10  # m above the grasp height while far from the cube
-FUNNEL = 0.03  # m: the horizontal distance over which the gripper descends to the grasp height
+FUNNEL = 0.06  # m: the horizontal distance over which the gripper descends to the grasp height
 GRASP_Z = TABLE_Z + CUBE_HALF + 0.004
 LIFT_Z = TABLE_Z + 0.22
 # Gripper positions (0 open, 1 closed): closed on the cube the fingers stop at 1 - CUBE_HALF / FINGER_OPEN.
 HOLDING = 0.9 * (1 - CUBE_HALF / FINGER_OPEN)
 CLOSED = 0.9  # closed on nothing
+CLOSING = 0.05  # the fingers have started to close
 BETWEEN = 0.025  # m: the cube's centre this near the gripper's is between the fingers
 # Close when the gripper is this near its grasp pose: the fingers open to 10 cm around a 4 cm cube, so
 # 1.5 cm off centre still grasps it.
@@ -40,9 +41,11 @@ class Expert:
     def act(self, env: PickCube) -> np.ndarray:
         cube, tcp, gripper = env.cube_position(), env.tcp_position(), env.gripper_position()
         xy_error = float(np.linalg.norm(cube[:2] - tcp[:2]))
-        if HOLDING < gripper < CLOSED and np.linalg.norm(cube - tcp) < BETWEEN:  # the fingers hold the cube: lift
+        between = np.linalg.norm(cube - tcp) < BETWEEN
+        if HOLDING < gripper < CLOSED and between:  # the fingers hold the cube: lift
             target, close = np.array([tcp[0], tcp[1], LIFT_Z]), 1.0
-        elif xy_error < AROUND_XY and tcp[2] - GRASP_Z < AROUND_Z and gripper < CLOSED:  # around the cube: close
+        elif gripper < CLOSED and ((xy_error < AROUND_XY and tcp[2] - GRASP_Z < AROUND_Z)  # around the cube: close
+                                   or (gripper > CLOSING and between)):  # closing already: go on (no flicker)
             target, close = np.array([cube[0], cube[1], GRASP_Z]), 1.0
         else:  # over the cube, lower as the gripper closes in (opening it if it closed on nothing: a retry)
             height = GRASP_Z + PRE_GRASP * float(np.clip((xy_error - 0.6 * AROUND_XY) / FUNNEL, 0.0, 1.0))
