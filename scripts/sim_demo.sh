@@ -2,7 +2,7 @@
 # The closed loop on one machine: record the scripted expert's demonstrations of the simulated pick task
 # (once, into $SLURMVLA_CACHE), train a policy on them from scratch (experiment=sim_pick), then roll it out
 # through the policy server and openpi's client and print its success rate with a 95% interval.
-#   bash scripts/sim_demo.sh                      # the tiny reference policy
+#   bash scripts/sim_demo.sh                      # the keypoint policy (policy=keypoints)
 #   bash scripts/sim_demo.sh policy=pi05_tiny     # pi0.5's code path at toy size
 #   bash scripts/sim_demo.sh policy=custom policy.target=slurmvla.sim.policies.MeanChunkPolicy   # the baseline
 # Extra arguments are Hydra overrides of the training run; RUN_DIR (default outputs/sim_pick/<date>_<time>)
@@ -12,9 +12,9 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh sim
 PY=${PYTHON:-python3}
 CACHE=${SLURMVLA_CACHE:-$HOME/.cache/slurmvla}
-DATA=$CACHE/sim_pick_r1_150ep
+DATA=$CACHE/sim_pick_r2_150ep
 if [ ! -f "$DATA/meta/info.json" ]; then
-  "$PY" -m slurmvla.sim.record --out "$DATA" --episodes 150 --noise 0.1
+  "$PY" -m slurmvla.sim.record --out "$DATA" --episodes 150 --noise 0.15
 fi
 RUN_DIR=${RUN_DIR:-outputs/sim_pick/$(date +%Y-%m-%d_%H-%M-%S)}
 "$PY" -m slurmvla.train experiment=sim_pick "data.root=$DATA" "hydra.run.dir=$RUN_DIR" "$@"

@@ -89,3 +89,68 @@ class ReplayPolicy(MeanChunkPolicy):
         last = torch.searchsorted(self.episodes, self.episodes[nearest], right=True) - 1
         steps = torch.minimum(steps, last[:, None])
         return self.actions[steps]
+
+
+class SpatialSoftmax(nn.Module):
+    """Feature maps -> the expected image position of each channel's activation (Levine et al. 2016):
+    a few keypoints that say where things are, which global pooling would average away."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        weights = torch.softmax(x.flatten(2), dim=-1).view(b, c, h, w)
+        ys = torch.linspace(-1.0, 1.0, h, device=x.device, dtype=x.dtype)
+        xs = torch.linspace(-1.0, 1.0, w, device=x.device, dtype=x.dtype)
+        return torch.cat([(weights.sum(dim=3) * ys).sum(dim=2), (weights.sum(dim=2) * xs).sum(dim=2)], dim=1)
+
+
+class KeypointPolicy(nn.Module):
+    """A small visuomotor policy for the closed loop on a CPU: per camera, three convolutions and a
+    spatial softmax (``keypoints`` image positions); with the normalized state, an MLP regresses the
+    whole normalized action chunk (MSE, deterministic: no sampling noise to replay at every request).
+
+        python -m slurmvla.train experiment=sim_pick policy=custom policy.target=slurmvla.sim.policies.KeypointPolicy
+    """
+
+    def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, keypoints: int = 16,  # noqa: ANN001
+                 hidden: int = 256):
+        super().__init__()
+        self.horizon, self.action_dim = cfg.action_horizon, cfg.action_dim
+        frames = cfg.num_obs_history * cfg.num_cameras
+        self.encoders = nn.ModuleList(nn.Sequential(
+            nn.Conv2d(3, 32, kernel_size=5, stride=2, padding=2), nn.ReLU(),
+            nn.Conv2d(32, 32, kernel_size=3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(32, keypoints, kernel_size=3, padding=1), SpatialSoftmax()) for _ in range(frames))
+        self.head = nn.Sequential(
+            nn.Linear(frames * 2 * keypoints + cfg.num_obs_history * cfg.state_dim, hidden), nn.ReLU(),
+            nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, self.horizon * self.action_dim))
+        for part, dim in (("state", cfg.state_dim), ("action", cfg.action_dim)):
+            offset = torch.zeros(dim) if stats is None else stats[f"{part}_offset"].float().reshape(dim)
+            scale = torch.ones(dim) if stats is None else stats[f"{part}_scale"].float().reshape(dim)
+            self.register_buffer(f"{part}_offset", offset.clone())
+            self.register_buffer(f"{part}_scale", scale.clamp_min(1e-4).clone())
+
+    def wrap_units(self) -> list[nn.Module]:
+        return [*self.encoders, self.head]
+
+    def _predict(self, batch: dict) -> torch.Tensor:
+        images = batch["images"]  # [B, frames, H, W, 3] uint8
+        b = images.shape[0]
+        x = images.permute(0, 1, 4, 2, 3).float() / 127.5 - 1.0
+        # A masked (missing) camera contributes zeros.
+        points = [enc(x[:, f]) * batch["image_mask"][:, f, None] for f, enc in enumerate(self.encoders)]
+        state = ((batch["state"].float() - self.state_offset) / self.state_scale).reshape(b, -1)
+        return self.head(torch.cat([*points, state], dim=1)).view(b, self.horizon, self.action_dim)
+
+    def forward(self, batch: dict) -> dict:
+        pred = self._predict(batch)
+        target = (batch["actions"].float() - self.action_offset) / self.action_scale
+        mask = batch["action_mask"][:, :, None].expand_as(pred).float()
+        err = (pred - target).square() * mask
+        per_sample_sum, per_sample_count = err.sum(dim=(1, 2)), mask.sum(dim=(1, 2))
+        # A constant of the batch shape as the denominator: a global batch's loss is its shards' mean.
+        return {"loss": per_sample_sum.sum() / pred.numel(),
+                "components": {"mse": (per_sample_sum.detach(), per_sample_count.detach())}}
+
+    @torch.no_grad()
+    def sample_actions(self, batch: dict) -> torch.Tensor:
+        return self._predict(batch).float() * self.action_scale + self.action_offset
