@@ -222,3 +222,36 @@ def test_training_rolls_out_every_n_steps_on_every_rank_and_logs_the_success_rat
 def test_a_sharding_engine_refuses_in_training_rollouts_at_start(demos):
     with pytest.raises(ValueError, match="trainer.rollout_every_steps=5 runs closed-loop episodes .* engine='fsdp_full'"):
         compose(["experiment=sim_pick", f"data.root={demos}", "engine=fsdp_full", "trainer.rollout_every_steps=5"])
+
+
+def test_spatial_softmax_finds_where_a_feature_fires():
+    import torch
+
+    from slurmvla.sim.policies import SpatialSoftmax
+
+    maps = torch.zeros(1, 2, 5, 9)
+    maps[0, 0, 1, 6] = 50.0  # row 1 of 5 -> y = -0.5; column 6 of 9 -> x = 0.5
+    maps[0, 1, 4, 0] = 50.0  # y = 1, x = -1
+    points = SpatialSoftmax()(maps)[0]
+    torch.testing.assert_close(points, torch.tensor([-0.5, 1.0, 0.5, -1.0]), atol=1e-4, rtol=0)
+
+
+def test_the_keypoint_policy_keeps_the_contract_and_regresses_chunks_in_data_units(demos):
+    import torch
+
+    from slurmvla.policy import build_policy
+
+    cfg = compose(["experiment=sim_pick", f"data.root={demos}"])
+    stats = {"state_offset": torch.full((8,), 0.5), "state_scale": torch.full((8,), 2.0),
+             "action_offset": torch.arange(8.0), "action_scale": torch.full((8,), 3.0)}
+    policy = build_policy(cfg.policy, stats)
+    b, size = 3, cfg.policy.image_size
+    batch = {"images": torch.randint(0, 256, (b, 2, size, size, 3), dtype=torch.uint8),
+             "image_mask": torch.tensor([[True, True], [True, False], [True, True]]),
+             "state": torch.randn(b, 8), "actions": torch.randn(b, 8, 8), "action_mask": torch.ones(b, 8, dtype=torch.bool)}
+    out = policy(batch)
+    assert out["loss"].ndim == 0 and out["components"]["mse"][0].shape == (b,)
+    chunk = policy.sample_actions(batch)
+    assert chunk.shape == (b, 8, 8)
+    # In data units: the normalized prediction scaled back by the action statistics.
+    torch.testing.assert_close(chunk, policy._predict(batch) * 3.0 + torch.arange(8.0))
