@@ -13,7 +13,8 @@ executed before the next request (open loop in between, as openpi's clients do).
 
 Episode ``e`` is the environment's seed ``rollout.first_seed + e`` (``rollout.episodes`` of them; the
 demonstrations use 0..N-1, the default first seed none of them). Per episode: success, return (the
-dense progress reward summed), length. Overall: ``rollout/success_rate`` with its 95 % Wilson interval,
+dense progress reward, in [0, 1] per step, summed over ``rollout.max_steps`` with success absorbing:
+the steps after it count 1 each), length. Overall: ``rollout/success_rate`` with its 95 % Wilson interval,
 mean return and length, wall time, control steps and requests per second. Written to
 ``rollout.out`` (default ``RUN_DIR/rollout/step_N/``): ``rollout.json`` (the summary and every
 episode) and ``episode_SEED.mp4`` for the first ``rollout.videos`` episodes (exterior and wrist
@@ -141,6 +142,9 @@ def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: P
                 total += step.reward
                 if step.success:
                     success = True
+                    # Success is absorbing: the steps left count at the full reward, so a quick success
+                    # never returns less than a slow one or a near miss.
+                    total += float(cfg.max_steps - env.steps)
                     break
             result = {"seed": int(seed), "success": success, "return": total, "length": env.steps, "requests": requests,
                       "wall_s": time.perf_counter() - start}

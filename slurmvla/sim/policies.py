@@ -19,24 +19,37 @@ import torch
 from torch import nn
 
 
+def register_stats(module: nn.Module, cfg, stats: dict[str, torch.Tensor] | None) -> None:  # noqa: ANN001
+    """``state_offset`` / ``state_scale`` / ``action_offset`` / ``action_scale`` buffers from the data's
+    statistics (identity without them): they travel with the weights."""
+    for part, dim in (("state", cfg.state_dim), ("action", cfg.action_dim)):
+        offset = torch.zeros(dim) if stats is None else stats[f"{part}_offset"].float().reshape(dim)
+        scale = torch.ones(dim) if stats is None else stats[f"{part}_scale"].float().reshape(dim)
+        module.register_buffer(f"{part}_offset", offset.clone())
+        module.register_buffer(f"{part}_scale", scale.clamp_min(1e-4).clone())
+
+
+def chunk_mse(module: nn.Module, pred: torch.Tensor, batch: dict) -> dict:
+    """The contract's output for a normalized chunk prediction: the masked MSE against the normalized
+    target, divided by a constant of the batch shape (a global batch's loss is its shards' mean)."""
+    target = (batch["actions"].float() - module.action_offset) / module.action_scale
+    pred = pred.expand_as(target)
+    mask = batch["action_mask"][:, :, None].expand_as(pred).float()
+    err = (pred - target).square() * mask
+    per_sample_sum, per_sample_count = err.sum(dim=(1, 2)), mask.sum(dim=(1, 2))
+    return {"loss": per_sample_sum.sum() / pred.numel(),
+            "components": {"mse": (per_sample_sum.detach(), per_sample_count.detach())}}
+
+
 class MeanChunkPolicy(nn.Module):
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None):  # noqa: ANN001 - a PolicyConfig
         super().__init__()
         self.horizon, self.action_dim = cfg.action_horizon, cfg.action_dim
         self.chunk = nn.Parameter(torch.zeros(self.horizon, self.action_dim))
-        offset = torch.zeros(cfg.action_dim) if stats is None else stats["action_offset"].float().reshape(-1)
-        scale = torch.ones(cfg.action_dim) if stats is None else stats["action_scale"].float().reshape(-1)
-        self.register_buffer("action_offset", offset.clone())
-        self.register_buffer("action_scale", scale.clamp_min(1e-4).clone())
+        register_stats(self, cfg, stats)
 
     def forward(self, batch: dict) -> dict:
-        target = (batch["actions"].float() - self.action_offset) / self.action_scale
-        pred = self.chunk.expand_as(target)
-        mask = batch["action_mask"][:, :, None].expand_as(pred).float()
-        err = (pred - target).square() * mask
-        per_sample_sum, per_sample_count = err.sum(dim=(1, 2)), mask.sum(dim=(1, 2))
-        loss = per_sample_sum.sum() / pred.numel()
-        return {"loss": loss, "components": {"mse": (per_sample_sum.detach(), per_sample_count.detach())}}
+        return chunk_mse(self, self.chunk, batch)
 
     @torch.no_grad()
     def sample_actions(self, batch: dict) -> torch.Tensor:
@@ -123,11 +136,7 @@ class KeypointPolicy(nn.Module):
         self.head = nn.Sequential(
             nn.Linear(frames * 2 * keypoints + cfg.num_obs_history * cfg.state_dim, hidden), nn.ReLU(),
             nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, self.horizon * self.action_dim))
-        for part, dim in (("state", cfg.state_dim), ("action", cfg.action_dim)):
-            offset = torch.zeros(dim) if stats is None else stats[f"{part}_offset"].float().reshape(dim)
-            scale = torch.ones(dim) if stats is None else stats[f"{part}_scale"].float().reshape(dim)
-            self.register_buffer(f"{part}_offset", offset.clone())
-            self.register_buffer(f"{part}_scale", scale.clamp_min(1e-4).clone())
+        register_stats(self, cfg, stats)
 
     def wrap_units(self) -> list[nn.Module]:
         return [*self.encoders, self.head]
@@ -142,14 +151,7 @@ class KeypointPolicy(nn.Module):
         return self.head(torch.cat([*points, state], dim=1)).view(b, self.horizon, self.action_dim)
 
     def forward(self, batch: dict) -> dict:
-        pred = self._predict(batch)
-        target = (batch["actions"].float() - self.action_offset) / self.action_scale
-        mask = batch["action_mask"][:, :, None].expand_as(pred).float()
-        err = (pred - target).square() * mask
-        per_sample_sum, per_sample_count = err.sum(dim=(1, 2)), mask.sum(dim=(1, 2))
-        # A constant of the batch shape as the denominator: a global batch's loss is its shards' mean.
-        return {"loss": per_sample_sum.sum() / pred.numel(),
-                "components": {"mse": (per_sample_sum.detach(), per_sample_count.detach())}}
+        return chunk_mse(self, self._predict(batch), batch)
 
     @torch.no_grad()
     def sample_actions(self, batch: dict) -> torch.Tensor:
