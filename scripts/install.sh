@@ -30,7 +30,8 @@ if [[ ",$EXTRAS," == *",sim,"* ]]; then
   # MuJoCo renders offscreen through EGL: Mesa's (llvmpipe on a CPU machine; a GPU node's driver has its own).
   if ! ldconfig -p 2>/dev/null | grep -q 'libEGL_mesa.so\|libEGL_nvidia.so'; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-      apt-get install -y -qq libegl1 libegl-mesa0 libgl1-mesa-dri >/dev/null
+      apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libegl1 libegl-mesa0 libgl1-mesa-dri >/dev/null
     else
       echo "slurmvla: the simulator renders through EGL; install Mesa's (Debian/Ubuntu: apt-get install libegl1 libegl-mesa0 libgl1-mesa-dri)" >&2
     fi
