@@ -527,8 +527,9 @@ class ServeConfig:
     state: list[str] = field(default_factory=lambda: ["observation/joint_position", "observation/gripper_position"])
     prompt: str = "prompt"
     # Each request samples its action chunk from noise seeded by this: the same observation always
-    # gives the same chunk, on any server.
-    seed: int = 0
+    # gives the same chunk, on any server. null: fresh noise per request (openpi's server): in closed loop
+    # a fixed seed is the same draw at every request, a bias that does not average out.
+    seed: int | None = 0
     # auto: the GPU when there is one.
     device: str = "auto"
     # The largest request (one msgpack frame) accepted, in MiB; a larger one is refused as its header

@@ -156,6 +156,7 @@ class PolicyRunner:
         self.camera_keys = list(serve.cameras)
         self.history = cfg.data.history_interval * (self.spec.num_obs_history - 1) + 1
         self.lock = threading.Lock()
+        self.fresh = np.random.default_rng()  # serve.seed=null: a new noise seed per request
         autocast = cfg.precision == "bf16" and self.device.type == "cuda"
         self.autocast = (lambda: torch.autocast("cuda", torch.bfloat16)) if autocast else None
 
@@ -249,12 +250,14 @@ class PolicyRunner:
 
     @torch.no_grad()
     def infer(self, batch: dict) -> np.ndarray:
-        """The action chunk ``[action_horizon, action_dim]`` float32 in dataset units. Noise is seeded by
-        ``serve.seed`` for each request and drawn on the CPU: the same observation always gives the same
-        chunk, on any server and device (up to the device's precision)."""
+        """The action chunk ``[action_horizon, action_dim]`` float32 in dataset units. Noise is drawn on the
+        CPU, seeded by ``serve.seed`` for each request: the same observation always gives the same chunk,
+        on any server and device (up to the device's precision). ``serve.seed=null``: fresh noise for each
+        request (as openpi's server), from a generator seeded once from the OS."""
         batch = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         with self.lock, (self.autocast() if self.autocast is not None else contextlib.nullcontext()):
-            actions = seeded_sample_actions(self.policy, self.spec, batch, self.cfg.serve.seed)
+            seed = self.cfg.serve.seed if self.cfg.serve.seed is not None else int(self.fresh.integers(2**62))
+            actions = seeded_sample_actions(self.policy, self.spec, batch, seed)
         return actions[0].float().cpu().numpy()
 
 

@@ -498,3 +498,17 @@ def test_bad_keys_and_sizes_fail_at_start_with_one_line(trained_run, tmp_path, m
     assert expected.format(tmp=tmp_path) in err, err
     # A key, or a value put in serve.api_key_env by mistake, never reaches the terminal.
     assert KEY not in err and KEY.replace("-", "_") not in err and "two words" not in err, err
+
+
+def test_serve_seed_null_draws_fresh_noise_per_request(trained_run):
+    """serve.seed=N: the same observation gives the same chunk; serve.seed=null: a new draw each request
+    (openpi's server), each still a chunk the policy samples (its spread matches seeded draws')."""
+    fixed = PolicyRunner(load_exported(trained_run, ["serve.seed=3"]))
+    fresh = PolicyRunner(load_exported(trained_run, ["serve.seed=null"]))
+    batch = fixed.batch(collections.deque([fixed.read(droid_obs(5))], maxlen=1))
+    a, b = fixed.infer(batch), fixed.infer(batch)
+    np.testing.assert_array_equal(a, b)
+    draws = np.stack([fresh.infer(batch) for _ in range(4)])
+    assert len({d.tobytes() for d in draws}) == 4, "serve.seed=null repeated a draw"
+    seeded = np.stack([PolicyRunner(load_exported(trained_run, [f"serve.seed={s}"])).infer(batch) for s in range(4)])
+    assert 0.3 < draws.std(0).mean() / seeded.std(0).mean() < 3.0
