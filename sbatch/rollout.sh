@@ -75,5 +75,4 @@ if [ $status -ne 0 ]; then
   echo "error: an environment task failed (exit $status)" >&2
   exit $status
 fi
-exec_merge=("$PY" -m slurmvla.rollout --merge "$OUT"/rollout_shard*of"$CLIENTS".json --out "$OUT/rollout.json")
-"${exec_merge[@]}"
+"$PY" -m slurmvla.rollout --merge "$OUT"/rollout_shard*of"$CLIENTS".json --out "$OUT/rollout.json"

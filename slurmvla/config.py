@@ -596,8 +596,9 @@ class RolloutConfig:
         _positive("rollout.max_steps", self.max_steps)
         _positive("rollout.videos", self.videos, allow_zero=True)
         _positive("rollout.connect_timeout_s", self.connect_timeout_s)
-        if min(self.height, self.width) < 16:
-            raise ValueError(f"rollout.height={self.height} / rollout.width={self.width}: each must be >= 16 pixels")
+        if min(self.height, self.width) < 16 or self.height % 2 or self.width % 2:
+            raise ValueError(f"rollout.height={self.height} / rollout.width={self.width}: each must be an even number "
+                             ">= 16 of pixels (the videos are yuv420p)")
 
 
 @dataclass

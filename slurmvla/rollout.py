@@ -25,17 +25,12 @@ runs N such clients and merges their files with ``--merge``).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import math
 import socket
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +89,7 @@ def _need(module: str):  # noqa: ANN202
 def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: Path | None = None) -> list[dict]:
     """Run one episode per seed against ``client`` (anything with openpi's ``infer(obs) -> {"actions"}``
     and ``get_server_metadata()``); returns one dict per episode."""
+    from slurmvla.data.writer import encode_video
     from slurmvla.sim.env import CLIENT_CAMERAS, PickCube
     from slurmvla.sim.record import INSTRUCTIONS
 
@@ -150,7 +146,7 @@ def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: P
                       "wall_s": time.perf_counter() - start}
             if record and frames:
                 path = video_dir / f"episode_{seed}.mp4"
-                write_video(path, frames)
+                encode_video(path, np.stack(frames), codec="h264")
                 result["video"] = path.name
             results.append(result)
             log.info("episode seed %d: %s in %d steps (return %.2f)", seed, "success" if success else "failure",
@@ -158,54 +154,6 @@ def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: P
     finally:
         env.close()
     return results
-
-
-def write_video(path: Path, frames: list[np.ndarray], fps: int = 15) -> None:
-    """H.264 MP4 (plays everywhere) of ``frames`` (HxWx3 uint8, even sizes)."""
-    import av
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    h, w = frames[0].shape[:2]
-    with av.open(str(path), mode="w") as container:
-        stream = container.add_stream("libx264", rate=Fraction(fps))
-        stream.height, stream.width, stream.pix_fmt = h - h % 2, w - w % 2, "yuv420p"
-        stream.options = {"crf": "23", "preset": "veryfast"}
-        for i, img in enumerate(frames):
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(img[: h - h % 2, : w - w % 2]), format="rgb24")
-            frame.pts = i
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-
-
-@contextmanager
-def local_server(server: Any) -> Iterator[int]:
-    """Run a :class:`slurmvla.serve.PolicyServer` in a thread of this process; yields its port and
-    stops it (and its thread) on the way out, also on failure."""
-    ready, loop, stop = threading.Event(), asyncio.new_event_loop(), []
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            stop.append(asyncio.Event())
-            loop.run_until_complete(server.run(ready, stop[0]))
-        except BaseException as e:  # noqa: BLE001 - reported to the caller
-            failure.append(e)
-            ready.set()
-
-    thread = threading.Thread(target=run, name="slurmvla-rollout-server", daemon=True)
-    thread.start()
-    try:
-        ready.wait(60)
-        if failure:
-            raise ValueError(f"the policy server did not start: {failure[0]}")
-        yield server.port
-    finally:
-        if stop:
-            loop.call_soon_threadsafe(stop[0].set)
-        thread.join(60)
-        loop.close()
 
 
 def connect(host: str, port: int, api_key: str | None = None, timeout_s: float = 120.0) -> Any:
@@ -225,13 +173,12 @@ def connect(host: str, port: int, api_key: str | None = None, timeout_s: float =
     return client_module.WebsocketClientPolicy(host=host, port=port, api_key=api_key)
 
 
-def rollout_loaded(loaded: Any, cfg: RolloutConfig, seeds: list[int], video_dir: Path | None) -> list[dict]:
-    """Episodes against an in-memory policy (a :class:`slurmvla.export.Loaded`), served on 127.0.0.1
-    through the real server and client."""
-    from slurmvla.serve import PolicyRunner, PolicyServer
+def run_served(server: Any, cfg: RolloutConfig, seeds: list[int], video_dir: Path | None) -> list[dict]:
+    """Episodes against a :class:`slurmvla.serve.PolicyServer` run in this process (on 127.0.0.1),
+    through openpi's client as against any other server."""
+    from slurmvla.serve import serving_in_thread
 
-    server = PolicyServer(PolicyRunner(loaded), "127.0.0.1", 0)
-    with local_server(server) as port:
+    with serving_in_thread(server) as port:
         client = connect("127.0.0.1", port)
         try:
             return run_episodes(client, cfg, seeds, video_dir)
@@ -245,12 +192,13 @@ def in_training(policy: Any, cfg: Any, step: int, run_dir: Path, rank: int, worl
     episodes (and writes ``run_dir/rollout/step_N/``); the other ranks get None."""
     from slurmvla.collectives import gather_objects
     from slurmvla.export import Loaded
+    from slurmvla.serve import PolicyRunner, PolicyServer
 
     rcfg = cfg.rollout
     out = Path(rcfg.out) / f"step_{step:08d}" if rcfg.out else Path(run_dir) / "rollout" / f"step_{step:08d}"
     start = time.perf_counter()
-    mine = rollout_loaded(Loaded(policy, cfg, step, str(run_dir)), rcfg, _seeds(rcfg, (rank, world_size)),
-                          out if rank == 0 else None)
+    server = PolicyServer(PolicyRunner(Loaded(policy, cfg, step, str(run_dir))), "127.0.0.1", 0)
+    mine = run_served(server, rcfg, _seeds(rcfg, (rank, world_size)), out if rank == 0 else None)
     everyone = gather_objects(mine)
     if rank != 0:
         return None
@@ -285,18 +233,21 @@ def _parse_shard(text: str) -> tuple[int, int]:
 def _rollout_config(overrides: list[str]) -> RolloutConfig:
     """rollout.* overrides for a server address (no run config to apply them to)."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     base = OmegaConf.structured(RolloutConfig)
     for item in overrides:
-        key, sep, value = item.partition("=")
+        key, sep, _ = item.partition("=")
         if not sep or not key.startswith("rollout."):
             raise ValueError(f"{item!r}: against a server address only rollout.* overrides apply (the policy's "
                              "config is the server's), e.g. rollout.episodes=20")
-        name = key.removeprefix("rollout.")
-        if name not in base:
-            raise ValueError(f"rollout.{name} is not a setting; choose from {sorted(base)}")
-        OmegaConf.update(base, name, OmegaConf.create({"v": value})["v"] if value else value)
-    return OmegaConf.to_object(base)
+        if key.removeprefix("rollout.") not in base:
+            raise ValueError(f"{key} is not a setting; choose from {sorted(base)}")
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist([o.removeprefix("rollout.") for o in overrides]))
+    except OmegaConfBaseException as e:
+        raise ValueError(str(e)) from None
+    return OmegaConf.to_object(merged)
 
 
 def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None, api_key: str | None = None) -> dict:
@@ -320,19 +271,17 @@ def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None,
             _close(client)
         step, where = None, source
     else:
-        from slurmvla.export import load_exported
+        from slurmvla.serve import build_server
 
-        loaded = load_exported(source, overrides, device="cpu")
-        import torch
-
-        want = loaded.cfg.serve.device
-        loaded.policy.to("cuda" if want == "auto" and torch.cuda.is_available() else ("cpu" if want == "auto" else want))
+        # On the loopback interface, with no API key: only this process talks to it.
+        server = build_server(source, [*overrides, "serve.host=127.0.0.1", "serve.port=0"], environ={})
+        loaded = server.runner.loaded
         cfg = loaded.cfg.rollout
         step, where = loaded.step, loaded.source
         out = Path(cfg.out) if cfg.out else _default_out(Path(source), step)
         seeds = _seeds(cfg, shard)
         start = time.perf_counter()
-        episodes = rollout_loaded(loaded, cfg, seeds, out)
+        episodes = run_served(server, cfg, seeds, out)
     summary = summarize(episodes, time.perf_counter() - start)
     summary.update({"source": where, "step": step, "replan_steps": cfg.replan_steps, "max_steps": cfg.max_steps,
                     "shard": f"{shard[0]}/{shard[1]}", "host": socket.gethostname()})

@@ -8,7 +8,6 @@ Reference actions come from the policy loaded in this process: the same inputs p
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import logging
@@ -32,7 +31,14 @@ from slurmvla.compose import compose
 from slurmvla.data.prepare import prepare_image
 from slurmvla.export import Loaded, load_exported
 from slurmvla.policy import build_policy
-from slurmvla.serve import MiB, PolicyRunner, build_server, default_max_request_bytes, read_api_key
+from slurmvla.serve import (
+    MiB,
+    PolicyRunner,
+    build_server,
+    default_max_request_bytes,
+    read_api_key,
+    serving_in_thread,
+)
 
 wcp = pytest.importorskip("openpi_client.websocket_client_policy", reason="pip install --no-deps openpi-client")
 image_tools = pytest.importorskip("openpi_client.image_tools")
@@ -427,21 +433,8 @@ def test_the_request_limit_follows_the_policy_and_serve_max_request_mb(trained_r
 def in_process_server(trained_run, *overrides: str, environ: dict[str, str] | None = None):
     """build_server + run in a thread of this process; yields the server once it listens."""
     server = build_server(str(trained_run), ["serve.port=0", *overrides], device="cpu", environ=environ or {})
-    ready, loop, stop_event = threading.Event(), asyncio.new_event_loop(), []
-
-    def run() -> None:
-        stop_event.append(asyncio.Event())
-        loop.run_until_complete(server.run(ready, stop_event[0]))
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        assert ready.wait(30), "the server did not start"
+    with serving_in_thread(server):
         yield server
-    finally:
-        loop.call_soon_threadsafe(stop_event[0].set)
-        thread.join(30)
-        loop.close()
 
 
 def test_a_key_file_is_read_and_listening_beyond_localhost_without_a_key_is_warned(trained_run, tmp_path, caplog):

@@ -27,7 +27,15 @@ import numpy as np
 
 from slurmvla.compose import ArgumentParser
 from slurmvla.data.keep_ranges import episode_key
-from slurmvla.data.writer import CODECS, FORMATS, FPS, check_layout, droid_columns, write_dataset
+from slurmvla.data.writer import (
+    CODECS,
+    FORMATS,
+    FPS,
+    check_layout,
+    droid_columns,
+    out_folder_problem,
+    write_dataset,
+)
 from slurmvla.droid_features import DROID_CAMERAS
 
 HEIGHT, WIDTH = 180, 320
@@ -198,12 +206,8 @@ def main(argv: list[str] | None = None) -> None:
         problem = f"--episodes-per-file={args.episodes_per_file} must be >= 1"
     elif args.gop is not None and args.gop < 1:
         problem = f"--gop={args.gop} must be >= 1"
-    elif (out / "meta" / "info.json").is_file():
-        problem = f"--out={args.out!r} already holds a dataset; give a new or empty folder"
-    elif out.exists() and not out.is_dir():
-        problem = f"--out={args.out!r} is a file; give a new or empty folder"
-    elif out.is_dir() and any(out.iterdir()):
-        problem = f"--out={args.out!r} is a folder that holds other files; give a new or empty folder"
+    else:
+        problem = out_folder_problem(out)
     if problem is None:
         try:
             path = write_droid_sample(out, args.episodes, seed=args.seed, episodes_per_file=args.episodes_per_file,

@@ -280,6 +280,17 @@ def check_layout(format: str, codec: str, gop: int | None) -> None:
         raise ValueError(f"gop={gop} is not valid; it must be >= 1 (frames between keyframes)")
 
 
+def out_folder_problem(out: Path, flag: str = "--out") -> str | None:
+    """Why ``out`` cannot take a new dataset (one line naming it), or None: it must be new or an empty folder."""
+    if (out / "meta" / "info.json").is_file():
+        return f"{flag}={str(out)!r} already holds a dataset; give a new or empty folder"
+    if out.exists() and not out.is_dir():
+        return f"{flag}={str(out)!r} is a file; give a new or empty folder"
+    if out.is_dir() and any(out.iterdir()):
+        return f"{flag}={str(out)!r} is a folder that holds other files; give a new or empty folder"
+    return None
+
+
 def write_dataset(out: str | Path, per_episode: list, tasks: list[str], format: str = "v3.0", codec: str = "av1",
                   gop: int | None = None, episodes_per_file: int = 8, extra_files: dict[str, str] | None = None,
                   robot_type: str = "franka") -> Path:

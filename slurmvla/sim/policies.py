@@ -15,6 +15,10 @@ train, export and serve like any other policy:
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
 import torch
 from torch import nn
 
@@ -71,10 +75,8 @@ class ReplayPolicy(MeanChunkPolicy):
                  state_keys: tuple[str, ...] = ("observation.state",),
                  action_keys: tuple[str, ...] = ("action.joint_velocity", "action.gripper_position")):
         super().__init__(cfg, stats)
-        from pathlib import Path
 
         import numpy as np
-        import pyarrow.parquet as pq
 
         files = sorted(Path(root).glob("data/*/*.parquet"))
         if not files:

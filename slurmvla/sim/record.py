@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from slurmvla.data.keep_ranges import episode_key
-from slurmvla.data.writer import droid_columns, write_dataset
+from slurmvla.data.writer import droid_columns, out_folder_problem, write_dataset
 from slurmvla.droid_features import DROID_CAMERAS
 
 # Steps recorded after the cube first counts as lifted: the demonstrations go on lifting, so a chunk
@@ -141,10 +141,10 @@ def main(argv: list[str] | None = None) -> None:
         problem = f"--episodes={args.episodes} must be >= 1"
     elif args.noise < 0:
         problem = f"--noise={args.noise} must be >= 0 (rad/s)"
-    elif min(args.height, args.width) < 16:
-        problem = f"--height={args.height} --width={args.width}: each must be >= 16 pixels"
-    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
-        problem = f"--out={args.out!r} exists and is not an empty folder; give a new or empty folder"
+    elif min(args.height, args.width) < 16 or args.height % 2 or args.width % 2:
+        problem = f"--height={args.height} --width={args.width}: each must be an even number >= 16 (the video is yuv420p)"
+    else:
+        problem = out_folder_problem(out)
     if problem is None:
         try:
             summary = record(out, args.episodes, args.first_seed, args.height, args.width, noise=args.noise)
