@@ -53,8 +53,9 @@ class EngineEntry(Entry):
     requires: str | None = None
     # Said under the profiler's phase table (where the engine's phases do not mean what they say).
     profile_note: str | None = None
-    # Shards a policy built with its parameters on the meta device and materialises only each rank's
-    # part (slurmvla/engine/materialize.py), for policies that can initialise parameters one by one.
+    # Takes a policy built with its parameters on the meta device and materialises it on its device
+    # (a sharding engine: only each rank's part; slurmvla/engine/materialize.py), for policies that can
+    # initialise parameters one by one. DeepSpeed builds its own partitions from a whole model.
     deferred_init: bool = False
     # Every rank holds the whole model between steps (only optimizer state, if anything, is sharded):
     # in-training closed-loop episodes (trainer.rollout_every_steps) run on each rank's copy.
@@ -118,8 +119,9 @@ class Registry(Generic[E]):
 # -- engines -------------------------------------------------------------------------------------
 
 ENGINES: Registry[EngineEntry] = Registry("engine.name")
-ENGINES.add(EngineEntry("single", "slurmvla.engine.single:SingleEngine", multi_process=False, background_save=True))
-ENGINES.add(EngineEntry("ddp", "slurmvla.engine.ddp:DDPEngine", background_save=True))
+ENGINES.add(EngineEntry("single", "slurmvla.engine.single:SingleEngine", multi_process=False, background_save=True,
+                        deferred_init=True))
+ENGINES.add(EngineEntry("ddp", "slurmvla.engine.ddp:DDPEngine", background_save=True, deferred_init=True))
 for _name, _options in (("fsdp_full", {"hybrid": False, "reshard_after_forward": True}),
                         ("fsdp_grad_op", {"hybrid": False, "reshard_after_forward": False}),
                         ("hsdp", {"hybrid": True, "reshard_after_forward": True})):

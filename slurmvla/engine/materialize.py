@@ -5,8 +5,11 @@ Under an FSDP engine, a policy that can initialise each parameter on its own (it
 memory; buffers stay real: they are small and come from the data's statistics), sharded, and only
 then materialised: each rank allocates its shard, and every parameter is initialised whole, one at a
 time, from its own generator (seeded by the policy's ``init_seed`` and the parameter's name) and cut
-to the rank's shard. Host memory at start-up is the shard plus the largest single tensor, not the
-model, and the weights are bitwise those of a single-process build with the same seed. A policy's
+to the rank's shard. Host memory at start-up is the shard plus a few single tensors (one per
+initialising thread), not the model, and the weights are bitwise those of a single-process build
+with the same seed. The engines that hold the whole model (single, DDP) build the same way and
+materialise on their device: no fp32 copy of the model in host memory, nothing moved afterwards, and
+the parameters initialised in parallel (each from its own generator, so the threads change nothing). A policy's
 ``load_initial_weights()`` (pretrained weights) runs after that, writing each rank's part. The
 per-parameter generator and the shard-aware copy live in :mod:`slurmvla.weights`, shared with the
 policies, which initialise and load through them without importing this layer.
@@ -15,13 +18,18 @@ policies, which initialise and load through them without importing this layer.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from slurmvla.weights import copy_full_into, parameter_generator
+
+# Threads initialising parameters at once (each holds one fp32 tensor on the host while it draws).
+INIT_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 def supports_deferred_init(cls: type) -> bool:
@@ -57,9 +65,16 @@ def materialize(policy: nn.Module, device: torch.device) -> None:
     with torch.no_grad():
         for name, b in policy.named_buffers():
             b.copy_(buffers[name])
-        for name, p in policy.named_parameters():
-            full = torch.empty(p.shape, dtype=torch.float32)
-            policy.init_parameter(name, full, parameter_generator(policy.init_seed, name))
-            copy_full_into(p, full)
+
+    def init(item: tuple[str, torch.Tensor]) -> None:
+        name, p = item
+        full = torch.empty(p.shape, dtype=torch.float32)
+        policy.init_parameter(name, full, parameter_generator(policy.init_seed, name))
+        copy_full_into(p, full)
+
+    # Largest first, so the longest draws start at once; torch's kernels release the GIL.
+    params = sorted(policy.named_parameters(), key=lambda item: -item[1].numel())
+    with torch.no_grad(), ThreadPoolExecutor(max_workers=INIT_THREADS) as pool:
+        list(pool.map(init, params))
     if callable(getattr(policy, "load_initial_weights", None)):
         policy.load_initial_weights()

@@ -18,6 +18,7 @@ from torch import nn
 
 from slurmvla.config import EngineConfig, OptimConfig
 from slurmvla.engine.base import EngineCore, StepSettings, read_param_groups
+from slurmvla.engine.materialize import has_meta_parameters, materialize
 from slurmvla.engine.precision import MasterWeights
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
@@ -34,7 +35,10 @@ class SingleEngine(EngineCore):
     # -- model and optimizer ----------------------------------------------------------------------
 
     def prepare(self, policy: nn.Module, optim: OptimConfig) -> tuple[nn.Module, torch.optim.Optimizer]:
-        policy.to(self.device)
+        if has_meta_parameters(policy):  # built on the meta device: initialised where it will live
+            materialize(policy, self.device)
+        else:
+            policy.to(self.device)
         self.weights.lower(policy)
         self.module = policy
         model = self.wrap(policy)
