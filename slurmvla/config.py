@@ -429,6 +429,9 @@ class TrainerConfig:
     # it has none: a resumed GPU run then repeats the uninterrupted one as closely as the kernels allow.
     # Slower; CPU runs are deterministic without it.
     deterministic: bool = False
+    # torch.compile each of the policy's repeated layers (its wrap_units(): regional compilation, one
+    # compilation per kind of layer, fused elementwise kernels); the first steps pay for it.
+    compile: bool = False
     # An exponential moving average of the fp32 master weights (openpi's ema_decay; 0.99 in its DROID
     # fine-tuning), updated after every optimizer step, held as the optimizer state is held (sharded
     # where the engine shards it), saved in each checkpoint (ema.safetensors) and resumed bitwise;
@@ -532,6 +535,12 @@ class ServeConfig:
     seed: int | None = 0
     # auto: the GPU when there is one.
     device: str = "auto"
+    # Real-time inference on a GPU (slurmvla/policy/graphed.py). cuda_graph: each request replays one
+    # CUDA graph of the whole sample_actions (captured per input shape on first use; pi0 / pi0.5).
+    # compile: torch.compile the policy's repeated layers first (a one-time compilation at the first
+    # request of each shape; fused kernels).
+    cuda_graph: bool = False
+    compile: bool = False
     # The largest request (one msgpack frame) accepted, in MiB; a larger one is refused as its header
     # arrives (close code 1009), before any of it is buffered. null: derived from the policy (see
     # slurmvla.serve.default_max_request_bytes): 4 x one observation, each camera counted at the

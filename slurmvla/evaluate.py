@@ -38,6 +38,7 @@ from slurmvla.eval.validate import bucket, per_sample
 from slurmvla.export import Loaded, load_exported
 from slurmvla.lerobot_checkpoint import lerobot_type
 from slurmvla.policy.base import seeded_sample_actions
+from slurmvla.policy.graphed import inference_sampler
 from slurmvla.policy.stats import resolve_stats
 
 METRICS_FILE = "metrics.json"
@@ -45,10 +46,12 @@ METRICS_FILE = "metrics.json"
 
 @torch.no_grad()
 def evaluate(loaded: Loaded, split: str = "val", seed: int = 0, batch_size: int = 16,
-             device: str | torch.device = "cpu") -> tuple[dict, dict]:
+             device: str | torch.device = "cpu", cuda_graph: bool = False, compile: bool = False) -> tuple[dict, dict]:
     """``(metrics, per_sample)``: the JSON-ready metrics and, per sample, its provenance, predicted and
-    recorded chunk (for plots)."""
+    recorded chunk (for plots). ``cuda_graph`` / ``compile``: the predictions through
+    :func:`slurmvla.policy.graphed.inference_sampler` (as the server's options)."""
     cfg, policy = loaded.cfg, loaded.policy.to(device).eval()
+    sampler = inference_sampler(policy, cuda_graph, compile, "--cuda-graph")
     spec = type(policy).sample_spec(cfg.policy)
     mixture = Mixture(cfg.data, spec, cfg.trainer.seed)
     loader = build_validation_loader(mixture, cfg.data, batch_size, split=split)
@@ -66,7 +69,7 @@ def evaluate(loaded: Loaded, split: str = "val", seed: int = 0, batch_size: int 
         batch = to_device(batch, device)
         out = policy(batch)
         # What the server would give it, with the noise of this batch's seed (the same on any device).
-        pred = seeded_sample_actions(policy, spec, inference_fields(batch), seed * 1_000_003 + i)
+        pred = seeded_sample_actions(sampler, spec, inference_fields(batch), seed * 1_000_003 + i)
         take = min(len(pred), num_real - seen)
         seen += take
         for key, value in per_sample(out, batch, mixture.control_modes, torch.float64, take).items():
@@ -192,6 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--plot-episodes", type=int, default=3, help="episodes in trajectories.png (0: no plots)")
     parser.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu or cuda")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="predict through CUDA graphs of sample_actions (a GPU; pi0 / pi0.5), as serve.cuda_graph")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the policy's repeated layers first")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. data.root=/data/other")
     args = parser.parse_intermixed_args(argv)
     try:
@@ -206,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise ValueError("plots need matplotlib: pip install -e '.[eval]' (or --plot-episodes 0)") from None
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
         loaded = load_exported(args.source, args.overrides)
-        metrics, values = evaluate(loaded, args.split, args.seed, args.batch_size, device)
+        metrics, values = evaluate(loaded, args.split, args.seed, args.batch_size, device, args.cuda_graph, args.compile)
     except ValueError as e:  # a DataError may come from a dataloader worker, its traceback as its message
         print(f"error: {e.line() if isinstance(e, DataError) else e}", file=sys.stderr)
         # Its frames hold the data loader: let it go now, so that it stops its worker (the exit would wait on it).

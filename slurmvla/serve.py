@@ -61,6 +61,7 @@ import torch
 from slurmvla.data.prepare import observation_batch, prepare_image
 from slurmvla.export import Loaded, load_exported
 from slurmvla.policy.base import seeded_sample_actions
+from slurmvla.policy.graphed import inference_sampler, lower_weights
 
 log = logging.getLogger("slurmvla.serve")
 
@@ -142,7 +143,7 @@ class PolicyRunner:
     """The loaded policy and the mapping from client keys to its inputs. ``infer`` is thread-safe:
     requests are prepared concurrently, the model runs one request at a time."""
 
-    def __init__(self, loaded: Loaded):
+    def __init__(self, loaded: Loaded, sampler: Any = None):
         cfg = loaded.cfg
         self.loaded, self.cfg = loaded, cfg
         self.policy = loaded.policy
@@ -159,6 +160,8 @@ class PolicyRunner:
         self.fresh = np.random.default_rng()  # serve.seed=null: a new noise seed per request
         autocast = cfg.precision == "bf16" and self.device.type == "cuda"
         self.autocast = (lambda: torch.autocast("cuda", torch.bfloat16)) if autocast else None
+        # What sample_actions is called on: the policy, or (build_server, under serve.cuda_graph) its graphs.
+        self.sampler = sampler if sampler is not None else self.policy
 
     def metadata(self) -> dict:
         pc = self.cfg.policy
@@ -257,7 +260,7 @@ class PolicyRunner:
         batch = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         with self.lock, (self.autocast() if self.autocast is not None else contextlib.nullcontext()):
             seed = self.cfg.serve.seed if self.cfg.serve.seed is not None else int(self.fresh.integers(2**62))
-            actions = seeded_sample_actions(self.policy, self.spec, batch, seed)
+            actions = seeded_sample_actions(self.sampler, self.spec, batch, seed)
         return actions[0].float().cpu().numpy()
 
 
@@ -565,8 +568,14 @@ def build_server(source: str, overrides: list[str], device: str | None = None,
         loaded.policy.to(torch.device(want))
     except (RuntimeError, AssertionError) as e:
         raise ValueError(f"serve.device={want!r} cannot be used here ({e}); choose auto, cpu or cuda") from None
-    api_key = read_api_key(loaded.cfg.serve, environ)
-    runner = PolicyRunner(loaded)
+    cfg = loaded.cfg
+    if cfg.precision == "bf16" and torch.device(want).type == "cuda":
+        # The weights in bf16, as training's forward holds them (under autocast): no cast of every weight
+        # at every request.
+        lower_weights(loaded.policy, torch.bfloat16)
+    sampler = inference_sampler(loaded.policy, cfg.serve.cuda_graph, cfg.serve.compile, "serve.cuda_graph=true")
+    api_key = read_api_key(cfg.serve, environ)
+    runner = PolicyRunner(loaded, sampler)
     if loaded.cfg.serve.max_request_mb is not None and runner.max_request_bytes < runner.observation_bytes():
         log.warning("serve.max_request_mb=%s is below one observation at the policy's image size (%.2f MiB): "
                     "requests will be refused", loaded.cfg.serve.max_request_mb, runner.observation_bytes() / MiB)

@@ -47,6 +47,7 @@ from slurmvla.launch.runtime import apply_process_defaults, write_snapshot
 from slurmvla.logger import MetricLogger
 from slurmvla.optim import build_scheduler
 from slurmvla.policy import build_policy, policy_class
+from slurmvla.policy.graphed import compile_units
 from slurmvla.policy.stats import resolve_stats
 from slurmvla.registry import ENGINES
 from slurmvla.seeding import seed_everything
@@ -183,8 +184,9 @@ class Trainer:
         # The same seed on every rank: every rank builds identical initial weights.
         seed_everything(cfg.trainer.seed)
         stats = resolve_stats(cfg, self.mixture, announce=self.env.is_main)
-        # A sharding engine with a policy that can initialise parameter by parameter: build it on
-        # the meta device and materialise each rank's shard only (slurmvla/engine/materialize.py).
+        # A policy that can initialise parameter by parameter is built on the meta device and
+        # materialised by the engine where it will live (a sharding engine: each rank's shard only;
+        # slurmvla/engine/materialize.py): no fp32 copy of the model on the host first.
         deferred = ENGINES.get(cfg.engine.name).deferred_init and supports_deferred_init(policy_class(cfg.policy))
         with parameters_on_meta() if deferred else contextlib.nullcontext():
             self.policy = build_policy(cfg.policy, stats)
@@ -192,6 +194,8 @@ class Trainer:
         # model: what forward calls (the policy, or a DDP / DeepSpeed wrapper of it); optimizer: the
         # one that actually steps.
         self.model, self.optimizer = self.engine.prepare(self.policy, cfg.optim)
+        if cfg.trainer.compile:
+            compile_units(self.policy, dynamic=None)
         # Built on the optimizer the engine returned, i.e. the one that actually steps.
         self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, cfg.trainer.max_steps)
         self.ema = MovingAverage(self.engine, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None

@@ -194,3 +194,37 @@ def test_the_server_runs_the_policy_on_the_gpu_in_bf16_close_to_the_cpu(trained_
         chunks[precision] = runner.infer(runner.batch(collections.deque([runner.read(obs)])))
     scale = np.abs(chunks["fp32"]).max()
     assert np.abs(chunks["bf16"] - chunks["fp32"]).max() < 0.05 * scale
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["graph", "compiled_graph"])
+def test_cuda_graph_inference_equals_eager(compiled):
+    """serve.cuda_graph (and serve.compile): sample_actions replayed from a CUDA graph gives eager mode's
+    actions, in bf16 to its resolution; a second prompt length captures a second graph, and each input
+    shape replays its own. Without a GPU the option is refused with the reason."""
+    from slurmvla.policy.graphed import GraphedSampler, lower_weights
+
+    from .test_pi0 import B, batch_for, policy_cfg
+
+    cfg = policy_cfg("pi05_tiny")
+    torch.manual_seed(0)
+    policy = build_policy(cfg).eval()
+    if not CUDA:
+        with pytest.raises(ValueError, match=r"cuda_graph replays CUDA graphs and needs the policy on a GPU"):
+            GraphedSampler(policy)
+        return
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    policy.to(DEVICE)
+    lower_weights(policy, torch.bfloat16)
+    sampler = GraphedSampler(policy, compile=compiled)
+    batch = {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in batch_for(cfg).items()}
+    longer = {**batch, "instruction": [t + " and then" + " again" * 40 for t in batch["instruction"]]}
+    for b in (batch, longer, batch):
+        noise = torch.randn(B, cfg.action_horizon, cfg.max_action_dim, device=DEVICE)
+        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+            eager = policy.sample_actions(b, noise=noise)
+            graphed = sampler.sample_actions(b, noise=noise)
+        scale = eager.abs().max()
+        assert (graphed - eager).abs().max() <= 0.02 * scale, (graphed - eager).abs().max()
+    assert len(sampler.graphs) == 2

@@ -234,6 +234,31 @@ def test_prefix_cache_inference_equals_the_full_integration(name):
 
 
 @pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
+def test_a_batch_prepared_for_inference_gives_the_same_chunk(name):
+    """prepare_inference (the host's part: the prompt tokenized and cut to a multiple of 32 columns, so
+    the model never waits on the device and its shapes take few values) changes no action: against
+    sample_actions on the batch as it came, which trims the prompt to the exact longest one."""
+    from slurmvla.policy.pi0 import PROMPT_BUCKET, PROMPT_IDS
+
+    cfg = policy_cfg(name)
+    torch.manual_seed(0)
+    policy = build_policy(cfg).eval()
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    batch = batch_for(cfg)
+    noise = torch.randn(B, cfg.action_horizon, cfg.max_action_dim)
+    prepared = policy.prepare_inference(batch)
+    width = prepared[PROMPT_IDS].shape[1]
+    assert "instruction" not in prepared and "text" not in prepared
+    assert width % PROMPT_BUCKET == 0 or width == cfg.max_text_len
+    assert prepared["prompt_mask"][:, max(0, width - PROMPT_BUCKET):].any()  # the smallest such width
+    with torch.no_grad():
+        torch.testing.assert_close(policy.sample_actions(prepared, noise=noise), policy.sample_actions(batch, noise=noise),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
 def test_actions_never_leak_into_the_prefix_and_padding_changes_nothing(name):
     """Block-causal attention: the prefix's output does not depend on the actions; a padded text
     token's id does not change the loss."""

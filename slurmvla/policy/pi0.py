@@ -56,6 +56,9 @@ from slurmvla.policy.flow_vla import attention, resolve_attention
 from slurmvla.weights import parameter_generator
 
 log = logging.getLogger(__name__)
+# A batch made by Pi0Policy.prepare_inference carries its prompt under these keys, cut to a multiple of
+# PROMPT_BUCKET columns.
+PROMPT_IDS, PROMPT_MASK, PROMPT_BUCKET = "prompt_ids", "prompt_mask", 32
 # Flow-matching time embedding periods (openpi's pi0).
 MIN_PERIOD, MAX_PERIOD = 4e-3, 4.0
 
@@ -383,16 +386,41 @@ class Pi0Policy(Policy):
         instruction)."""
         return self.text_inputs(batch, self.reads_text)
 
+    def _prompt(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The prompt's ids and mask without the columns that are padding in every sample: as
+        :meth:`prepare_inference` left them, or trimmed here (which waits on the device for the count)."""
+        if PROMPT_IDS in batch:
+            return batch[PROMPT_IDS], batch[PROMPT_MASK]
+        text = self._text(batch)
+        return None if text is None else _trim_padding(*text)
+
+    def prepare_inference(self, batch: dict, bucket: int = PROMPT_BUCKET) -> dict:
+        """The host's part of :meth:`sample_actions`, done before the model runs: the prompt's ids and mask
+        (pi0.5 writes and tokenizes its prompt from the state), cut to the smallest multiple of ``bucket``
+        columns that holds every sample's tokens. On the batch returned, ``sample_actions`` never waits on
+        the device (it can be captured in a CUDA graph: :mod:`slurmvla.policy.graphed`), its shapes take
+        few values (one graph each), and its actions are those of the batch given (padding is masked and
+        shifts no position)."""
+        text = self._text(batch)
+        out = {k: v for k, v in batch.items() if k not in ("text", "text_mask", "instruction")}
+        if text is not None:
+            ids, mask = text
+            used = mask.any(dim=0).nonzero()
+            n = int(used.max()) + 1 if len(used) else 1
+            n = min(mask.shape[1], -(-n // bucket) * bucket)
+            out[PROMPT_IDS], out[PROMPT_MASK] = ids[:, :n], mask[:, :n]
+        return out
+
     def _prefix(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         images = batch["images"]
         b, cams = images.shape[:2]
         img = self.projector(self.vision(self._pixels(images.flatten(0, 1)), self._checkpointing()))
         per_cam = img.shape[1]
         parts = [img.reshape(b, cams * per_cam, -1)]
-        keep = [batch["image_mask"].repeat_interleave(per_cam, dim=1)]
-        text = self._text(batch)
-        if text is not None:
-            ids, mask = _trim_padding(*text)
+        keep = [batch["image_mask"][:, :, None].expand(b, cams, per_cam).reshape(b, cams * per_cam)]
+        prompt = self._prompt(batch)
+        if prompt is not None:
+            ids, mask = prompt
             parts.append(self.embed_tokens(ids) * math.sqrt(self.cfg.width))
             keep.append(mask)
         parts, keep = self._state_in_prefix(batch, parts, keep)

@@ -1,0 +1,161 @@
+"""Real-time inference: ``sample_actions`` latency at batch 1, eager against CUDA graphs, and what the
+server adds.
+
+    python benchmarks/sample_latency.py policy=pi05 precision=bf16 [--iters 200] [--server] [--json OUT]
+
+The policy is built with random weights straight on the device (the meta device, then materialised
+there: no fp32 copy on the host), put in eval mode and given one DROID observation as the server
+builds it: three cameras at 180 x 320 (resized with padding by the policy), 8 state values, a prompt,
+``policy.num_inference_steps`` denoising steps, noise seeded on the CPU. Modes, in this order on one
+model:
+
+- ``eager_autocast``: fp32 weights under bf16 autocast (the server before it held its weights in bf16);
+- ``eager``: the weights in bf16 (as training's forward and the server now hold them), autocast;
+- ``graph``: ``serve.cuda_graph=true``: the whole ``sample_actions`` replayed from one CUDA graph;
+- ``compile_graph``: ``serve.compile=true`` as well: the repeated layers compiled, then graphed.
+
+Each prints p50 / p99 / min over ``--iters`` calls (after warm-up; a GPU is synchronised after each
+call), and the largest difference of its actions from ``eager``'s (same weights, same noise).
+``--server``: the server (openpi's ``WebsocketClientPolicy``, this machine) against the runner alone,
+both through CUDA graphs (of the compiled layers when ``compile_graph`` ran): p50 of both and their
+difference. On a CPU only the eager modes run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+import numpy as np
+import torch
+
+from slurmvla.compose import compose
+from slurmvla.data.prepare import observation_batch
+from slurmvla.engine.materialize import materialize, parameters_on_meta
+from slurmvla.export import Loaded
+from slurmvla.policy import build_policy
+from slurmvla.policy.base import seeded_sample_actions
+from slurmvla.policy.graphed import GraphedSampler, lower_weights
+from slurmvla.serve import PolicyRunner, PolicyServer, serving_in_thread
+
+CAMERAS = ["observation/exterior_image_1_left", "observation/exterior_image_2_left", "observation/wrist_image_left"]
+
+
+def observation(seed: int = 0) -> dict:
+    g = np.random.default_rng(seed)
+    obs = {key: g.integers(0, 256, (180, 320, 3), dtype=np.uint8) for key in CAMERAS}
+    obs |= {"observation/joint_position": g.normal(size=7), "observation/gripper_position": g.uniform(size=1),
+            "prompt": "put the marker in the cup"}
+    return obs
+
+
+def timed(fn, iters: int, cuda: bool) -> dict:
+    for _ in range(3):
+        fn()
+    ms = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        ms.append((time.perf_counter() - t0) * 1000)
+    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)), "min_ms": float(min(ms))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--modes", default="eager_autocast,eager,graph,compile_graph")
+    parser.add_argument("--server", action="store_true", help="also time the server through openpi's client")
+    parser.add_argument("--json", help="write the figures here too")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_intermixed_args()
+    cfg = compose([*args.overrides, f"serve.cameras=[{','.join(CAMERAS)}]"])
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with parameters_on_meta():
+        policy = build_policy(cfg.policy)
+    materialize(policy, device)
+    policy.eval()
+    if cuda:
+        torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    params = sum(p.numel() for p in policy.parameters())
+    print(f"policy={cfg.policy.name}: {params / 1e6:.1f}M parameters, built on {device} in {build_s:.1f} s; "
+          f"{torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}", flush=True)
+
+    loaded = Loaded(policy=policy, cfg=cfg, step=0, source="benchmark")
+    spec = type(policy).sample_spec(cfg.policy)
+    obs = observation()
+    state = np.concatenate([obs["observation/joint_position"], obs["observation/gripper_position"]])
+    batch = observation_batch([obs[k] for k in CAMERAS], [True] * len(CAMERAS), state, obs["prompt"], spec)
+    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    autocast = cuda and cfg.precision == "bf16"
+    ctx = (lambda: torch.autocast("cuda", torch.bfloat16)) if autocast else torch.no_grad
+
+    results, reference = {}, {}
+    for mode in args.modes.split(","):
+        if mode != "eager_autocast" and autocast and next(policy.parameters()).dtype != torch.bfloat16:
+            lower_weights(policy, torch.bfloat16)
+        if mode.endswith("graph") and not cuda:
+            print(f"{mode}: skipped (no GPU)")
+            continue
+        sampler = policy if mode.startswith("eager") else GraphedSampler(policy, compile=mode == "compile_graph")
+
+        def call(sampler=sampler):
+            with torch.no_grad(), ctx():
+                return seeded_sample_actions(sampler, spec, batch, 0)
+
+        t1 = time.perf_counter()
+        first = call()
+        if cuda:
+            torch.cuda.synchronize()
+        row = {"first_call_s": time.perf_counter() - t1, **timed(call, args.iters, cuda)}
+        actions = call().float().cpu()
+        if mode == "eager":
+            reference["eager"] = actions
+        if reference.get("eager") is not None and mode != "eager":
+            row["max_abs_diff_vs_eager"] = float((actions - reference["eager"]).abs().max())
+        row["action_abs_max"] = float(actions.abs().max())
+        del first
+        results[mode] = row
+        print(f"{mode:>15}: p50 {row['p50_ms']:8.2f} ms  p99 {row['p99_ms']:8.2f} ms  min {row['min_ms']:8.2f} ms  "
+              f"first call {row['first_call_s']:.1f} s"
+              + (f"  max |a - eager| {row['max_abs_diff_vs_eager']:.4f}" if "max_abs_diff_vs_eager" in row else ""),
+              flush=True)
+
+    if args.server:
+        results["server"] = server_overhead(loaded, cfg, args.iters, cuda)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"policy": cfg.policy.name, "params": params, "build_s": build_s, "device": str(device),
+                       "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
+                       "results": results}, f, indent=2)
+
+
+def server_overhead(loaded: Loaded, cfg, iters: int, cuda: bool) -> dict:
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    cfg.serve.seed = 0
+    # The layers were compiled in place by the compile_graph mode when it ran: the graphs hold its kernels.
+    runner = PolicyRunner(loaded, GraphedSampler(loaded.policy) if cuda else None)
+    obs = observation()
+    batch = runner.batch(collections.deque([runner.read(obs)], maxlen=1))
+    alone = timed(lambda: runner.infer(batch), iters, cuda)
+    server = PolicyServer(runner, "127.0.0.1", 0)
+    with serving_in_thread(server) as port:
+        client = WebsocketClientPolicy("127.0.0.1", port)
+        wire = timed(lambda: client.infer(obs), iters, False)
+    row = {"runner_p50_ms": alone["p50_ms"], "server_p50_ms": wire["p50_ms"], "server_p99_ms": wire["p99_ms"],
+           "overhead_p50_ms": wire["p50_ms"] - alone["p50_ms"]}
+    print(f"{'server':>15}: openpi client p50 {wire['p50_ms']:.2f} ms (p99 {wire['p99_ms']:.2f}), runner alone p50 "
+          f"{alone['p50_ms']:.2f} ms: the server adds {row['overhead_p50_ms']:.2f} ms", flush=True)
+    return row
+
+
+if __name__ == "__main__":
+    main()
