@@ -74,16 +74,23 @@ class PhaseTimer:
         return out
 
 
-def count_flops_per_sample(cfg: Config, batch: dict) -> float:
+def count_flops_per_sample(cfg: Config, batch: dict, policy: torch.nn.Module | None = None) -> float:
     """Forward + backward FLOPs of the policy on one sample, counted on a copy built on the meta
-    device (shapes only: no weights, no memory, whatever the policy's size)."""
+    device (shapes only: no weights, no memory, whatever the policy's size). ``policy``: the real one,
+    which first does the sample's host-side work where it has any (``prepare_inference``: pi0.5 writes
+    its prompt from the state's values, which a meta tensor does not have), its prompt cut exactly as
+    the training forward cuts it."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from slurmvla.policy import build_policy
 
+    one = {k: v[:1] for k, v in batch.items()}
+    if policy is not None and callable(getattr(policy, "prepare_inference", None)):
+        with torch.no_grad():
+            one = policy.prepare_inference(one, bucket=1)
     with torch.device("meta"):
         policy = build_policy(cfg.policy)
-    one = {k: (v[:1].to("meta") if isinstance(v, torch.Tensor) else v[:1]) for k, v in batch.items()}
+    one = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in one.items()}
     with FlopCounterMode(display=False) as counter:
         policy(one)["loss"].backward()
     return float(counter.get_total_flops())
@@ -118,7 +125,7 @@ def _measure(trainer) -> dict | None:
         rss = max(rss, proc.memory_info().rss)
     # A batch for counting FLOPs (taken after the timed steps so it costs them nothing).
     batch = trainer._next_batch()
-    flops = count_flops_per_sample(cfg, batch)
+    flops = count_flops_per_sample(cfg, batch, trainer.policy)
     mean = {p: sum(s[p] for s in per_step) / len(per_step) for p in per_step[0]}
     step_s = sum(mean.values())
     local = {"step_s": torch.tensor([step_s]), "rss": torch.tensor([float(rss)])}
