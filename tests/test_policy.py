@@ -223,3 +223,20 @@ def test_larger_sizes_build(size):
     n = sum(q.numel() for q in p.parameters())
     assert n > (20e6 if size == "small" else 300e6)
 
+
+
+def test_grouped_attention_with_a_mask_through_expanded_heads_equals_the_grouped_kernel():
+    """On a GPU, masked grouped-query attention runs with the key / value heads expanded (no fused kernel
+    takes both): the same numbers as torch's grouped path and as the explicit softmax."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 5, 16, generator=g)
+    k, v = torch.randn(2, 2, 7, 16, generator=g), torch.randn(2, 2, 7, 16, generator=g)
+    mask = torch.rand(2, 1, 5, 7, generator=g) > 0.3
+    mask[..., 0] = True  # every query sees at least one key
+    grouped = flow_vla.attention(q, k, v, mask, "sdpa")
+    expanded = flow_vla.attention(q, k, v, mask, "sdpa", expand_heads=True)
+    explicit = flow_vla.attention(q, k, v, mask, "eager")
+    torch.testing.assert_close(expanded, grouped, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(expanded, explicit, rtol=1e-5, atol=1e-6)
+    # Query head h reads key / value head h // 4: swapping the two kv heads changes the output.
+    assert not torch.allclose(flow_vla.attention(q, k.flip(1), v.flip(1), mask, "sdpa", expand_heads=True), expanded)

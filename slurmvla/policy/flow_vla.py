@@ -51,12 +51,27 @@ def resolve_attention(impl: str) -> str:
     return impl
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str) -> torch.Tensor:
+def repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[B, kv_heads, L, D]`` -> ``[B, kv_heads * groups, L, D]``, each head repeated ``groups`` times in place
+    (head ``h`` of the result is head ``h // groups`` of ``x``, as grouped-query attention pairs them)."""
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str,
+              expand_heads: bool = False) -> torch.Tensor:
     """``q``: ``[B, heads, L, head_dim]``; ``k, v``: ``[B, kv_heads, L', head_dim]`` (grouped-query
     attention where ``kv_heads`` divides ``heads``: each key / value head serves ``heads / kv_heads``
-    query heads, and is not copied for them); ``mask``: bool, True where a query may attend."""
+    query heads, and is not copied for them, except with a mask on a GPU, or ``expand_heads``: see below);
+    ``mask``: bool, True where a query may attend."""
     groups = q.shape[1] // k.shape[1]
     if impl == "sdpa":
+        if groups > 1 and mask is not None and (q.is_cuda or expand_heads):
+            # On a GPU no fused kernel takes both a mask and grouped key / value heads (FlashAttention takes
+            # no mask, the memory-efficient kernel no grouped heads): torch would fall back to its unfused
+            # math path. With the heads expanded to the queries' (one copy of k and v) the memory-efficient
+            # kernel runs.
+            return F.scaled_dot_product_attention(q, repeat_heads(k, groups), repeat_heads(v, groups), attn_mask=mask)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
