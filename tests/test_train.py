@@ -201,3 +201,21 @@ def test_validation_is_logged_by_group(make_cfg, tmp_path):
         assert r["val/loss"] == r["val/mse"] == r["val/by_dataset/droid_sample/mse"] == r["val/by_control_mode/joint_position/mse"]
         assert r["val/num_samples"] > 0
     assert val[0]["val/loss"] != val[1]["val/loss"]
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_like_eager_ones(sample_root, tmp_path):
+    """trainer.compile=true (each repeated layer through torch.compile) changes no loss beyond float
+    rounding: the demo's configuration, five steps each way, against eager mode."""
+    from .conftest import run_train
+
+    runs = {}
+    for compiled in (False, True):
+        run = tmp_path / f"compile_{compiled}"
+        run_train(["experiment=demo", f"data.root={sample_root}", "data.num_workers=0", "trainer.max_steps=5",
+                   f"trainer.compile={str(compiled).lower()}", "trainer.log_every_steps=1", "trainer.val_every_steps=0",
+                   "checkpoint.every_steps=0", "logging.wandb.mode=disabled", "trainer.progress_bar=false",
+                   f"hydra.run.dir={run}"])
+        runs[compiled] = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(runs[True]) == 5 and runs[True][-1] < runs[True][0]
+    assert runs[True] == pytest.approx(runs[False], rel=1e-5)
