@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import time
 
@@ -32,10 +33,10 @@ import numpy as np
 import torch
 
 from slurmvla.compose import compose
-from slurmvla.data.prepare import observation_batch
-from slurmvla.engine.materialize import materialize, parameters_on_meta
+from slurmvla.data.prepare import observation_batch, prepare_image
+from slurmvla.engine.materialize import materialize, parameters_on_meta, supports_deferred_init
 from slurmvla.export import Loaded
-from slurmvla.policy import build_policy
+from slurmvla.policy import build_policy, policy_class
 from slurmvla.policy.base import seeded_sample_actions
 from slurmvla.policy.graphed import GraphedSampler, lower_weights
 from slurmvla.serve import PolicyRunner, PolicyServer, serving_in_thread
@@ -77,9 +78,10 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    with parameters_on_meta():
+    deferred = supports_deferred_init(policy_class(cfg.policy))  # pi0 / pi0.5: built on the device
+    with parameters_on_meta() if deferred else contextlib.nullcontext():
         policy = build_policy(cfg.policy)
-    materialize(policy, device)
+    materialize(policy, device) if deferred else policy.to(device)
     policy.eval()
     if cuda:
         torch.cuda.synchronize()
@@ -92,7 +94,9 @@ def main() -> None:
     spec = type(policy).sample_spec(cfg.policy)
     obs = observation()
     state = np.concatenate([obs["observation/joint_position"], obs["observation/gripper_position"]])
-    batch = observation_batch([obs[k] for k in CAMERAS], [True] * len(CAMERAS), state, obs["prompt"], spec)
+    # As the server prepares them: at the policy's image size, or as sent for a policy that resizes them itself.
+    images = [prepare_image(obs[k], spec.image_size, name=k, mode=cfg.data.image_resize) for k in CAMERAS]
+    batch = observation_batch(images, [True] * len(CAMERAS), state, obs["prompt"], spec)
     batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
     autocast = cuda and cfg.precision == "bf16"
     ctx = (lambda: torch.autocast("cuda", torch.bfloat16)) if autocast else torch.no_grad

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import statistics
@@ -32,8 +33,9 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from slurmvla.compose import compose
+from slurmvla.engine.materialize import materialize, parameters_on_meta, supports_deferred_init
 from slurmvla.export import load_exported
-from slurmvla.policy import build_policy
+from slurmvla.policy import build_policy, policy_class
 from slurmvla.serve import PolicyRunner
 
 
@@ -91,14 +93,20 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="slurmvla-serve-bench-"))
     source = tmp / "policy.safetensors"
     torch.manual_seed(0)
-    policy = build_policy(cfg.policy)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # Built where it runs, no fp32 copy on the host first (the full sizes on a GPU), when the policy can be.
+    deferred = supports_deferred_init(policy_class(cfg.policy))
+    with parameters_on_meta() if deferred else contextlib.nullcontext():
+        policy = build_policy(cfg.policy)
+    if deferred:
+        materialize(policy, torch.device(device))
     yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     save_file({k: v.contiguous() for k, v in policy.state_dict().items()}, str(source),
               metadata={"config_yaml": yaml, "step": "0", "engine": "none"})
     params = sum(p.numel() for p in policy.parameters())
 
+    del policy
     # The reference: the policy alone on the batch the server would build, in this process.
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = load_exported(source, device=device)
     runner = PolicyRunner(loaded)
     past = collections.deque([runner.read(observation(0))], maxlen=1)

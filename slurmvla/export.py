@@ -16,6 +16,7 @@ too (:mod:`slurmvla.lerobot_checkpoint`): its weights, statistics and config, lo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -31,8 +32,9 @@ from safetensors.torch import load_file, save_file
 from slurmvla.checkpoint import META_FILE, load_model_file, resolve_checkpoint
 from slurmvla.compose import ArgumentParser, check_override_keys, explain_config_error, to_config
 from slurmvla.config import Config
+from slurmvla.engine.materialize import parameters_on_meta, supports_deferred_init
 from slurmvla.lerobot_checkpoint import lerobot_config, lerobot_type, not_lerobot_reason
-from slurmvla.policy import Policy, build_policy
+from slurmvla.policy import Policy, build_policy, policy_class
 
 CONFIG_FILE = "config.resolved.yaml"
 log = logging.getLogger(__name__)
@@ -138,12 +140,17 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
     cfg = _config(config_yaml, list(overrides), where)
     # The trained weights (and normalization buffers) replace any pretrained ones: do not read (or
     # need) the pretrained file; keep its tokenizer, which the policy's prompts are written with.
-    policy = build_policy(_without_pretrained(cfg.policy))
+    # A policy that can initialise parameter by parameter is built on the meta device and takes the loaded
+    # tensors as its parameters: no random initialisation of weights about to be replaced (at pi0.5's
+    # size that initialisation, not the file, was most of the load).
+    deferred = supports_deferred_init(policy_class(cfg.policy))
+    with parameters_on_meta() if deferred else contextlib.nullcontext():
+        policy = build_policy(_without_pretrained(cfg.policy))
     missing, unexpected = _mismatch(policy.state_dict(), state)
     if missing or unexpected:
         raise ValueError(f"{origin}: the weights do not fit the policy its config builds ({cfg.policy.name}); "
                          f"missing: {missing[:5]}, unexpected: {unexpected[:5]}")
-    policy.load_state_dict(state)
+    policy.load_state_dict(state, assign=deferred)
     return Loaded(policy.to(device).eval(), cfg, step, origin)
 
 
