@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import runpy
 import shutil
 import signal
@@ -85,6 +86,22 @@ def damaged(sample_root, tmp_path):
 
 
 # -- the three mistakes users found ---------------------------------------------------------------
+
+
+def test_a_bad_pretrained_path_is_named_before_the_model_is_built(make_cfg, tmp_path, monkeypatch):
+    """The trainer checks policy.pretrained_path with the data, before it builds pi0.5 (billions of parameters
+    at the published size) only to fail loading it."""
+    import slurmvla.trainer
+    from slurmvla.trainer import Trainer
+
+    def never(*args, **kwargs):
+        raise AssertionError("the policy was built before its pretrained path was checked")
+
+    monkeypatch.setattr(slurmvla.trainer, "build_policy", never)
+    for path, said in (("/no/such/dir", "policy.pretrained_path='/no/such/dir' does not exist"),
+                       (str(tmp_path), f"policy.pretrained_path='{tmp_path}' holds no model.safetensors")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            Trainer(make_cfg("policy=pi05", f"policy.pretrained_path={path}"), tmp_path / "run")
 
 
 def test_a_pretrained_path_that_does_not_exist_is_said_so(tmp_path):

@@ -349,6 +349,10 @@ class Pi0Policy(Policy):
     @classmethod
     def check_data(cls, cfg: PolicyConfig, features: DataFeatures) -> None:
         super().check_data(cfg, features)
+        if cfg.pretrained_path:  # before a model of billions of parameters is built for it
+            from slurmvla.policy.pretrained import check_pretrained_path
+
+            check_pretrained_path(cfg.pretrained_path)
         for what, dim, cap in (("state", features.state_dim, cfg.max_state_dim),
                                ("action", features.action_dim, cfg.max_action_dim)):
             if dim > cap:

@@ -93,15 +93,21 @@ def _safetensors_files(path: Path) -> list[Path]:
                      "LeRobot pi0 / pi0.5 checkpoint directory")
 
 
+def check_pretrained_path(path: str | Path) -> list[Path]:
+    """The weight files at ``policy.pretrained_path`` (none read), or the ValueError :func:`read_pretrained`
+    would raise about the path only after the model is built."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise ValueError(f"policy.pretrained_path={str(path)!r} does not exist")
+    return _safetensors_files(root)
+
+
 def read_pretrained(path: str | Path) -> tuple[str, dict[str, torch.Tensor], list[Path]]:
     """``(layout, tensors under the policy's names, files read)``; layout is ``"paligemma"`` or
     ``"lerobot"``."""
     from safetensors import safe_open
 
-    root = Path(path).expanduser()
-    if not root.exists():
-        raise ValueError(f"policy.pretrained_path={str(path)!r} does not exist")
-    files = _safetensors_files(root)
+    files = check_pretrained_path(path)
     keys: dict[str, Path] = {}
     for f in files:
         try:
