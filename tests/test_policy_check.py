@@ -82,6 +82,15 @@ def test_a_bad_target_is_one_message_and_exit_2(entry, sample_root, tmp_path):
     assert "Traceback" not in res.stderr
 
 
+def test_a_policy_that_cannot_be_built_is_one_message_not_a_failure_per_check(sample_root):
+    res = subprocess.run([sys.executable, "-m", "slurmvla.check",
+                          *overrides(sample_root, "tests.broken_policies.Sound", "+policy.kwargs={depth: 3}")],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1 and "policy.kwargs={'depth': 3} do not fit" in errors[0], res.stderr
+    assert "fail" not in res.stdout and "Traceback" not in res.stderr, res.stdout
+
+
 # -- negative controls ----------------------------------------------------------------------------
 
 def test_the_sound_control_passes_the_single_process_checks(sample_root):
