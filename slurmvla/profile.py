@@ -35,7 +35,7 @@ import psutil
 import torch
 
 from slurmvla.collectives import gather_dict
-from slurmvla.compose import compose
+from slurmvla.compose import ArgumentParser, compose
 from slurmvla.config import Config
 from slurmvla.registry import ENGINES
 
@@ -227,7 +227,7 @@ def plot(reports: list[dict], labels: list[str], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="train overrides (key=value), shared by every compared config")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--plot", type=Path, help="write the phase breakdown as a PNG")

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from slurmvla.compose import ArgumentParser
 from slurmvla.config import RolloutConfig
 
 log = logging.getLogger("slurmvla.rollout")
@@ -326,7 +327,7 @@ def _line(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", nargs="?", help="a run directory, checkpoint folder or exported file, or ws://HOST:PORT")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. rollout.episodes=50 rollout.replan_steps=8")
     parser.add_argument("--shard", help="I/N: run every N-th episode from the I-th, into rollout_shardIofN.json "

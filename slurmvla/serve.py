@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from slurmvla.compose import ArgumentParser
 from slurmvla.data.prepare import observation_batch, prepare_image
 from slurmvla.export import Loaded, load_exported
 from slurmvla.policy.base import seeded_sample_actions
@@ -509,7 +510,7 @@ def address(host: str, port: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="an exported .safetensors file, a checkpoint folder, a run directory or a "
                                            "LeRobot pi0 / pi0.5 checkpoint directory")
     parser.add_argument("--host", help="address to listen on (serve.host, default 0.0.0.0: every interface, so set "

@@ -263,3 +263,14 @@ def test_launch_helpers_name_missing_arguments_and_bad_numbers(capsys, monkeypat
     fails(capsys, lambda: launch.main(["restart"]), "unknown command 'restart'")
     monkeypatch.setenv("SLURMVLA_MAX_RESTARTS", "three")
     fails(capsys, lambda: launch.main(["check-budget"]), "SLURMVLA_MAX_RESTARTS='three'")
+
+
+def test_usage_mistakes_are_one_line_on_every_entry_point(capsys):
+    """argparse's own usage errors (a bad flag value, an unknown flag) are one ``error:`` line too."""
+    from slurmvla import profile, rollout
+    from slurmvla.sim import record
+
+    fails(capsys, lambda: serve.main(["run", "--port", "x"]), "--port: invalid int value: 'x'")
+    fails(capsys, lambda: profile.main(["--bogus"]), "unrecognized arguments: --bogus")
+    fails(capsys, lambda: rollout.main(["run", "--shard", "1/2", "--bogus"]), "--bogus")
+    fails(capsys, lambda: record.main(["--out", "x", "--episodes", "many"]), "'many'")
