@@ -500,6 +500,10 @@ class Trainer:
         self.preempt.uninstall()
         self.logger.close()
         self._batches = None
+        # Objects alive when the data workers were forked were frozen against copy-on-write
+        # (slurmvla.data.video); the run is over: let the collector reach them again (the engine's
+        # wrappers among them, which must go before the process group).
+        gc.unfreeze()
         if not keep_process_group:
             if torch.distributed.is_initialized():
                 # The DDP / FSDP / DeepSpeed objects hold the process group's communicators: let them
