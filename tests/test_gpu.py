@@ -203,18 +203,13 @@ def test_cuda_graph_inference_equals_eager(compiled):
     shape replays its own. Without a GPU the option is refused with the reason."""
     from slurmvla.policy.graphed import GraphedSampler, lower_weights
 
-    from .test_pi0 import B, batch_for, policy_cfg
+    from .test_pi0 import B, batch_for, perturbed_policy
 
-    cfg = policy_cfg("pi05_tiny")
-    torch.manual_seed(0)
-    policy = build_policy(cfg).eval()
+    cfg, policy = perturbed_policy("pi05_tiny")
     if not CUDA:
         with pytest.raises(ValueError, match=r"cuda_graph replays CUDA graphs and needs the policy on a GPU"):
             GraphedSampler(policy)
         return
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
     policy.to(DEVICE)
     lower_weights(policy, torch.bfloat16)
     sampler = GraphedSampler(policy, compile=compiled)

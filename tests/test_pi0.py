@@ -210,16 +210,23 @@ def test_a_checkpoint_without_a_tokenizer_asks_for_one(tmp_path):
 # -- the policy itself -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
-def test_prefix_cache_inference_equals_the_full_integration(name):
-    """sample_actions runs the prefix once; integrating with the whole model at every step (the
-    training forward's velocity) must give the same chunk."""
+def perturbed_policy(name: str):
+    """``(cfg, policy)``: the toy-size policy in eval mode, its initial weights moved off their exact zeros
+    and ones (zero-initialised projections would make every path agree trivially)."""
     cfg = policy_cfg(name)
     torch.manual_seed(0)
     policy = build_policy(cfg).eval()
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+    return cfg, policy
+
+
+@pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
+def test_prefix_cache_inference_equals_the_full_integration(name):
+    """sample_actions runs the prefix once; integrating with the whole model at every step (the
+    training forward's velocity) must give the same chunk."""
+    cfg, policy = perturbed_policy(name)
     batch = batch_for(cfg)
     noise = torch.randn(B, cfg.action_horizon, cfg.max_action_dim)
     with torch.no_grad():
@@ -240,12 +247,7 @@ def test_a_batch_prepared_for_inference_gives_the_same_chunk(name):
     sample_actions on the batch as it came, which trims the prompt to the exact longest one."""
     from slurmvla.policy.pi0 import PROMPT_BUCKET, PROMPT_IDS
 
-    cfg = policy_cfg(name)
-    torch.manual_seed(0)
-    policy = build_policy(cfg).eval()
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    cfg, policy = perturbed_policy(name)
     batch = batch_for(cfg)
     noise = torch.randn(B, cfg.action_horizon, cfg.max_action_dim)
     prepared = policy.prepare_inference(batch)
