@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from slurmvla import check, evaluate, export, inspect, serve, train
 from slurmvla.data import synthetic
@@ -232,6 +233,21 @@ def test_evaluate_and_serve_name_the_config_file_and_its_unknown_key(old_run, ca
 def test_serve_names_a_group_given_one_value(trained_run, capsys):
     fails(capsys, lambda: serve.main([str(trained_run), "engine=fsdp3"]), "engine is a group of settings",
           "did you mean engine.name=fsdp3")
+
+
+def test_cuda_graphs_without_a_gpu_or_for_a_policy_without_them_are_one_line(trained_run, capsys):
+    """serve.cuda_graph / evaluate --cuda-graph on the CPU, and for the reference policy (no
+    prepare_inference): the option and the reason, before anything is served or read."""
+    fails(capsys, lambda: serve.main([str(trained_run), "serve.cuda_graph=true", "serve.device=cpu"]),
+          "serve.cuda_graph=true replays CUDA graphs and needs the policy on a GPU (it is on cpu)")
+    fails(capsys, lambda: evaluate.main([str(trained_run), "--cuda-graph", "--device", "cpu", "--plot-episodes", "0"]),
+          "--cuda-graph replays CUDA graphs")
+    from slurmvla.export import load_exported
+    from slurmvla.policy.graphed import check_graphable
+
+    reference = load_exported(trained_run).policy  # the demo's policy: the reference flow-matching VLA
+    with pytest.raises(ValueError, match=rf"needs a policy with prepare_inference.*{type(reference).__qualname__} has none"):
+        check_graphable(reference, torch.device("cuda"), "serve.cuda_graph=true")
 
 
 def test_evaluate_names_a_missing_video_read_in_a_worker(trained_run, damaged, capsys):
