@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -204,6 +205,8 @@ def test_validation_is_logged_by_group(make_cfg, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")),
+                    reason="torch.compile on the CPU needs a C++ compiler (inductor's CPU backend)")
 def test_compiled_layers_train_like_eager_ones(sample_root, tmp_path):
     """trainer.compile=true (each repeated layer through torch.compile) changes no loss beyond float
     rounding: the demo's configuration, five steps each way, against eager mode."""
