@@ -362,3 +362,31 @@ def test_pi0_trains_from_a_paligemma_directory_and_exports_without_it(make_cfg, 
     obs = {k: batch[k] for k in ("images", "image_mask", "state", "text", "text_mask")}
     assert torch.equal(loaded.policy.sample_actions(obs, noise=noise), trained.eval().sample_actions(obs, noise=noise))
     assert loaded.policy.sample_actions(obs, noise=noise).shape == batch["actions"].shape
+
+
+def test_an_export_loads_into_a_meta_built_policy_with_its_values_and_frozen_parts(tmp_path):
+    """load_exported builds pi0.5 on the meta device and takes the file's tensors as its parameters
+    (no random initialisation first): every value, every requires_grad flag (a frozen vision tower stays
+    frozen) and the actions equal the policy that was saved."""
+    from omegaconf import OmegaConf
+
+    from slurmvla.compose import compose
+    from slurmvla.export import load_exported
+
+    cfg = compose(["policy=pi05_tiny", "policy.freeze_vision_encoder=true"])
+    torch.manual_seed(0)
+    saved = build_policy(cfg.policy).eval()
+    path = tmp_path / "policy.safetensors"
+    save_file({k: v.contiguous() for k, v in saved.state_dict().items()}, str(path),
+              metadata={"config_yaml": OmegaConf.to_yaml(OmegaConf.structured(cfg)), "step": "0", "engine": "none"})
+    loaded = load_exported(path).policy
+    assert not any(p.is_meta for p in loaded.parameters())
+    assert {n: p.requires_grad for n, p in loaded.named_parameters()} == \
+        {n: p.requires_grad for n, p in saved.named_parameters()}
+    assert not loaded.vision.embeddings.patch_embedding.weight.requires_grad
+    for (name, a), b in zip(saved.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    batch = batch_for(policy_cfg("pi05_tiny"))
+    noise = torch.randn(B, cfg.policy.action_horizon, cfg.policy.max_action_dim)
+    with torch.no_grad():
+        assert torch.equal(loaded.sample_actions(batch, noise=noise), saved.sample_actions(batch, noise=noise))
