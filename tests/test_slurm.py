@@ -257,12 +257,12 @@ def test_sbatch_job_preempted_by_a_higher_priority_job_resumes_to_the_same_weigh
                                                                                     tmp_path, user_signal):
     """A real preemption (partition_prio, PreemptMode=REQUEUE, GraceTime 30 s) of a two-node sbatch
     run, with SLURM's default SIGTERM and with the user's USR2 (preempt_send_user_signal). The SIGTERM
-    case preempts in the middle of a long validation pass: the pass is abandoned and the checkpoint is
-    complete well inside the grace time. The job is requeued once and ends with the weights of an
+    case preempts as a validation pass starts: a pass it lands in is abandoned (otherwise the steps after
+    it stop), and the checkpoint is complete well inside the grace time. The job is requeued once and ends with the weights of an
     uninterrupted run."""
     set_user_signal(cluster, user_signal)
     steps, run = LONG_STEPS, tmp_path / "run"
-    # SIGTERM case: a validation pass at step 200 (~10 s over half the episodes), preempted while it runs.
+    # SIGTERM case: a validation pass at step 200 (over half the episodes), preempted as it starts.
     extra = () if user_signal else ("data.val_fraction=0.5", "trainer.val_every_steps=200")
     job = sbatch(cluster, "sbatch/train.sh", ["engine=ddp", *_overrides(sample_root, steps, LONG_EVERY), *extra],
                  tmp_path, {"NPROC_PER_NODE": "1", "RUN_DIR": str(run)})
@@ -283,7 +283,14 @@ def test_sbatch_job_preempted_by_a_higher_priority_job_resumes_to_the_same_weigh
     took = _stop_line(log, signal_name)
     assert took < GRACE_S, f"the checkpoint took {took} s after the signal, past the grace time"
     if not user_signal:
-        assert "validation at step 200 abandoned for the stop signal" in log, log[-4000:]
+        # The signal is preemption's, on SLURM's clock: it lands inside the validation pass at step 200 (which
+        # the "validation over" line starts; the pass is then abandoned and the stop is at step 200) or in the
+        # steps after it, when the scheduler takes longer than the pass (under a second on 64x64 frames).
+        # Either way the log must say which, consistently; the abandoning itself is pinned down in-process by
+        # tests/test_preempt.py::test_sigterm_during_validation_abandons_it_checkpoints_and_resumes_bitwise.
+        stopped_at = int(re.search(rf"stopped at step (\d+), [\d.]+ s after {signal_name}", log).group(1))
+        abandoned = "validation at step 200 abandoned for the stop signal" in log
+        assert stopped_at >= 200 and abandoned == (stopped_at == 200), log[-4000:]
     assert "requeueing job" in log and "restart 1" in log and "restart 2" not in log, log[-4000:]
     assert sacct_state(cluster, job).startswith("COMPLETED"), log[-4000:]
     assert (run / "FINISHED").read_text().strip() == str(steps)
