@@ -101,7 +101,7 @@ def main() -> None:
     autocast = cuda and cfg.precision == "bf16"
     ctx = (lambda: torch.autocast("cuda", torch.bfloat16)) if autocast else torch.no_grad
 
-    results, reference = {}, {}
+    results, eager = {}, None
     for mode in args.modes.split(","):
         if mode != "eager_autocast" and autocast and next(policy.parameters()).dtype != torch.bfloat16:
             lower_weights(policy, torch.bfloat16)
@@ -115,17 +115,16 @@ def main() -> None:
                 return seeded_sample_actions(sampler, spec, batch, 0)
 
         t1 = time.perf_counter()
-        first = call()
+        call()
         if cuda:
             torch.cuda.synchronize()
         row = {"first_call_s": time.perf_counter() - t1, **timed(call, args.iters, cuda)}
         actions = call().float().cpu()
         if mode == "eager":
-            reference["eager"] = actions
-        if reference.get("eager") is not None and mode != "eager":
-            row["max_abs_diff_vs_eager"] = float((actions - reference["eager"]).abs().max())
+            eager = actions
+        elif eager is not None:
+            row["max_abs_diff_vs_eager"] = float((actions - eager).abs().max())
         row["action_abs_max"] = float(actions.abs().max())
-        del first
         results[mode] = row
         print(f"{mode:>15}: p50 {row['p50_ms']:8.2f} ms  p99 {row['p99_ms']:8.2f} ms  min {row['min_ms']:8.2f} ms  "
               f"first call {row['first_call_s']:.1f} s"

@@ -34,9 +34,8 @@ from safetensors.torch import save_file
 
 from slurmvla.compose import compose
 from slurmvla.engine.materialize import materialize, parameters_on_meta, supports_deferred_init
-from slurmvla.export import load_exported
 from slurmvla.policy import build_policy, policy_class
-from slurmvla.serve import PolicyRunner
+from slurmvla.serve import build_server
 
 
 def observation(seed: int) -> dict:
@@ -106,9 +105,9 @@ def main() -> None:
     params = sum(p.numel() for p in policy.parameters())
 
     del policy
-    # The reference: the policy alone on the batch the server would build, in this process.
-    loaded = load_exported(source, device=device)
-    runner = PolicyRunner(loaded)
+    # The reference: the policy alone on the batch the server would build, in this process, loaded as the
+    # server loads it (its device, bf16 weights under precision=bf16 on a GPU).
+    runner = build_server(str(source), [], device=device).runner
     past = collections.deque([runner.read(observation(0))], maxlen=1)
     batch = runner.batch(past)
     alone = []

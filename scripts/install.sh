@@ -26,6 +26,15 @@ fi
 # at install time would need CUDA. TORCH_EXTENSIONS_DIR caches what it compiles.
 export DS_BUILD_OPS=${DS_BUILD_OPS:-0}
 "${PIP[@]}" -e ".${EXTRAS:+[$EXTRAS]}"
+if [[ ",$EXTRAS," == *",dev,"* ]] && ! command -v c++ >/dev/null; then
+  # torch.compile on the CPU (trainer.compile, serve.compile; their tests) builds C++ with the system's compiler.
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ >/dev/null
+  else
+    echo "slurmvla: torch.compile on the CPU needs a C++ compiler (Debian/Ubuntu: apt-get install g++)" >&2
+  fi
+fi
 if [[ ",$EXTRAS," == *",sim,"* ]]; then
   # MuJoCo renders offscreen through EGL: Mesa's (llvmpipe on a CPU machine; a GPU node's driver has its own).
   if ! ldconfig -p 2>/dev/null | grep -q 'libEGL_mesa.so\|libEGL_nvidia.so'; then

@@ -89,10 +89,10 @@ def count_flops_per_sample(cfg: Config, batch: dict, policy: torch.nn.Module | N
         with torch.no_grad():
             one = policy.prepare_inference(one, bucket=1)
     with torch.device("meta"):
-        policy = build_policy(cfg.policy)
+        shapes_only = build_policy(cfg.policy)
     one = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in one.items()}
     with FlopCounterMode(display=False) as counter:
-        policy(one)["loss"].backward()
+        shapes_only(one)["loss"].backward()
     return float(counter.get_total_flops())
 
 

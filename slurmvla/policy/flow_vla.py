@@ -74,7 +74,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             return F.scaled_dot_product_attention(q, repeat_heads(k, groups), repeat_heads(v, groups), attn_mask=mask)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
     if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        k, v = repeat_heads(k, groups), repeat_heads(v, groups)
     scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))

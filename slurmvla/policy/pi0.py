@@ -408,11 +408,7 @@ class Pi0Policy(Policy):
         text = self._text(batch)
         out = {k: v for k, v in batch.items() if k not in ("text", "text_mask", "instruction")}
         if text is not None:
-            ids, mask = text
-            used = mask.any(dim=0).nonzero()
-            n = int(used.max()) + 1 if len(used) else 1
-            n = min(mask.shape[1], -(-n // bucket) * bucket)
-            out[PROMPT_IDS], out[PROMPT_MASK] = ids[:, :n], mask[:, :n]
+            out[PROMPT_IDS], out[PROMPT_MASK] = _trim_padding(*text, bucket=bucket)
         return out
 
     def _prefix(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -510,13 +506,14 @@ class Pi0Policy(Policy):
         return x[..., : self.cfg.action_dim] * self.action_scale + self.action_offset
 
 
-def _trim_padding(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prompt without its trailing columns that are padding in every sample of the batch. Padding is
-    masked out of every attention and shifts no position (positions count the tokens kept), so the
-    outputs are the same with less work: a pi0.5 prompt fills ~60 of its 200 tokens, and LeRobot runs
-    all 200 through the backbone."""
+def _trim_padding(ids: torch.Tensor, mask: torch.Tensor, bucket: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt without its trailing columns that are padding in every sample of the batch (kept to a
+    multiple of ``bucket`` columns). Padding is masked out of every attention and shifts no position
+    (positions count the tokens kept), so the outputs are the same with less work: a pi0.5 prompt fills
+    ~60 of its 200 tokens, and LeRobot runs all 200 through the backbone."""
     used = mask.any(dim=0)
     n = int(used.nonzero().max()) + 1 if bool(used.any()) else 1
+    n = min(mask.shape[1], -(-n // bucket) * bucket)
     return ids[:, :n], mask[:, :n]
 
 
