@@ -65,6 +65,62 @@ class EngineConfig:
         _positive("engine.shard_degree", self.shard_degree, allow_zero=True)
 
 
+LORA_PARTS = ("backbone", "expert", "vision")
+LORA_INITS = ("gaussian", "peft")
+GEMMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    """``policy.lora``: low-rank adapters (peft's LoRA) trained instead of the language models' weights.
+
+    The defaults are openpi's LoRA fine-tuning preset (openpi ``src/openpi/models/gemma.py``: variants
+    ``gemma_2b_lora`` and ``gemma_300m_lora``; ``src/openpi/models/lora.py``; the freeze filter of
+    ``pi0_config.Pi0Config.get_freeze_filter`` used by ``training/config.py``'s
+    ``pi0_libero_low_mem_finetune``): adapters on every attention and MLP projection of the backbone
+    (rank 16, alpha 16) and of the action expert (rank 32, alpha 32), both factors drawn from N(0, 0.01),
+    every other weight of those two language models frozen, and what lies outside them (the vision
+    tower, the projections in and out, the time MLP) trained in full. Under ``precision=bf16`` the
+    frozen weights are held in bf16; the adapters' masters and optimizer state are fp32."""
+
+    enabled: bool = False
+    # Rank and alpha (the update is scaled by alpha / rank) in the backbone and the vision tower ...
+    rank: int = 16
+    alpha: float = 16.0
+    # ... and in the action expert.
+    expert_rank: int = 32
+    expert_alpha: float = 32.0
+    dropout: float = 0.0
+    # The parts that get adapters (the policy's lora_parts(): backbone, expert, vision); their other
+    # weights are frozen.
+    parts: list[str] = field(default_factory=lambda: ["backbone", "expert"])
+    # Names of the nn.Linear modules adapted inside those parts (the last component, e.g. q_proj);
+    # null: every nn.Linear in them (pi0 / pi0.5: q, k, v, o, gate, up and down projections).
+    targets: list[str] | None = None
+    # gaussian: both factors from N(0, 0.01) (openpi); peft: peft's default (Kaiming-uniform A, zero B:
+    # training starts from exactly the base model).
+    init: str = "gaussian"
+    # Parameters outside the adapted parts train in full (openpi); false freezes them too.
+    train_other: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("rank", "expert_rank"):
+            _positive(f"policy.lora.{key}", getattr(self, key))
+        for key in ("alpha", "expert_alpha"):
+            _positive(f"policy.lora.{key}", getattr(self, key))
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"policy.lora.dropout={self.dropout!r} is not valid; it must be in [0, 1)")
+        if not self.parts:
+            raise ValueError("policy.lora.parts=[] adapts nothing; name at least one of "
+                             f"{list(LORA_PARTS)}, or set policy.lora.enabled=false")
+        for part in self.parts:
+            _choice("policy.lora.parts", part, LORA_PARTS)
+        _choice("policy.lora.init", self.init, LORA_INITS)
+        if self.targets is not None and not self.targets:
+            raise ValueError("policy.lora.targets=[] adapts nothing; name the nn.Linear modules (e.g. [q_proj, "
+                             "v_proj]) or leave it null for every nn.Linear in policy.lora.parts")
+
+
 @dataclass
 class PolicyConfig:
     """What every policy has, built-in or a user's (``policy=custom``): the shapes the data is built and
@@ -95,6 +151,8 @@ class PolicyConfig:
     # Normalization a policy was trained with (pi0.5: quantile); None: data.state/action_normalization.
     state_normalization: str | None = None
     action_normalization: str | None = None
+    # Low-rank adapters instead of full fine-tuning (slurmvla/policy/lora.py; the peft extra).
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         entry = POLICIES.get(self.name)
@@ -190,6 +248,9 @@ class Pi0Config(TransformerPolicyConfig):
     # Loading pretrained weights that leave some of the policy's tensors unset (they keep their random
     # initialisation, named in the log) is an error unless this is true.
     allow_partial_load: bool = False
+    # openpi's LoRA targets: Gemma's attention and MLP projections (not pi0.5's adaptive-norm modulation,
+    # which openpi's LoRA leaves frozen).
+    lora: LoraConfig = field(default_factory=lambda: LoraConfig(targets=list(GEMMA_LORA_TARGETS)))
 
     def __post_init__(self) -> None:
         super().__post_init__()

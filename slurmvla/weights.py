@@ -40,3 +40,39 @@ def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
             local[tuple(slice(0, s) for s in shape)].copy_(part.to(local.dtype))
         else:
             param.copy_(full.to(param.dtype))
+
+
+# -- names of a policy with low-rank adapters (slurmvla.policy.lora, through peft) ---------------------
+# peft replaces an adapted nn.Linear by a wrapper that keeps the original as ``base_layer`` and adds
+# the adapters' factors beside it: ``q_proj.weight`` becomes ``q_proj.base_layer.weight`` next to
+# ``q_proj.lora_A.default.weight`` and ``q_proj.lora_B.default.weight``.
+BASE_LAYER = ".base_layer"
+ADAPTER_MARKERS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.")
+
+
+def is_adapter(name: str) -> bool:
+    return any(marker in name for marker in ADAPTER_MARKERS)
+
+
+def plain_name(name: str) -> str:
+    """The name a base weight has in the policy without adapters (``q_proj.base_layer.weight`` ->
+    ``q_proj.weight``): pretrained files, initialisation and exports speak these names."""
+    return name.replace(BASE_LAYER + ".", ".")
+
+
+def has_adapters(module: torch.nn.Module) -> bool:
+    return any(is_adapter(name) for name, _ in module.named_parameters())
+
+
+def base_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The module's parameters by their plain names, adapters left out (the whole set without adapters)."""
+    return {plain_name(n): p for n, p in module.named_parameters() if not is_adapter(n)}
+
+
+def checkpoint_keys(module: torch.nn.Module) -> set[str] | None:
+    """What a checkpoint of ``module`` holds: None (everything) for a policy without adapters; with
+    adapters, the trained parameters and the buffers, never the frozen base, which every run rebuilds
+    bitwise from its config (the seed or the pretrained file)."""
+    if not has_adapters(module):
+        return None
+    return {n for n, p in module.named_parameters() if p.requires_grad} | {n for n, _ in module.named_buffers()}

@@ -37,8 +37,10 @@ from torch.distributed.tensor import DTensor
 from slurmvla.config import EngineConfig, OptimConfig
 from slurmvla.engine.base import BackgroundSave, EngineCore, StepSettings, checkpoint_group, read_param_groups
 from slurmvla.engine.materialize import has_meta_parameters, materialize
+from slurmvla.engine.precision import lower_frozen_base
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
+from slurmvla.weights import checkpoint_keys
 
 DCP_DIR = "dcp"
 
@@ -83,6 +85,9 @@ class FSDPEngine(EngineCore):
         deferred = has_meta_parameters(policy)  # built on the meta device: materialised after sharding
         if not deferred:
             policy.to(self.device)
+        # With low-rank adapters the frozen base is sharded in the compute dtype (FSDP needs one dtype
+        # among a unit's trainable parameters only).
+        lower_frozen_base(policy, self.compute_dtype)
         reduce = torch.float32 if self.cfg.reduce_dtype == "fp32" else torch.bfloat16
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce) if self.compute_dtype != torch.float32 \
             else MixedPrecisionPolicy()
@@ -132,8 +137,12 @@ class FSDPEngine(EngineCore):
         set_model_state_dict(self.module, state, options=StateDictOptions(full_state_dict=True))
 
     def _sharded_state(self) -> dict:
-        return {"model": get_model_state_dict(self.module),
-                "optim": get_optimizer_state_dict(self.module, self.optimizer)}
+        """What a checkpoint holds: the model's state (with low-rank adapters, the trained parameters and
+        buffers only: :func:`slurmvla.weights.checkpoint_keys`) and the optimizer's."""
+        model, keys = get_model_state_dict(self.module), checkpoint_keys(self.module)
+        if keys is not None:
+            model = {k: v for k, v in model.items() if k in keys}
+        return {"model": model, "optim": get_optimizer_state_dict(self.module, self.optimizer)}
 
     def save(self, directory: Path) -> None:
         try:
@@ -171,7 +180,8 @@ class FSDPEngine(EngineCore):
         state = self._sharded_state()
         dcp.load(state, checkpoint_id=str(directory / DCP_DIR))
         # Model and optimizer separately: the combined set_state_dict path can hang on load.
-        set_model_state_dict(self.module, state["model"])
+        set_model_state_dict(self.module, state["model"],
+                             options=StateDictOptions(strict=checkpoint_keys(self.module) is None))
         set_optimizer_state_dict(self.module, self.optimizer, state["optim"])
 
 

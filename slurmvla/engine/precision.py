@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from slurmvla.weights import checkpoint_keys, has_adapters
+
 
 class MasterWeightOptimizer(torch.optim.Optimizer):
     def __init__(self, param_groups: list[dict[str, Any]], make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
@@ -114,6 +116,7 @@ class MasterWeights:
     def lower(self, policy: nn.Module) -> None:
         if self.compute_dtype == torch.float32:
             return
+        lower_frozen_base(policy, self.compute_dtype)
         for p in policy.parameters():
             if p.requires_grad:
                 # Kept until the optimizer is built, to seed the masters with the exact fp32 values.
@@ -136,6 +139,12 @@ class MasterWeights:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
 
+    def checkpoint_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds: the full state, or with low-rank adapters the trained parameters and
+        buffers (:func:`slurmvla.weights.checkpoint_keys`)."""
+        state, keys = self.full_state(module), checkpoint_keys(module)
+        return state if keys is None else {k: v for k, v in state.items() if k in keys}
+
     def full_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The full fp32 state (masters where they exist), as CPU tensors."""
         state = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype, copy=True)
@@ -148,6 +157,10 @@ class MasterWeights:
     def load_full_state(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Set live weights (and masters, without bf16 rounding) from a full fp32 state."""
         own = module.state_dict()
+        # With adapters a checkpoint holds the trained parameters and buffers only (the base is rebuilt).
+        keys = checkpoint_keys(module)
+        if keys is not None and set(state) == keys:
+            own = {k: v for k, v in own.items() if k in keys}
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the policy: missing {missing[:5]}, unexpected {unexpected[:5]}")
@@ -180,3 +193,13 @@ def check_fp32_master_state(optimizer: torch.optim.Optimizer) -> None:
                 raise RuntimeError(
                     f"optimizer state {key!r} is {value.dtype}, not fp32: Adam moments in bf16 silently stop learning"
                 )
+
+
+def lower_frozen_base(policy: nn.Module, dtype: torch.dtype) -> None:
+    """With low-rank adapters, the frozen base is held in the compute dtype (it is only ever read in it:
+    half the memory, no per-step cast); without adapters frozen parameters stay fp32."""
+    if dtype == torch.float32 or not has_adapters(policy):
+        return
+    for p in policy.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(dtype)

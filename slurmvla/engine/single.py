@@ -84,7 +84,7 @@ class SingleEngine(EngineCore):
         background thread while training goes on (replicated: rank 0 writes it once)."""
         if not self.env.is_main:
             return lambda directory: None
-        model, optimizer = self.model_state_dict(), host_copy(self.optimizer.state_dict())
+        model, optimizer = self.weights.checkpoint_state(self.module), host_copy(self.optimizer.state_dict())
 
         def write(directory: Path) -> None:
             save_file(model, str(directory / MODEL_FILE))

@@ -34,6 +34,7 @@ from slurmvla.config import EngineConfig, OptimConfig
 from slurmvla.engine.base import BackgroundSave, EngineCore, StepSettings, checkpoint_group, read_param_groups
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
+from slurmvla.weights import has_adapters
 
 DS_DIR = "deepspeed"
 DS_TAG = "state"
@@ -74,6 +75,9 @@ class DeepSpeedEngine(EngineCore):
         # Full-shape and fp32 until deepspeed.initialize partitions (and, under bf16, casts) it.
         policy.to(self.device)
         self.module = policy
+        # With low-rank adapters a checkpoint leaves out the frozen base (rebuilt from the config; under
+        # bf16 DeepSpeed holds it in bf16 as it holds every live parameter).
+        self._adapters = has_adapters(policy)
         base = build_adamw(read_param_groups(policy, optim), optim, self.device)
         self._ds, ds_optimizer, _, _ = deepspeed.initialize(model=policy, optimizer=base, config=self.ds_config())
         # The torch optimizer that steps on the fp32 partitions: the LR schedule acts on it.
@@ -140,7 +144,8 @@ class DeepSpeedEngine(EngineCore):
                 safe_set_full_fp32_param(p, state[name].to(self.device))
 
     def save(self, directory: Path) -> None:
-        self._ds.save_checkpoint(str(directory / DS_DIR), tag=DS_TAG, save_latest=False)
+        self._ds.save_checkpoint(str(directory / DS_DIR), tag=DS_TAG, save_latest=False,
+                                 exclude_frozen_parameters=self._adapters)
 
     def save_in_background(self, directory: Path) -> BackgroundSave:
         """DeepSpeed's save, every file serialized into host memory now (the same bytes ``torch.save``
@@ -149,7 +154,8 @@ class DeepSpeedEngine(EngineCore):
         capture = _in_memory_files()(self._ds.checkpoint_engine)  # the class imports DeepSpeed: built on first use
         original, self._ds.checkpoint_engine = self._ds.checkpoint_engine, capture
         try:
-            self._ds.save_checkpoint(str(directory / DS_DIR), tag=DS_TAG, save_latest=False)
+            self._ds.save_checkpoint(str(directory / DS_DIR), tag=DS_TAG, save_latest=False,
+                                 exclude_frozen_parameters=self._adapters)
         finally:
             self._ds.checkpoint_engine = original
         files, capture.files = capture.files, []
@@ -169,7 +175,7 @@ class DeepSpeedEngine(EngineCore):
 
     def load(self, directory: Path) -> None:
         path, _ = self._ds.load_checkpoint(str(directory / DS_DIR), tag=DS_TAG, load_optimizer_states=True,
-                                           load_lr_scheduler_states=False)
+                                           load_lr_scheduler_states=False, load_module_strict=not self._adapters)
         if path is None:
             raise ValueError(f"{directory / DS_DIR} holds no DeepSpeed checkpoint with tag {DS_TAG!r}")
 

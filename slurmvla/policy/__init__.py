@@ -25,7 +25,14 @@ def sample_spec(cfg: PolicyConfig) -> SampleSpec:
 
 
 def build_policy(cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None = None) -> Policy:
-    return construct(policy_class(cfg), cfg, stats)
+    """The configured policy, with its low-rank adapters when ``policy.lora.enabled`` (added after the
+    policy's own weights are in: slurmvla/policy/lora.py)."""
+    policy = construct(policy_class(cfg), cfg, stats)
+    if cfg.lora.enabled:
+        from slurmvla.policy.lora import apply_lora
+
+        apply_lora(policy, cfg)
+    return policy
 
 
 __all__ = ["Policy", "build_policy", "policy_class", "sample_spec"]

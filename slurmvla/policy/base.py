@@ -15,6 +15,8 @@ A policy is a ``torch.nn.Module`` built as ``Class(policy_cfg, stats, **policy.k
   (``normalized = (x - offset) / scale``, from the data's statistics); keep them as buffers so they
   travel with the weights.
 - ``wrap_units()`` names the modules a sharding engine wraps one by one (one per layer).
+- ``lora_parts()`` names the modules of the backbone, the action expert and the vision tower, where
+  ``policy.lora`` puts its adapters (slurmvla/policy/lora.py).
 - ``param_groups(weight_decay, lr, backbone_lr_scale)`` splits trainable parameters into backbone /
   action expert (``expert_modules()``), each into decay / no-decay.
 - ``sample_spec(cfg)`` (a classmethod: the data is built before the policy, whose normalization
@@ -126,6 +128,13 @@ class Policy(nn.Module):
         """Modules that form the action expert; every other parameter belongs to the backbone.
         Default: none (one backbone group, decay / no decay)."""
         return []
+
+    def lora_parts(self) -> dict[str, list[nn.Module]]:
+        """The modules of each part ``policy.lora.parts`` can name (``backbone``, ``expert``, ``vision``);
+        a module in a more specific part (vision, then expert) wins over a backbone module that contains it,
+        and parameters in no part are trained or frozen by ``policy.lora.train_other``. Default: the
+        action expert (``expert_modules()``) and everything else as backbone."""
+        return {"expert": list(self.expert_modules()), "backbone": [self]}
 
     def no_weight_decay(self, name: str, p: torch.Tensor) -> bool:
         """Whether parameter ``name`` is exempt from weight decay. Default: 1-D tensors (norm weights,

@@ -278,6 +278,12 @@ class FlowMatchingVLA(Policy):
     def wrap_units(self) -> list[nn.Module]:
         return [*self.vision.blocks, *self.layers]
 
+    def lora_parts(self) -> dict[str, list[nn.Module]]:
+        """The vision tower; the transformer layers (their expert halves are the expert's) and the text
+        embedding as the backbone; the input and output projections are neither."""
+        return {"vision": [self.vision], "backbone": [self.text_embed, *self.layers],
+                "expert": [m for layer in self.layers for m in layer.expert_parts()]}
+
     def expert_modules(self) -> list[nn.Module]:
         parts = [self.expert_in, self.expert_out_norm, self.expert_out]
         for layer in self.layers:

@@ -371,6 +371,12 @@ class Pi0Policy(Policy):
         return [layer.expert for layer in self.layers] + [
             m for n, m in self.named_children() if n not in ("vision", "projector", "embed_tokens", "layers")]
 
+    def lora_parts(self) -> dict[str, list[nn.Module]]:
+        """openpi's split: the two language models (the backbone with its token embedding; the expert with
+        its final norm) and the vision tower; the projector, the action and time projections are neither."""
+        return {"vision": [self.vision], "backbone": [self.embed_tokens, *(layer.backbone for layer in self.layers)],
+                "expert": [*(layer.expert for layer in self.layers), self.expert_norm]}
+
     def no_weight_decay(self, name: str, p: torch.Tensor) -> bool:
         return super().no_weight_decay(name, p) or name.startswith("embed_tokens.") or "position_embedding" in name
 

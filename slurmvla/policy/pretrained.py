@@ -29,7 +29,7 @@ from torch import nn
 
 from slurmvla.config import PolicyConfig
 from slurmvla.policy.tokenizer import VOCAB_SIZE, ByteTokenizer
-from slurmvla.weights import copy_full_into
+from slurmvla.weights import base_parameters, copy_full_into
 
 _VISION = r"(?:model\.)?vision_tower\.(?:vision_model\.)?"
 _LM = r"(?:model\.language_model\.|language_model\.(?:model\.)?)"
@@ -151,7 +151,7 @@ def load_pretrained(policy: nn.Module, path: str | Path) -> str:
     turns missing tensors into a warning that names them."""
     layout, tensors, files = read_pretrained(path)
     where = ", ".join(str(f) for f in files[:3]) + (" ..." if len(files) > 3 else "")
-    own = dict(policy.named_parameters())
+    own = base_parameters(policy)  # plain names: the same with or without low-rank adapters
     unused = sorted(k for k in tensors if k not in own and _UNUSED_IN_POLICY.match(k))
     tensors = {k: v for k, v in tensors.items() if k not in unused}
     unexpected = sorted(set(tensors) - set(own))
