@@ -65,6 +65,7 @@ from slurmvla.collectives import gather_objects
 from slurmvla.engine.base import BackgroundSave
 from slurmvla.engine.ema import EMA_FILE
 from slurmvla.registry import ENGINES
+from slurmvla.weights import has_adapters
 
 log = logging.getLogger("slurmvla")
 
@@ -554,6 +555,9 @@ class CheckpointManager:
         return state, rank_state
 
 
+BASE_INIT_SEED = "base_init_seed"
+
+
 def load_model_file(checkpoint: Path, ema: bool = False) -> dict[str, torch.Tensor]:
     """The full fp32 policy state of a checkpoint, whatever engine wrote it, in one process
     (``ema``: the moving average of its weights instead)."""
@@ -567,8 +571,13 @@ def load_model_file(checkpoint: Path, ema: bool = False) -> dict[str, torch.Tens
 
 
 def _meta(step: int, engine: Any) -> dict[str, Any]:
-    return {"step": step, "engine": engine.name, "precision": engine.precision, "world_size": engine.env.world_size,
+    meta = {"step": step, "engine": engine.name, "precision": engine.precision, "world_size": engine.env.world_size,
             "format": FORMAT}
+    policy = getattr(engine, "module", None)
+    if policy is not None and has_adapters(policy) and hasattr(policy, "init_seed"):
+        # A LoRA checkpoint leaves the frozen base out: the seed its random part was drawn from rebuilds it.
+        meta[BASE_INIT_SEED] = int(policy.init_seed)
+    return meta
 
 
 def _barrier() -> None:

@@ -3,6 +3,7 @@
     python -m slurmvla.export CHECKPOINT_OR_RUN_DIR OUT.safetensors
     python -m slurmvla.export CHECKPOINT_OR_RUN_DIR OUT_DIR --layout lerobot    # pi0 / pi0.5 for LeRobot 0.6.1
     python -m slurmvla.export CHECKPOINT_OR_RUN_DIR OUT.safetensors --ema       # the moving average (trainer.ema_decay)
+    python -m slurmvla.export LORA_RUN_DIR OUT.safetensors --adapters           # a LoRA run's adapters alone (default: merged)
 
 The file's metadata carries the step, the engine and, when the run directory has it, the resolved
 config, so the policy can be rebuilt without the run directory. :func:`load_exported` rebuilds
@@ -29,21 +30,26 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from slurmvla.checkpoint import META_FILE, load_model_file, resolve_checkpoint
+from slurmvla.checkpoint import BASE_INIT_SEED, META_FILE, load_model_file, resolve_checkpoint
 from slurmvla.compose import ArgumentParser, check_override_keys, explain_config_error, to_config
 from slurmvla.config import Config
 from slurmvla.engine.materialize import parameters_on_meta, supports_deferred_init
 from slurmvla.lerobot_checkpoint import lerobot_config, lerobot_type, not_lerobot_reason
 from slurmvla.policy import Policy, build_policy, policy_class
+from slurmvla.weights import checkpoint_keys
 
 CONFIG_FILE = "config.resolved.yaml"
 log = logging.getLogger(__name__)
 
 
-def export(source: str | Path, out: str | Path, overrides: list[str] | tuple[str, ...] = (), ema: bool = False) -> Path:
+def export(source: str | Path, out: str | Path, overrides: list[str] | tuple[str, ...] = (), ema: bool = False,
+           adapters: bool = False) -> Path:
     """``source`` as one fp32 file. ``overrides`` are read for a LeRobot checkpoint directory only (its
     size when it is not a published one, its tokenizer): a slurmvla checkpoint is written as it is.
-    ``ema``: the checkpoint's moving average of the weights (``trainer.ema_decay``) instead of them."""
+    ``ema``: the checkpoint's moving average of the weights (``trainer.ema_decay``) instead of them.
+    A LoRA run's checkpoint is written merged (the plain policy, which loads without peft) unless
+    ``adapters``: then the adapters and what else it trained alone, small, loaded onto the base its config
+    rebuilds."""
     if lerobot_type(source):
         if ema:
             raise ValueError(f"--ema: {str(source)!r} is a LeRobot checkpoint directory, which holds one set of weights")
@@ -58,23 +64,34 @@ def export(source: str | Path, out: str | Path, overrides: list[str] | tuple[str
     if reason := not_lerobot_reason(source):
         raise ValueError(reason)
     checkpoint = resolve_checkpoint(source)
-    state = load_model_file(checkpoint, ema=ema)
-    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     meta = json.loads((checkpoint / META_FILE).read_text())
     metadata = {"step": str(meta["step"]), "engine": meta["engine"], "source": str(checkpoint.resolve()),
                 "weights": "moving average" if ema else "trained"}
     config = checkpoint.parent.parent / CONFIG_FILE
     if config.is_file():
         metadata["config_yaml"] = config.read_text()
+    if config.is_file() and _config(metadata["config_yaml"], [], str(config)).policy.lora.enabled and not adapters:
+        # A LoRA run: its adapters folded into the base it was trained on, written as the plain policy.
+        loaded = load_exported(checkpoint, ema=ema)
+        return _export_loaded(loaded, out, {**metadata, "lora": "merged"})
+    state = load_model_file(checkpoint, ema=ema)
+    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    if adapters:
+        if not (config.is_file() and _config(metadata["config_yaml"], [], str(config)).policy.lora.enabled):
+            raise ValueError(f"--adapters: checkpoint {checkpoint} is not from a LoRA run (policy.lora.enabled=false "
+                             f"in {config}); export its weights without --adapters")
+        metadata["lora"] = "adapters"
+        if BASE_INIT_SEED in meta:
+            metadata[BASE_INIT_SEED] = str(meta[BASE_INIT_SEED])
     return _write(state, metadata, out)
 
 
-def _export_loaded(loaded: Loaded, out: str | Path) -> Path:
+def _export_loaded(loaded: Loaded, out: str | Path, metadata: dict[str, str] | None = None) -> Path:
     """A loaded policy (e.g. a LeRobot checkpoint directory's) as a self-contained slurmvla file."""
     config_dict = OmegaConf.to_container(OmegaConf.structured(loaded.cfg))
     state = {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
              for k, v in loaded.policy.state_dict().items()}
-    metadata = {"step": str(loaded.step), "engine": "none", "source": loaded.source,
+    metadata = {"step": str(loaded.step), "engine": "none", "source": loaded.source, **(metadata or {}),
                 "config_yaml": OmegaConf.to_yaml(config_dict)}
     return _write(state, metadata, out)
 
@@ -97,14 +114,15 @@ class Loaded:
 
 
 def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (),
-                  device: str | torch.device = "cpu", ema: bool = False) -> Loaded:
+                  device: str | torch.device = "cpu", ema: bool = False, merge: bool = True) -> Loaded:
     """The trained policy, rebuilt from its config alone and loaded with its weights.
 
     ``source``: a file written by :func:`export` (its metadata carries the config), a checkpoint
     folder, or a run directory (its newest complete checkpoint; the config is the run's
     ``config.resolved.yaml``). ``overrides``: Hydra-style ``key=value`` pairs applied to that config
     (e.g. ``policy.num_inference_steps=5``, ``data.root=...``). A ValueError names the file and what
-    is wrong with it."""
+    is wrong with it. A LoRA run's adapters are rebuilt onto its base and, with ``merge`` (the default),
+    folded into it."""
     path = Path(source)
     if ema and (not path.is_dir() or lerobot_type(path)):
         raise ValueError(f"--ema reads a slurmvla checkpoint's moving average; {str(path)!r} is not a checkpoint "
@@ -121,6 +139,7 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
             raise ValueError(f"{str(path)!r} carries no config in its metadata (exported from a checkpoint without "
                              f"its run directory's {CONFIG_FILE}); load the run directory instead")
         config_yaml, step, origin = metadata["config_yaml"], int(metadata.get("step", -1)), str(path)
+        base_seed = metadata.get(BASE_INIT_SEED)
         where = f"the config in {path}'s metadata"
         state = load_file(str(path))
     elif path.is_dir():
@@ -132,12 +151,15 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
             raise ValueError(f"checkpoint {checkpoint} has no {CONFIG_FILE} in its run directory {config.parent}: "
                              "the policy cannot be rebuilt without its config")
         config_yaml, where = config.read_text(), str(config)
-        step = int(json.loads((checkpoint / META_FILE).read_text())["step"])
+        meta = json.loads((checkpoint / META_FILE).read_text())
+        step, base_seed = int(meta["step"]), meta.get(BASE_INIT_SEED)
         origin, state = str(checkpoint), load_model_file(checkpoint, ema=ema)
     else:
         raise ValueError(f"{str(path)!r} does not exist; give an exported .safetensors file, a checkpoint folder "
                          "or a run directory")
     cfg = _config(config_yaml, list(overrides), where)
+    if cfg.policy.lora.enabled:
+        return _load_adapted(cfg, state, step, origin, device, merge, None if base_seed is None else int(base_seed))
     # The trained weights (and normalization buffers) replace any pretrained ones: do not read (or
     # need) the pretrained file; keep its tokenizer, which the policy's prompts are written with.
     # A policy that can initialise parameter by parameter is built on the meta device and takes the loaded
@@ -151,6 +173,38 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
         raise ValueError(f"{origin}: the weights do not fit the policy its config builds ({cfg.policy.name}); "
                          f"missing: {missing[:5]}, unexpected: {unexpected[:5]}")
     policy.load_state_dict(state, assign=deferred)
+    return Loaded(policy.to(device).eval(), cfg, step, origin)
+
+
+def _load_adapted(cfg: Config, state: dict[str, torch.Tensor], step: int, origin: str, device,
+                  merge: bool, base_seed: int | None) -> Loaded:
+    """A LoRA run's adapters (and whatever else it trained, and the buffers) onto its base, rebuilt as the
+    run built it (the seed, or ``policy.pretrained_path``: the file must still be there). ``merge``: the
+    adapters folded into the base weights (same function, plain policy, less compute per call); the
+    config then says ``policy.lora.enabled=false``."""
+    from slurmvla.engine.materialize import materialize
+    from slurmvla.policy.lora import merge_adapters
+    from slurmvla.seeding import seed_everything
+
+    deferred = supports_deferred_init(policy_class(cfg.policy))
+    seed_everything(cfg.trainer.seed)  # as the trainer built it: the same random draws
+    with parameters_on_meta() if deferred else contextlib.nullcontext():
+        policy = build_policy(cfg.policy)
+    if deferred:
+        if base_seed is not None:  # the checkpoint's own record of the seed its base was drawn from
+            policy.init_seed = base_seed
+        materialize(policy, torch.device("cpu"))
+    expected = {k: v for k, v in policy.state_dict().items() if k in checkpoint_keys(policy)}
+    missing, unexpected = _mismatch(expected, state)
+    if missing or unexpected:
+        raise ValueError(f"{origin}: the weights do not fit the LoRA policy its config builds ({cfg.policy.name}, "
+                         f"policy.lora: rank {cfg.policy.lora.rank}, parts {list(cfg.policy.lora.parts)}); missing: "
+                         f"{missing[:5]}, unexpected: {unexpected[:5]}")
+    policy.load_state_dict(state, strict=False)
+    if merge:
+        merge_adapters(policy)
+        cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, lora=dataclasses.replace(
+            cfg.policy.lora, enabled=False)))
     return Loaded(policy.to(device).eval(), cfg, step, origin)
 
 
@@ -254,11 +308,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="lerobot: a LeRobot 0.6.1 pi0 / pi0.5 checkpoint directory (strict-loadable)")
     parser.add_argument("--ema", action="store_true",
                         help="the moving average of the weights the checkpoint holds (trainer.ema_decay)")
+    parser.add_argument("--adapters", action="store_true",
+                        help="a LoRA run: its adapters alone (small; serve and evaluate rebuild the base), not merged")
     parser.add_argument("overrides", nargs="*", help="for a LeRobot source: e.g. policy.tokenizer_path=DIR")
     args = parser.parse_intermixed_args(argv)
     try:
-        write = export if args.layout == "slurmvla" else export_lerobot
-        out = write(args.source, args.out, args.overrides, ema=args.ema)
+        if args.adapters and args.layout != "slurmvla":
+            raise ValueError("--adapters writes slurmvla's layout; --layout lerobot writes the merged weights")
+        if args.layout == "slurmvla":
+            out = export(args.source, args.out, args.overrides, ema=args.ema, adapters=args.adapters)
+        else:
+            out = export_lerobot(args.source, args.out, args.overrides, ema=args.ema)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

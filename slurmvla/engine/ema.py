@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from slurmvla.weights import checkpoint_keys
+
 EMA_FILE = "ema.safetensors"
 
 
@@ -55,10 +57,14 @@ class MovingAverage:
                 torch._foreach_copy_(masters, kept)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The averaged policy as full fp32 CPU tensors (a collective where the engine shards; on rank 0
+        """The averaged policy as fp32 CPU tensors (a collective where the engine shards; on rank 0
         where the engine gathers there only)."""
         with self.swapped_in():
-            return self.engine.model_state_dict()
+            state = self.engine.model_state_dict()
+        # With low-rank adapters only trained tensors are averaged: the frozen base is left out, as the
+        # checkpoint leaves it out of the weights (slurmvla.weights.checkpoint_keys).
+        keys = checkpoint_keys(self.engine.module)
+        return state if keys is None or not state else {k: v for k, v in state.items() if k in keys}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Take the average from a full state. The engine's weights are overwritten on the way: load the
