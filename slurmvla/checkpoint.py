@@ -540,6 +540,11 @@ class CheckpointManager:
                 f"checkpoint {path} was written at world size {meta['world_size']}, this run has "
                 f"{engine.env.world_size}; engine={engine.name!r} resumes at the same world size only"
             )
+        if LORA_BASE in meta:
+            from slurmvla.policy.lora import check_base
+
+            check_base(meta[LORA_BASE], getattr(getattr(engine.module, "cfg", None), "pretrained_path", None),
+                       f"checkpoint {path}")
         if ema is not None and (path / EMA_FILE).is_file():
             ema.load_state_dict(load_file(str(path / EMA_FILE)))  # first: it passes through the weights
         engine.load(path)
@@ -555,7 +560,7 @@ class CheckpointManager:
         return state, rank_state
 
 
-BASE_INIT_SEED = "base_init_seed"
+LORA_BASE = "lora_base"
 
 
 def load_model_file(checkpoint: Path, ema: bool = False) -> dict[str, torch.Tensor]:
@@ -574,9 +579,12 @@ def _meta(step: int, engine: Any) -> dict[str, Any]:
     meta = {"step": step, "engine": engine.name, "precision": engine.precision, "world_size": engine.env.world_size,
             "format": FORMAT}
     policy = getattr(engine, "module", None)
-    if policy is not None and has_adapters(policy) and hasattr(policy, "init_seed"):
-        # A LoRA checkpoint leaves the frozen base out: the seed its random part was drawn from rebuilds it.
-        meta[BASE_INIT_SEED] = int(policy.init_seed)
+    if policy is not None and has_adapters(policy):
+        from slurmvla.policy.lora import base_record
+
+        # A LoRA checkpoint leaves the frozen base out: what rebuilds it (the seed of its random part, the
+        # pretrained files it was loaded from).
+        meta[LORA_BASE] = base_record(policy)
     return meta
 
 

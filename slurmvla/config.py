@@ -171,6 +171,10 @@ class PolicyConfig:
         for key in ("state_normalization", "action_normalization"):
             if getattr(self, key) is not None:
                 _choice(f"policy.{key}", getattr(self, key), NORMALIZATIONS)
+        if self.lora.enabled and self.train_expert_only and "backbone" in self.lora.parts:
+            raise ValueError(f"policy.train_expert_only=true trains nothing in the backbone, but policy.lora.parts="
+                             f"{list(self.lora.parts)} puts trained adapters there; set policy.lora.parts=[expert] "
+                             "(adapters on the expert only) or policy.train_expert_only=false")
 
 
 @dataclass

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from slurmvla.checkpoint import BASE_INIT_SEED, META_FILE, load_model_file, resolve_checkpoint
+from slurmvla.checkpoint import LORA_BASE, META_FILE, load_model_file, resolve_checkpoint
 from slurmvla.compose import ArgumentParser, check_override_keys, explain_config_error, to_config
 from slurmvla.config import Config
 from slurmvla.engine.materialize import parameters_on_meta, supports_deferred_init
@@ -81,8 +81,8 @@ def export(source: str | Path, out: str | Path, overrides: list[str] | tuple[str
             raise ValueError(f"--adapters: checkpoint {checkpoint} is not from a LoRA run (policy.lora.enabled=false "
                              f"in {config}); export its weights without --adapters")
         metadata["lora"] = "adapters"
-        if BASE_INIT_SEED in meta:
-            metadata[BASE_INIT_SEED] = str(meta[BASE_INIT_SEED])
+        if LORA_BASE in meta:
+            metadata[LORA_BASE] = json.dumps(meta[LORA_BASE])
     return _write(state, metadata, out)
 
 
@@ -139,7 +139,7 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
             raise ValueError(f"{str(path)!r} carries no config in its metadata (exported from a checkpoint without "
                              f"its run directory's {CONFIG_FILE}); load the run directory instead")
         config_yaml, step, origin = metadata["config_yaml"], int(metadata.get("step", -1)), str(path)
-        base_seed = metadata.get(BASE_INIT_SEED)
+        base = json.loads(metadata[LORA_BASE]) if LORA_BASE in metadata else None
         where = f"the config in {path}'s metadata"
         state = load_file(str(path))
     elif path.is_dir():
@@ -152,14 +152,14 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
                              "the policy cannot be rebuilt without its config")
         config_yaml, where = config.read_text(), str(config)
         meta = json.loads((checkpoint / META_FILE).read_text())
-        step, base_seed = int(meta["step"]), meta.get(BASE_INIT_SEED)
+        step, base = int(meta["step"]), meta.get(LORA_BASE)
         origin, state = str(checkpoint), load_model_file(checkpoint, ema=ema)
     else:
         raise ValueError(f"{str(path)!r} does not exist; give an exported .safetensors file, a checkpoint folder "
                          "or a run directory")
     cfg = _config(config_yaml, list(overrides), where)
     if cfg.policy.lora.enabled:
-        return _load_adapted(cfg, state, step, origin, device, merge, None if base_seed is None else int(base_seed))
+        return _load_adapted(cfg, state, step, origin, device, merge, base)
     # The trained weights (and normalization buffers) replace any pretrained ones: do not read (or
     # need) the pretrained file; keep its tokenizer, which the policy's prompts are written with.
     # A policy that can initialise parameter by parameter is built on the meta device and takes the loaded
@@ -177,22 +177,23 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
 
 
 def _load_adapted(cfg: Config, state: dict[str, torch.Tensor], step: int, origin: str, device,
-                  merge: bool, base_seed: int | None) -> Loaded:
+                  merge: bool, base: dict | None) -> Loaded:
     """A LoRA run's adapters (and whatever else it trained, and the buffers) onto its base, rebuilt as the
     run built it (the seed, or ``policy.pretrained_path``: the file must still be there). ``merge``: the
     adapters folded into the base weights (same function, plain policy, less compute per call); the
     config then says ``policy.lora.enabled=false``."""
     from slurmvla.engine.materialize import materialize
-    from slurmvla.policy.lora import merge_adapters
+    from slurmvla.policy.lora import check_base, merge_adapters
     from slurmvla.seeding import seed_everything
 
+    check_base(base, getattr(cfg.policy, "pretrained_path", None), origin)
     deferred = supports_deferred_init(policy_class(cfg.policy))
     seed_everything(cfg.trainer.seed)  # as the trainer built it: the same random draws
     with parameters_on_meta() if deferred else contextlib.nullcontext():
         policy = build_policy(cfg.policy)
     if deferred:
-        if base_seed is not None:  # the checkpoint's own record of the seed its base was drawn from
-            policy.init_seed = base_seed
+        if base and "init_seed" in base:  # the checkpoint's own record of the seed its base was drawn from
+            policy.init_seed = int(base["init_seed"])
         materialize(policy, torch.device("cpu"))
     expected = {k: v for k, v in policy.state_dict().items() if k in checkpoint_keys(policy)}
     missing, unexpected = _mismatch(expected, state)

@@ -25,6 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from slurmvla.checkpoint import load_model_file
 from slurmvla.compose import compose
 from slurmvla.config import EngineConfig
 from slurmvla.engine.fsdp import hsdp_degrees
@@ -119,7 +120,9 @@ def single_references(matrix_root, tmp_path_factory):
     def get(policy: str) -> dict:
         if policy not in cache:
             out = {}
-            for name, extra in (("fp32", []), ("frozen", ["policy.train_expert_only=true"])):
+            for name, extra in (("fp32", []), ("frozen", ["policy.train_expert_only=true"]), ("lora", LORA)):
+                if name == "lora" and policy not in LORA_POLICIES:
+                    continue
                 cfg = compose([*base_overrides(matrix_root), *POLICIES[policy], *extra])
                 trainer = Trainer(cfg, tmp_path_factory.mktemp(f"single_{policy}_{name}"))
                 trainer.fit()
@@ -154,15 +157,26 @@ STRATEGY_CELLS = [(e, p) for e in ENGINES if e != "single"
 BF16_PI0_ENGINES = ("fsdp_full", "zero3")
 
 
+# The LoRA column (peft's adapters, openpi's preset: frozen base, adapters on both language models): every
+# engine, once, with its pi0 / pi0.5 cell's policy (fsdp_grad_op: the reference policy's).
+LORA = ["policy.lora.enabled=true"]
+LORA_CELLS = {e: PI0_CELLS.get(e, "pi0_tiny") or "reference" for e in ENGINES if e != "single"}
+LORA_POLICIES = set(LORA_CELLS.values())
+
+
 def cell_runs(engine: str, policy: str) -> list[dict]:
     """One cell's runs: straight; stopped half-way and resumed; frozen backbone; and where they apply,
-    gradient accumulation, bf16 and activation checkpointing."""
+    gradient accumulation, bf16, activation checkpointing and LoRA (straight, stopped and resumed)."""
     runs = [
         {"name": "straight"},
         {"name": "half", "dir": "resumed", "stop_at": HALF},
         {"name": "resumed"},
         {"name": "frozen", "overrides": ["policy.train_expert_only=true"]},
     ]
+    if LORA_CELLS.get(engine) == policy:
+        runs += [{"name": "lora", "overrides": LORA}, {"name": "lora_half", "dir": "lora_resumed", "stop_at": HALF,
+                                                        "overrides": LORA},
+                 {"name": "lora_resumed", "overrides": LORA}]
     if policy == "reference":
         runs.append({"name": "accum", "overrides": ["trainer.grad_accum_steps=2"]})
     if policy == "reference" or engine in BF16_PI0_ENGINES:
@@ -213,6 +227,8 @@ def test_strategy_matches_single_process(engine, policy, single_references, stra
     ema = {r["name"]: load_file(str(out / f"{r['file']}.ema.safetensors")) for r in runs}
     report = {r["name"]: json.loads((out / f"{r['file']}.json").read_text()) for r in runs}
 
+    if "lora" in w:
+        print(f"parity {policy} {engine}: lora {rel_l2(w['lora'], single_reference['lora']):.2e}")
     figures = {"straight": rel_l2(w["straight"], ref), "worst tensor": worst_tensor(w["straight"], ref),
                "frozen": rel_l2(w["frozen"], single_reference["frozen"]),
                "ema": rel_l2(ema["straight"], single_reference["fp32 ema"])}
@@ -243,6 +259,17 @@ def test_strategy_matches_single_process(engine, policy, single_references, stra
         assert rel_l2(ema["bf16"], single_reference["fp32 ema"]) < 2e-2
     # Frozen backbone: the same result as one process with the same parts frozen.
     assert rel_l2(w["frozen"], single_reference["frozen"]) < 1e-6
+    if "lora" in w:  # LoRA: one process's adapters, resumed bitwise from a checkpoint without the frozen base
+        lora_ref = single_reference["lora"]
+        assert set(w["lora"]) == set(lora_ref)
+        assert rel_l2(w["lora"], lora_ref) < 1e-6, rel_l2(w["lora"], lora_ref)
+        assert all(torch.equal(w["lora"][k], w["lora_resumed"][k]) for k in lora_ref), "LoRA resume is bitwise on CPU"
+        assert rel_l2(ema["lora"], single_reference["lora ema"]) < 1e-6
+        assert all(torch.equal(ema["lora"][k], ema["lora_resumed"][k]) for k in ema["lora"])
+        held = load_model_file(out / f"{engine}.lora" / "checkpoints" / f"step_{STEPS:08d}")
+        assert held and all(k in lora_ref for k in held) and len(held) < len(lora_ref), "a LoRA checkpoint leaves out the base"
+        merged = load_file(str(export(out / f"{engine}.lora", tmp_path / "lora.safetensors")))
+        assert not any(".lora_" in k or ".base_layer." in k for k in merged)
     if "ckpt" in w:
         assert rel_l2(w["ckpt"], w["straight"]) < 1e-6
 

@@ -145,10 +145,18 @@ def test_a_plain_value_for_a_group_of_settings_says_which_key_was_meant(capsys, 
     ("logging.wandb=offline", ["did you mean logging.wandb.mode=offline"]),
     ("engine=ddp,single", ["engine=ddp,single gives several values", "-m (--multirun)"]),
     ("--bogus-flag", ["unknown option '--bogus-flag'", "--multirun"]),
+    ("policy.lora.parts=[arm]", ["policy.lora.parts='arm' is not valid", "'backbone', 'expert', 'vision'"]),
+    ("policy.lora.rank=0", ["policy.lora.rank=0 is not valid", "> 0"]),
 ])
 def test_train_override_mistakes(override, words, capsys, monkeypatch, restore_signals):
     monkeypatch.setattr(sys, "argv", ["train", override])
     fails(capsys, train.cli, *words)
+
+
+def test_lora_adapters_on_a_backbone_that_must_not_train_are_one_line(capsys, monkeypatch, restore_signals):
+    monkeypatch.setattr(sys, "argv", ["train", "policy=pi0_tiny", "policy.lora.enabled=true",
+                                      "policy.train_expert_only=true"])
+    fails(capsys, train.cli, "policy.train_expert_only=true", "policy.lora.parts=[expert]")
 
 
 def test_a_missing_video_found_while_training_is_one_line(damaged, tmp_path):

@@ -144,15 +144,18 @@ def _checker(args: list[str]) -> subprocess.CompletedProcess:
 # state); pi0's one extra, its optional fields for the rank-divergent check, the reference policy has too.
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("policy", ["reference", "pi05_tiny"])
+@pytest.mark.parametrize("policy", ["reference", "pi05_tiny", "pi05_tiny+lora"])
 def test_the_built_in_policies_pass_every_check(policy, sample_root):
-    res = _checker([f"data.root={sample_root}", *([] if policy == "reference" else [f"policy={policy}"])])
+    """pi05_tiny+lora: the same with peft's adapters (frozen base, adapters on both language models)."""
+    name, _, lora = policy.partition("+")
+    res = _checker([f"data.root={sample_root}", *([] if name == "reference" else [f"policy={name}"]),
+                    *(["policy.lora.enabled=true"] if lora else [])])
     print(res.stdout)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     lines = [line for line in res.stdout.splitlines() if line.split(" ", 1)[0] in ("pass", "fail", "skipped")]
     assert len(lines) == len(CHECKS), res.stdout
     # pi0.5 writes its own prompt from the state: its samples have no optional field to withhold.
-    allowed_skip = "skipped rank-divergent inputs" if policy == "pi05_tiny" else None
+    allowed_skip = "skipped rank-divergent inputs" if name == "pi05_tiny" else None
     assert all(line.startswith("pass") or (allowed_skip and line.startswith(allowed_skip)) for line in lines), \
         res.stdout
 

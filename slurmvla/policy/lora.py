@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -177,3 +178,37 @@ def merge_adapters(policy: nn.Module) -> nn.Module:
             parent = policy.get_submodule(parent_name) if parent_name else policy
             setattr(parent, child, module.get_base_layer())
     return policy
+
+
+def base_record(policy: nn.Module) -> dict[str, Any] | None:
+    """What a checkpoint without the frozen base records to rebuild it and to know it is the same base: the
+    seed its random part was drawn from, and the pretrained files (names and sizes) it was loaded from.
+    None for a policy without adapters."""
+    if not has_adapters(policy):
+        return None
+    record: dict[str, Any] = {}
+    if hasattr(policy, "init_seed"):
+        record["init_seed"] = int(policy.init_seed)
+    path = getattr(getattr(policy, "cfg", None), "pretrained_path", None)
+    if path:
+        record["pretrained"] = _pretrained_files(path)
+    return record
+
+
+def _pretrained_files(path: str | Path) -> dict[str, int]:
+    p = Path(path).expanduser()
+    files = [p] if p.is_file() else sorted(p.glob("*.safetensors"))
+    return {f.name: f.stat().st_size for f in files}
+
+
+def check_base(record: dict[str, Any] | None, pretrained_path: str | None, where: str) -> None:
+    """Raise when ``policy.pretrained_path`` no longer holds the files the adapters in ``where`` were trained on
+    (the adapters fit that base only: on another one they compute something else, silently)."""
+    if not record or "pretrained" not in record:
+        return
+    path = pretrained_path
+    now = _pretrained_files(path) if path and Path(path).expanduser().exists() else {}
+    if now != record["pretrained"]:
+        raise ValueError(f"{where}: its LoRA adapters were trained on the base loaded from files {record['pretrained']}, "
+                         f"but policy.pretrained_path={path!r} now holds {now or 'nothing'}; the adapters fit that base "
+                         "only: point policy.pretrained_path at it, or export the merged weights where it still is")
