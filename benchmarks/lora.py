@@ -6,13 +6,16 @@ checkpoint size, optimizer state, step time and peak memory.
     python benchmarks/lora.py policy=small trainer.global_batch_size=8
     python benchmarks/lora.py policy=pi05 precision=bf16 trainer.global_batch_size=16 policy.gradient_checkpointing=true  # a GPU
 
-Each variant runs through ``slurmvla.profile`` (the trainer's own step, warm-up steps untimed), then writes one
-checkpoint: the sizes are the files a run keeps.
+Each variant runs in a process of its own (peak memory is the variant's) through ``slurmvla.profile`` (the
+trainer's own step, warm-up steps untimed), then writes one checkpoint: the sizes are the files a run keeps.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -47,12 +50,22 @@ def measure(overrides: list[str], steps: int, root: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    parser.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)  # one variant, in this process
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.variant:
+        with tempfile.TemporaryDirectory() as tmp:
+            row = measure([*args.overrides, *VARIANTS[args.variant]], args.steps, Path(tmp))
+        print("RESULT " + json.dumps(row))
+        return
     rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in VARIANTS.items():
-            rows[name] = measure([*args.overrides, *extra], args.steps, Path(tmp) / name)
+    for name in VARIANTS:  # each in a process of its own: a process's peak memory is its own variant's
+        out = subprocess.run([sys.executable, __file__, "--variant", name, "--steps", str(args.steps), *args.overrides],
+                             capture_output=True, text=True)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        if out.returncode != 0 or not lines:
+            sys.exit(f"the {name} variant failed:\n{out.stderr[-3000:]}")
+        rows[name] = json.loads(lines[-1][len("RESULT "):])
     full, lora = rows["full"], rows["lora"]
     print(f"LoRA vs full fine-tuning ({' '.join(args.overrides) or 'defaults'}; {args.steps} timed steps each)")
     print(f"{'':24s}{'full':>16s}{'lora':>16s}{'lora / full':>14s}")

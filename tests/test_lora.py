@@ -236,3 +236,19 @@ def test_adapters_load_onto_their_pretrained_base_only(paligemma_dir, sample_roo
             load_exported(source)
     with pytest.raises(ValueError, match="point policy.pretrained_path at it"):
         Trainer(compose([*overrides, "trainer.max_steps=4"]), tmp_path / "run")
+
+
+def test_a_plug_in_policy_gets_adapters_on_every_linear_and_the_same_ones_from_the_same_seed(example_policy):
+    from torch import nn
+
+    policy, cfg = _policy("custom", f"policy.target={example_policy}", *LORA, "policy.lora.rank=4")
+    again, _ = _policy("custom", f"policy.target={example_policy}", *LORA, "policy.lora.rank=4")
+    other, _ = _policy("custom", f"policy.target={example_policy}", *LORA, "policy.lora.rank=4", seed=1)
+    plain, _ = _policy("custom", f"policy.target={example_policy}")
+    linears = {n for n, m in plain.named_modules() if isinstance(m, nn.Linear)}
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in policy.named_parameters() if ".lora_A." in n}
+    assert adapted == linears and all(p.shape[0] == 4 for n, p in policy.named_parameters() if ".lora_A." in n)
+    assert trainable_summary(policy)["other_trainable"] == 0  # everything is backbone by default: all frozen
+    a, b, c = policy.state_dict(), again.state_dict(), other.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a if ".lora_A." in k)

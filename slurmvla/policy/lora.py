@@ -111,9 +111,14 @@ def apply_lora(policy: nn.Module, cfg: PolicyConfig) -> nn.Module:
             p.requires_grad_(False)
         else:
             p.requires_grad_(was_trainable[plain] and lora.train_other)
-    seed = getattr(policy, "init_seed", 0)
-    # Every built policy's parameters are real or meta; on meta the engine materialises them through
-    # the policy's init_parameter, which learns the adapters' names here.
+    # The policy's own seed for per-parameter generators; a policy without one (a plug-in initialising
+    # itself from torch's global generator) gets one draw from it, after its own weights: the same on
+    # every rank, which the trainer seeds alike.
+    seed = getattr(policy, "init_seed", None)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (), device="cpu").item())
+    # On the meta device the engine materialises the parameters through the policy's init_parameter,
+    # which learns the adapters' names here.
     _route_initialisation(policy, lora.init, seed)
     with torch.no_grad():
         for name, p in policy.named_parameters():
