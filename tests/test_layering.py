@@ -26,7 +26,7 @@ LAYERS = (
     (5, ("slurmvla.trainer",)),
     (6, ("slurmvla.train", "slurmvla.serve", "slurmvla.evaluate", "slurmvla.export", "slurmvla.profile",
          "slurmvla.lerobot_checkpoint", "slurmvla.inspect", "slurmvla.check", "slurmvla.check_ranks",
-         "slurmvla.rollout")),
+         "slurmvla.rollout", "slurmvla.plan")),
 )
 # Siblings in one layer that must not import each other (the engine reads a policy through the contract only).
 SIBLINGS = (("slurmvla.policy", "slurmvla.engine"),)
