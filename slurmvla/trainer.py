@@ -232,9 +232,15 @@ class Trainer:
                 continue
             self.batches_in_epoch += 1
             timer.mark("data wait")
-            batch = to_device(batch, self.device)
+            batch = to_device(self._host_part(batch), self.device)
             timer.mark("host->device")
             return batch
+
+    def _host_part(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The policy's host-side work on the batch before it moves (``prepare_inference``: pi0.5 writes its
+        prompt from the state), so the forward never waits on the device for values it needs on the host."""
+        prepare = getattr(self.policy, "prepare_inference", None)
+        return prepare(batch, bucket=1) if callable(prepare) else batch
 
     # -- one optimizer step -----------------------------------------------------------------------
 

@@ -223,3 +223,25 @@ def test_cuda_graph_inference_equals_eager(compiled):
         scale = eager.abs().max()
         assert (graphed - eager).abs().max() <= 0.02 * scale, (graphed - eager).abs().max()
     assert len(sampler.graphs) == 2
+
+
+@pytest.mark.skipif(not CUDA, reason="host-device synchronisation exists on a GPU only")
+@pytest.mark.parametrize("policy", ["pi05_tiny", "tiny"])
+def test_a_training_step_never_waits_on_the_gpu(policy, make_cfg, tmp_path):
+    """Issue #35's rule for the step: nothing in it synchronises the host with the GPU (torch's sync debug
+    mode raises at the first synchronising call: a copy to the host, .item(), a data-dependent shape)."""
+    trainer = Trainer(make_cfg(f"policy={policy}", "trainer.device=cuda", "precision=bf16", "trainer.max_steps=4"),
+                      tmp_path / "run")
+    try:
+        batches = [[trainer._next_batch()] for _ in range(3)]  # the host part and the copy: before the step
+        trainer.train_step(batches[0])  # the first step checks the batch's fields across ranks and the state's dtypes
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for micro in batches[1:]:
+                trainer.train_step(micro)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    finally:
+        trainer.close()

@@ -222,3 +222,29 @@ def test_compiled_layers_train_like_eager_ones(sample_root, tmp_path):
         runs[compiled] = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert len(runs[True]) == 5 and runs[True][-1] < runs[True][0]
     assert runs[True] == pytest.approx(runs[False], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["pi05_tiny", "pi0_tiny"])
+def test_the_prompt_is_prepared_on_the_host_and_trains_bitwise_as_in_the_forward(policy, make_cfg, tmp_path,
+                                                                                    monkeypatch):
+    """The trainer does the policy's host-side work (pi0.5's prompt from the state, the prompt's padding cut)
+    before the batch moves, so the forward waits on the device for nothing: the same weights, bitwise, as
+    the forward doing it itself."""
+    from slurmvla.policy.pi0 import PROMPT_IDS
+
+    def fit(run: str) -> dict:
+        trainer = Trainer(make_cfg(f"policy={policy}", "trainer.max_steps=3", "checkpoint.every_steps=0"), tmp_path / run)
+        trainer.fit()
+        weights = trainer.engine.model_state_dict()
+        trainer.close()
+        return weights
+
+    trainer = Trainer(make_cfg(f"policy={policy}", "trainer.max_steps=3"), tmp_path / "probe")
+    batch = trainer._next_batch()
+    trainer.close()
+    assert PROMPT_IDS in batch and "text" not in batch
+    prepared = fit("prepared")
+    monkeypatch.setattr(Trainer, "_host_part", lambda self, batch: batch)
+    in_forward = fit("in_forward")
+    assert all(torch.equal(prepared[k], in_forward[k]) for k in prepared)

@@ -405,12 +405,14 @@ class Pi0Policy(Policy):
         return None if text is None else _trim_padding(*text)
 
     def prepare_inference(self, batch: dict, bucket: int = PROMPT_BUCKET) -> dict:
-        """The host's part of :meth:`sample_actions`, done before the model runs: the prompt's ids and mask
-        (pi0.5 writes and tokenizes its prompt from the state), cut to the smallest multiple of ``bucket``
-        columns that holds every sample's tokens. On the batch returned, ``sample_actions`` never waits on
-        the device (it can be captured in a CUDA graph: :mod:`slurmvla.policy.graphed`), its shapes take
-        few values (one graph each), and its actions are those of the batch given (padding is masked and
-        shifts no position)."""
+        """The host's part of :meth:`sample_actions` and of the training forward, done before the model runs
+        (on the host batch, before it moves to the device): the prompt's ids and mask (pi0.5 writes and
+        tokenizes its prompt from the state), cut to the smallest multiple of ``bucket`` columns that holds
+        every sample's tokens. On the batch returned, ``sample_actions`` and ``forward`` never wait on the
+        device (``sample_actions`` can be captured in a CUDA graph: :mod:`slurmvla.policy.graphed`), its
+        shapes take few values (one graph each), and its actions and loss are those of the batch given
+        (padding is masked and shifts no position). The trainer prepares with ``bucket=1``: the prompt cut
+        exactly as the forward would cut it."""
         text = self._text(batch)
         out = {k: v for k, v in batch.items() if k not in ("text", "text_mask", "instruction")}
         if text is not None:
@@ -553,10 +555,27 @@ class Pi05Policy(Pi0Policy):
     def prompts(self, batch: dict) -> list[str]:
         """LeRobot's / openpi's pi0.5 prompt per sample: ``Task: {instruction, cleaned}, State: {256-bin
         ids of the normalized state};\nAction: `` (bins of [-1, 1]; below -1 gives -1, from 1 - 1/128 up 255)."""
-        state = self.normalize_states(batch["state"]).reshape(batch["state"].shape[0], -1)
+        raw = batch["state"]
+        offset, scale = self._normalization_on(raw.device)
+        state = ((raw.float() - offset) / scale).reshape(raw.shape[0], -1)
         bins = np.digitize(state.detach().float().cpu().numpy(), bins=np.linspace(-1, 1, 256 + 1)[:-1]) - 1
         return [f"Task: {task.strip().replace('_', ' ').replace(chr(10), ' ')}, State: {' '.join(map(str, row))};\nAction: "
                 for task, row in zip(batch["instruction"], bins.tolist())]
+
+    def _normalization_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The state's offset and scale where the state is: the buffers themselves, or (a batch still on the
+        host, as the trainer prepares it before moving it to the GPU) host copies, made again only when
+        a buffer was written or replaced (its storage or version counter changed; reading those waits on
+        nothing)."""
+        offset, scale = self.state_offset, self.state_scale
+        if offset.device == device:
+            return offset, scale
+        key = (device, offset.data_ptr(), offset._version, scale.data_ptr(), scale._version)
+        cached = self.__dict__.get("_host_normalization")
+        if cached is None or cached[0] != key:
+            cached = (key, offset.to(device), scale.to(device))
+            self.__dict__["_host_normalization"] = cached
+        return cached[1], cached[2]
 
     def _text(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
         given = super()._text(batch)  # None for the discrete-state prompt, after checking the batch has no tokens
