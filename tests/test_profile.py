@@ -73,3 +73,17 @@ def test_two_ranks_report_each_rank_and_the_slowest(sample_root, tmp_path):
     assert run["step_s"] == max(run["step_s_per_rank"])
     assert run["samples_per_s"] == pytest.approx(8 / run["step_s"])
     assert res.stdout.count("mean step per rank") == 1, "one report, from rank 0"
+
+
+def test_pi05_flops_are_counted_on_the_trainers_prepared_batch_as_on_a_raw_one(make_cfg, tmp_path):
+    """The trainer hands the profiler batches whose prompt it already wrote (pi0.5): counted the same."""
+    from slurmvla.trainer import Trainer
+
+    trainer = Trainer(make_cfg("policy=pi05_tiny", "trainer.max_steps=1"), tmp_path / "run")
+    try:
+        prepared = trainer._next_batch()
+        raw = next(trainer.data.iterate(0, 0))
+        assert count_flops_per_sample(trainer.cfg, prepared, trainer.policy) == \
+            count_flops_per_sample(trainer.cfg, raw, trainer.policy) > 0
+    finally:
+        trainer.close()

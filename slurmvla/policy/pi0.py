@@ -412,8 +412,8 @@ class Pi0Policy(Policy):
         device (``sample_actions`` can be captured in a CUDA graph: :mod:`slurmvla.policy.graphed`), its
         shapes take few values (one graph each), and its actions and loss are those of the batch given
         (padding is masked and shifts no position). The trainer prepares with ``bucket=1``: the prompt cut
-        exactly as the forward would cut it."""
-        text = self._text(batch)
+        exactly as the forward would cut it. A batch prepared already (or a part of one) is cut again."""
+        text = (batch[PROMPT_IDS], batch[PROMPT_MASK]) if PROMPT_IDS in batch else self._text(batch)
         out = {k: v for k, v in batch.items() if k not in ("text", "text_mask", "instruction")}
         if text is not None:
             out[PROMPT_IDS], out[PROMPT_MASK] = _trim_padding(*text, bucket=bucket)
