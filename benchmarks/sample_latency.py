@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import time
 
@@ -34,9 +33,9 @@ import torch
 
 from slurmvla.compose import compose
 from slurmvla.data.prepare import observation_batch, prepare_image
-from slurmvla.engine.materialize import materialize, parameters_on_meta, supports_deferred_init
+from slurmvla.engine.materialize import place
 from slurmvla.export import Loaded
-from slurmvla.policy import build_policy, policy_class
+from slurmvla.policy import build_policy
 from slurmvla.policy.base import seeded_sample_actions
 from slurmvla.policy.graphed import GraphedSampler, lower_weights
 from slurmvla.serve import PolicyRunner, PolicyServer, serving_in_thread
@@ -78,11 +77,7 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    deferred = supports_deferred_init(policy_class(cfg.policy))  # pi0 / pi0.5: built on the device
-    with parameters_on_meta() if deferred else contextlib.nullcontext():
-        policy = build_policy(cfg.policy)
-    materialize(policy, device) if deferred else policy.to(device)
-    policy.eval()
+    policy = place(build_policy(cfg.policy, on_meta=True), device).eval()  # pi0 / pi0.5: built on the device
     if cuda:
         torch.cuda.synchronize()
     build_s = time.perf_counter() - t0

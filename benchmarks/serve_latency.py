@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import os
 import re
 import statistics
@@ -33,8 +32,8 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from slurmvla.compose import compose
-from slurmvla.engine.materialize import materialize, parameters_on_meta, supports_deferred_init
-from slurmvla.policy import build_policy, policy_class
+from slurmvla.engine.materialize import place
+from slurmvla.policy import build_policy
 from slurmvla.serve import build_server
 
 
@@ -94,11 +93,7 @@ def main() -> None:
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # Built where it runs, no fp32 copy on the host first (the full sizes on a GPU), when the policy can be.
-    deferred = supports_deferred_init(policy_class(cfg.policy))
-    with parameters_on_meta() if deferred else contextlib.nullcontext():
-        policy = build_policy(cfg.policy)
-    if deferred:
-        materialize(policy, torch.device(device))
+    policy = place(build_policy(cfg.policy, on_meta=True), torch.device(device))
     yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     save_file({k: v.contiguous() for k, v in policy.state_dict().items()}, str(source),
               metadata={"config_yaml": yaml, "step": "0", "engine": "none"})

@@ -17,7 +17,6 @@ too (:mod:`slurmvla.lerobot_checkpoint`): its weights, statistics and config, lo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import logging
@@ -33,9 +32,9 @@ from safetensors.torch import load_file, save_file
 from slurmvla.checkpoint import LORA_BASE, META_FILE, load_model_file, resolve_checkpoint
 from slurmvla.compose import ArgumentParser, check_override_keys, explain_config_error, to_config
 from slurmvla.config import Config
-from slurmvla.engine.materialize import parameters_on_meta, supports_deferred_init
+from slurmvla.engine.materialize import has_meta_parameters
 from slurmvla.lerobot_checkpoint import lerobot_config, lerobot_type, not_lerobot_reason
-from slurmvla.policy import Policy, build_policy, policy_class
+from slurmvla.policy import Policy, build_policy
 from slurmvla.weights import checkpoint_keys
 
 CONFIG_FILE = "config.resolved.yaml"
@@ -165,9 +164,8 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
     # A policy that can initialise parameter by parameter is built on the meta device and takes the loaded
     # tensors as its parameters: no random initialisation of weights about to be replaced (at pi0.5's
     # size that initialisation, not the file, was most of the load).
-    deferred = supports_deferred_init(policy_class(cfg.policy))
-    with parameters_on_meta() if deferred else contextlib.nullcontext():
-        policy = build_policy(_without_pretrained(cfg.policy))
+    policy = build_policy(_without_pretrained(cfg.policy), on_meta=True)
+    deferred = has_meta_parameters(policy)
     missing, unexpected = _mismatch(policy.state_dict(), state)
     if missing or unexpected:
         raise ValueError(f"{origin}: the weights do not fit the policy its config builds ({cfg.policy.name}); "
@@ -187,11 +185,9 @@ def _load_adapted(cfg: Config, state: dict[str, torch.Tensor], step: int, origin
     from slurmvla.seeding import seed_everything
 
     check_base(base, getattr(cfg.policy, "pretrained_path", None), origin)
-    deferred = supports_deferred_init(policy_class(cfg.policy))
     seed_everything(cfg.trainer.seed)  # as the trainer built it: the same random draws
-    with parameters_on_meta() if deferred else contextlib.nullcontext():
-        policy = build_policy(cfg.policy)
-    if deferred:
+    policy = build_policy(cfg.policy, on_meta=True)
+    if has_meta_parameters(policy):
         if base and "init_seed" in base:  # the checkpoint's own record of the seed its base was drawn from
             policy.init_seed = int(base["init_seed"])
         materialize(policy, torch.device("cpu"))

@@ -36,7 +36,6 @@ from slurmvla.engine.distributed import (
 )
 from slurmvla.engine.ema import MovingAverage
 from slurmvla.engine.liveness import CollectiveFailure, Heartbeats, is_collective_failure
-from slurmvla.engine.materialize import parameters_on_meta, supports_deferred_init
 from slurmvla.engine.precision import check_fp32_master_state
 from slurmvla.eval import validate
 from slurmvla.launch import DistEnv, SlurmJob
@@ -187,9 +186,7 @@ class Trainer:
         # A policy that can initialise parameter by parameter is built on the meta device and
         # materialised by the engine where it will live (a sharding engine: each rank's shard only;
         # slurmvla/engine/materialize.py): no fp32 copy of the model on the host first.
-        deferred = ENGINES.get(cfg.engine.name).deferred_init and supports_deferred_init(policy_class(cfg.policy))
-        with parameters_on_meta() if deferred else contextlib.nullcontext():
-            self.policy = build_policy(cfg.policy, stats)
+        self.policy = build_policy(cfg.policy, stats, on_meta=ENGINES.get(cfg.engine.name).deferred_init)
         self.engine = build_engine(cfg, self.env, self.device, self.micro_batch_size)
         # model: what forward calls (the policy, or a DDP / DeepSpeed wrapper of it); optimizer: the
         # one that actually steps.

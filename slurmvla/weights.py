@@ -10,6 +10,8 @@ whole one:
   the parameter's name, so a parameter's initial values do not depend on build order or sharding.
 - :func:`copy_full_into`: write a whole tensor into a parameter, or into this rank's part of it when
   it is a sharded ``DTensor``.
+- :func:`parameters_on_meta`: build a policy without memory for its parameters (``build_policy(...,
+  on_meta=True)``), for whoever initialises or loads them afterwards.
 
 This module sits at the bottom (it imports no other slurmvla layer). It knows the ``DTensor`` type,
 never ranks or process groups: a shard's place comes from the tensor's own mesh and placements.
@@ -17,15 +19,41 @@ never ranks or process groups: a shard's place comes from the tensor's own mesh 
 
 from __future__ import annotations
 
+import contextlib
 import zlib
+from collections.abc import Iterator
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 
 def parameter_generator(seed: int, name: str) -> torch.Generator:
     """One generator per parameter: its values do not depend on build order or sharding."""
     return torch.Generator().manual_seed((int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+
+
+def supports_deferred_init(cls: type) -> bool:
+    """Whether a policy class can initialise each parameter on its own (``init_parameter(name, tensor,
+    generator)``): then it can be built on the meta device and initialised where it will live."""
+    return callable(getattr(cls, "init_parameter", None))
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Inside: every ``nn.Parameter`` a module registers lives on the meta device (buffers do not)."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
 
 
 def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:

@@ -17,40 +17,17 @@ policies, which initialise and load through them without importing this layer.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from slurmvla.weights import copy_full_into, parameter_generator
+from slurmvla.weights import copy_full_into, parameter_generator, parameters_on_meta, supports_deferred_init
 
 # Threads initialising parameters at once (each holds one fp32 tensor on the host while it draws).
 INIT_THREADS = max(1, min(8, os.cpu_count() or 1))
-
-
-def supports_deferred_init(cls: type) -> bool:
-    return callable(getattr(cls, "init_parameter", None))
-
-
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Inside: every ``nn.Parameter`` a module registers lives on the meta device (buffers do not)."""
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and not param.is_meta:
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
 
 
 def has_meta_parameters(module: nn.Module) -> bool:
@@ -78,3 +55,15 @@ def materialize(policy: nn.Module, device: torch.device) -> None:
         list(pool.map(init, params))
     if callable(getattr(policy, "load_initial_weights", None)):
         policy.load_initial_weights()
+
+
+def place(policy: nn.Module, device: torch.device) -> nn.Module:
+    """A whole policy on ``device``: materialised there when it was built on the meta device, else moved."""
+    if has_meta_parameters(policy):
+        materialize(policy, device)
+    else:
+        policy.to(device)
+    return policy
+
+
+__all__ = ["has_meta_parameters", "materialize", "parameters_on_meta", "place", "supports_deferred_init"]

@@ -18,7 +18,7 @@ from torch import nn
 
 from slurmvla.config import EngineConfig, OptimConfig
 from slurmvla.engine.base import EngineCore, StepSettings, read_param_groups
-from slurmvla.engine.materialize import has_meta_parameters, materialize
+from slurmvla.engine.materialize import place
 from slurmvla.engine.precision import MasterWeights
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
@@ -35,10 +35,7 @@ class SingleEngine(EngineCore):
     # -- model and optimizer ----------------------------------------------------------------------
 
     def prepare(self, policy: nn.Module, optim: OptimConfig) -> tuple[nn.Module, torch.optim.Optimizer]:
-        if has_meta_parameters(policy):  # built on the meta device: initialised where it will live
-            materialize(policy, self.device)
-        else:
-            policy.to(self.device)
+        place(policy, self.device)  # built on the meta device: initialised where it will live
         self.weights.lower(policy)
         self.module = policy
         model = self.wrap(policy)

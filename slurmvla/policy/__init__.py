@@ -3,12 +3,15 @@ a user's own (``policy=custom policy.target=package.module.Class``)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from slurmvla.config import PolicyConfig
 from slurmvla.data.spec import SampleSpec
 from slurmvla.policy.base import Policy, as_policy_class, construct, import_class
 from slurmvla.registry import POLICIES
+from slurmvla.weights import parameters_on_meta, supports_deferred_init
 
 
 def policy_class(cfg: PolicyConfig) -> type[Policy]:
@@ -24,14 +27,18 @@ def sample_spec(cfg: PolicyConfig) -> SampleSpec:
     return policy_class(cfg).sample_spec(cfg)
 
 
-def build_policy(cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None = None) -> Policy:
+def build_policy(cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None = None, on_meta: bool = False) -> Policy:
     """The configured policy, with its low-rank adapters when ``policy.lora.enabled`` (added after the
-    policy's own weights are in: slurmvla/policy/lora.py)."""
-    policy = construct(policy_class(cfg), cfg, stats)
-    if cfg.lora.enabled:
-        from slurmvla.policy.lora import apply_lora
+    policy's own weights are in: slurmvla/policy/lora.py). ``on_meta``: a policy that can initialise
+    parameter by parameter is built with its parameters on the meta device, for the caller to initialise
+    or load where they will live (``slurmvla.engine.materialize``); one that cannot is built whole."""
+    cls = policy_class(cfg)
+    with parameters_on_meta() if on_meta and supports_deferred_init(cls) else contextlib.nullcontext():
+        policy = construct(cls, cfg, stats)
+        if cfg.lora.enabled:
+            from slurmvla.policy.lora import apply_lora
 
-        apply_lora(policy, cfg)
+            apply_lora(policy, cfg)
     return policy
 
 
