@@ -364,7 +364,7 @@ class Trainer:
         if self.env.is_main:
             log.info("step %d: validation over %d samples per rank", self.step, len(self.val_loader.dataset))
         metrics = validate(self.model, self.val_loader, self.device, self.mixture, self.engine.autocast,
-                           should_stop=self._preemption_agreed)
+                           should_stop=self._preemption_agreed, host_part=self._host_part)
         if self.stopped_for_requeue:
             if self.env.is_main:
                 log.warning("validation at step %d abandoned for the stop signal", self.step)

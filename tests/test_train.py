@@ -229,22 +229,28 @@ def test_compiled_layers_train_like_eager_ones(sample_root, tmp_path):
 def test_the_prompt_is_prepared_on_the_host_and_trains_bitwise_as_in_the_forward(policy, make_cfg, tmp_path,
                                                                                     monkeypatch):
     """The trainer does the policy's host-side work (pi0.5's prompt from the state, the prompt's padding cut)
-    before the batch moves, so the forward waits on the device for nothing: the same weights, bitwise, as
-    the forward doing it itself."""
+    before the batch moves, in training and validation, so the forward waits on the device for nothing: the
+    same weights and validation metrics, bitwise, as the forward doing it itself."""
     from slurmvla.policy.pi0 import PROMPT_IDS
 
-    def fit(run: str) -> dict:
-        trainer = Trainer(make_cfg(f"policy={policy}", "trainer.max_steps=3", "checkpoint.every_steps=0"), tmp_path / run)
+    def fit(run: str) -> tuple[dict, dict]:
+        trainer = Trainer(make_cfg(f"policy={policy}", "trainer.max_steps=3", "checkpoint.every_steps=0",
+                                   "data.val_fraction=0.25", "trainer.val_every_steps=3"), tmp_path / run)
         trainer.fit()
-        weights = trainer.engine.model_state_dict()
+        weights, metrics = trainer.engine.model_state_dict(), trainer.validate()
         trainer.close()
-        return weights
+        return weights, metrics
 
     trainer = Trainer(make_cfg(f"policy={policy}", "trainer.max_steps=3"), tmp_path / "probe")
     batch = trainer._next_batch()
     trainer.close()
     assert PROMPT_IDS in batch and "text" not in batch
-    prepared = fit("prepared")
+    calls = []
+    original = Trainer._host_part
+    monkeypatch.setattr(Trainer, "_host_part", lambda self, batch: calls.append(1) or original(self, batch))
+    prepared, prepared_val = fit("prepared")
+    assert len(calls) > 3, "validation batches (after the 3 training steps) go through the host part too"
     monkeypatch.setattr(Trainer, "_host_part", lambda self, batch: batch)
-    in_forward = fit("in_forward")
+    in_forward, in_forward_val = fit("in_forward")
     assert all(torch.equal(prepared[k], in_forward[k]) for k in prepared)
+    assert prepared_val["val/loss"] > 0 and prepared_val == in_forward_val  # validation prepares its batches too

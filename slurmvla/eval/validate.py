@@ -24,12 +24,14 @@ from slurmvla.registry import SAMPLE_MODES
 @torch.no_grad()
 def validate(policy: torch.nn.Module, loader, device: torch.device, mixture: Mixture,
              autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-             should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
+             should_stop: Callable[[], bool] | None = None,
+             host_part: Callable[[dict], dict] | None = None) -> dict[str, float] | None:
     """Metrics on rank 0 (``val/...`` keys), None on the other ranks. Call it on every rank.
 
     Per-batch values stay on the device until the pass ends (one copy to the host, no sync per batch).
     ``should_stop``: asked before every batch (the trainer's rank-uniform stop agreement, a collective:
-    every rank runs the same number of batches); when it says yes the pass ends and returns None."""
+    every rank runs the same number of batches); when it says yes the pass ends and returns None.
+    ``host_part``: the policy's work on the host batch before it moves (the trainer's, as for training)."""
     control_modes = mixture.control_modes
     was_training = policy.training
     policy.eval()
@@ -40,7 +42,7 @@ def validate(policy: torch.nn.Module, loader, device: torch.device, mixture: Mix
                 return None
             if i == 0:  # the trainer's first-batch rule: a field some ranks lack stops all, naming it
                 check_same_fields(batch.keys(), what="validation batch")
-            batch = to_device(batch, device)
+            batch = to_device(host_part(batch) if host_part is not None else batch, device)
             with autocast():
                 out = policy(batch)
             for key, value in per_sample(out, batch, control_modes).items():
