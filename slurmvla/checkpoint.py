@@ -72,6 +72,8 @@ log = logging.getLogger("slurmvla")
 TRAINER_FILE = "trainer_state.pt"
 RANK_FILE = "rank_{rank:05d}.pt"
 META_FILE = "meta.json"
+# meta.json of a checkpoint without its frozen base (LoRA): what rebuilds the base (slurmvla.policy.lora.base_record).
+LORA_BASE = "lora_base"
 FORMAT = 2  # 2: meta.json lists every file with its size and SHA-256 (1: no checksums)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _MB = 1 << 20
@@ -558,9 +560,6 @@ class CheckpointManager:
         # fresh RNG streams; the training noise itself comes from the data and does not depend on them.
         rank_state = torch.load(rank_file, map_location="cpu", weights_only=True) if rank_file.is_file() else {}
         return state, rank_state
-
-
-LORA_BASE = "lora_base"
 
 
 def load_model_file(checkpoint: Path, ema: bool = False) -> dict[str, torch.Tensor]:

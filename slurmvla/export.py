@@ -69,14 +69,15 @@ def export(source: str | Path, out: str | Path, overrides: list[str] | tuple[str
     config = checkpoint.parent.parent / CONFIG_FILE
     if config.is_file():
         metadata["config_yaml"] = config.read_text()
-    if config.is_file() and _config(metadata["config_yaml"], [], str(config)).policy.lora.enabled and not adapters:
+    lora = config.is_file() and _config(metadata["config_yaml"], [], str(config)).policy.lora.enabled
+    if lora and not adapters:
         # A LoRA run: its adapters folded into the base it was trained on, written as the plain policy.
         loaded = load_exported(checkpoint, ema=ema)
         return _export_loaded(loaded, out, {**metadata, "lora": "merged"})
     state = load_model_file(checkpoint, ema=ema)
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     if adapters:
-        if not (config.is_file() and _config(metadata["config_yaml"], [], str(config)).policy.lora.enabled):
+        if not lora:
             raise ValueError(f"--adapters: checkpoint {checkpoint} is not from a LoRA run (policy.lora.enabled=false "
                              f"in {config}); export its weights without --adapters")
         metadata["lora"] = "adapters"

@@ -134,8 +134,9 @@ class FSDPEngine(EngineCore):
 
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Set the sharded weights from a full fp32 state (every rank passes the full state)."""
-        set_model_state_dict(self.module, state, options=StateDictOptions(
-            full_state_dict=True, strict=checkpoint_keys(self.module) is None or set(state) != checkpoint_keys(self.module)))
+        keys = checkpoint_keys(self.module)  # with adapters, a state of the trained tensors alone is whole
+        strict = keys is None or set(state) != keys
+        set_model_state_dict(self.module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
     def _sharded_state(self) -> dict:
         """What a checkpoint holds: the model's state (with low-rank adapters, the trained parameters and
