@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import os
 import signal
 import subprocess
@@ -15,6 +16,23 @@ from slurmvla.config import Config
 from slurmvla.data.spec import SampleSpec
 from slurmvla.data.synthetic import write_droid_sample
 from slurmvla.policy import sample_spec
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_as_it_was():
+    """An entry point run in-process (``train.cli``: Hydra configures the job's logging; ``logging.basicConfig``
+    in the others) leaves handlers on the root logger bound to that test's captured streams, which pytest
+    closes: a later test's warning then prints "--- Logging error ---" into its own captured stderr. Each
+    test gets the root logger back as it found it."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        # pytest's own capture handlers (module _pytest.logging) come and go with each phase: theirs to remove.
+        if handler not in handlers and type(handler).__module__ == "logging":
+            root.removeHandler(handler)
+            handler.close()
+    root.setLevel(level)
 
 
 # scripts/test.sh runs the suite on pytest-xdist workers (--dist loadgroup). Tests that share what
