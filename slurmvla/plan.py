@@ -247,16 +247,13 @@ def shape_only(policy_cfg):
 
 
 def build_on_meta(cfg: Config) -> nn.Module:
-    from slurmvla.engine.materialize import parameters_on_meta
+    """Every parameter on the meta device, whether or not the policy initialises per parameter (a plug-in's
+    too: ``build_policy(on_meta=True)`` builds those whole)."""
     from slurmvla.policy import build_policy
+    from slurmvla.weights import parameters_on_meta
 
     with parameters_on_meta():
         return build_policy(shape_only(cfg.policy), stats=None)
-
-
-def lora_enabled(cfg: Config) -> bool:
-    lora = getattr(cfg.policy, "lora", None)
-    return bool(getattr(lora, "enabled", False))
 
 
 def count_tensors(cfg: Config, policy: nn.Module) -> Tensors:
@@ -273,12 +270,9 @@ def count_tensors(cfg: Config, policy: nn.Module) -> Tensors:
         units.append((sum(p.numel() for p in own), sum(p.numel() for p in own if p.requires_grad)))
     rest = [p for p in policy.parameters() if id(p) not in in_unit]
     root = (sum(p.numel() for p in rest), sum(p.numel() for p in rest if p.requires_grad))
-    try:
-        o = cfg.optim
-        groups = [sum(p.numel() for p in g["params"]) for g in policy.param_groups(o.weight_decay, o.lr,
-                                                                                   o.backbone_lr_scale)]
-    except Exception:  # a policy without the contract's groups: one group
-        groups = [sum(p.numel() for p in policy.parameters() if p.requires_grad)]
+    o = cfg.optim  # every built policy has the contract's param_groups (a plug-in gets the default)
+    groups = [sum(p.numel() for p in g["params"]) for g in policy.param_groups(o.weight_decay, o.lr,
+                                                                               o.backbone_lr_scale)]
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in policy.modules()), default=0)
     persistent = sum(p.numel() for p in policy.parameters() if p.numel() < ZERO3_PERSISTENCE)
     buffers = list(policy.buffers())
@@ -616,6 +610,11 @@ def _sdpa_flop_mapping() -> dict:
             aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
 
 
+def _failure(e: Exception) -> str:
+    """Why the fake-tensor pass could not run, in one line (the plan falls back to an analytic estimate)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
 @dataclass
 class Pass:
     micro: int
@@ -800,7 +799,7 @@ class Planner:
             try:
                 self._fake = FakeStep(self.cfg, self.policy)
             except Exception as e:  # a policy that cannot live on fake tensors
-                self._fake_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                self._fake_error = _failure(e)
         return self._fake
 
     def measure(self, cfg: Config, micro: int, compute: tuple[torch.dtype, torch.dtype],
@@ -814,7 +813,7 @@ class Planner:
             try:
                 self._cache[key] = step.run(micro, compute, cfg.precision == "bf16", cast_inputs=cast_inputs)
             except Exception as e:
-                self._fake_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                self._fake_error = _failure(e)
                 return None
         return self._cache[key]
 
@@ -826,7 +825,7 @@ class Planner:
             try:
                 got = self._step().run(1, compute, cfg.precision == "bf16", count_flops=True, checkpointing=False)
             except Exception as e:
-                self._fake_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                self._fake_error = _failure(e)
                 return None
             on = bool(getattr(self._step().policy, "gradient_checkpointing", False))
             self._flops = (got.flops, got.flops + (got.forward_flops if on else 0.0))
@@ -920,7 +919,7 @@ def plan_engine(planner: Planner, cfg: Config, gpu: GPU, nodes: int, gpus_per_no
         "world_size": world, "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu": gpu.name,
         "global_batch_size": global_batch, "micro_batch_size": micro, "grad_accum_steps": accum,
         "gradient_checkpointing": bool(getattr(cfg.policy, "gradient_checkpointing", False)),
-        "lora": lora_enabled(cfg),
+        "lora": cfg.policy.lora.enabled,
         "parameters": {"total": t.trainable + t.frozen, "trainable": t.trainable, "frozen": t.frozen,
                        "trainable_tensors": t.trainable_tensors, "adapters": t.adapters,
                        "wrap_units": len(t.units), "largest_unit": max(t.units)[0] if t.units else 0,

@@ -12,7 +12,6 @@ the CPU's bf16 kernels (workspaces that are no op's output: policy=tiny 0.8 %, p
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import sys
@@ -23,13 +22,8 @@ import torch
 
 from slurmvla import plan
 from slurmvla.compose import compose
-from slurmvla.config import PolicyConfig
 
 from .conftest import run_until
-
-HAS_LORA = "lora" in {f.name for f in dataclasses.fields(PolicyConfig)}
-needs_lora = pytest.mark.skipif(not HAS_LORA, reason="policy.lora is not in slurmvla.config.PolicyConfig yet "
-                                                      "(LoRA is being added concurrently)")
 
 
 def trainer_for(make_cfg, run_dir, *overrides):
@@ -51,7 +45,7 @@ def nbytes(tensors) -> int:
     ["policy=tiny", "precision=bf16"],
     # Frozen parameters stay fp32 under bf16 (only the trainable ones are lowered, their masters fp32).
     ["policy=pi05_tiny", "precision=bf16", "policy.freeze_vision_encoder=true"],
-    pytest.param(["policy=pi05_tiny", "precision=bf16", "policy.lora.enabled=true"], marks=needs_lora,
+    pytest.param(["policy=pi05_tiny", "precision=bf16", "policy.lora.enabled=true"],
                  id="pi05_tiny-bf16-lora"),
 ], ids=lambda o: "-".join(x.split("=")[-1] for x in o) if isinstance(o, list) else None)
 def test_model_states_are_the_bytes_a_real_run_holds(make_cfg, tmp_path, overrides):
@@ -280,7 +274,6 @@ def test_usage_mistakes_are_one_line(capsys, argv, words):
 # -- LoRA ------------------------------------------------------------------------------------------------
 
 
-@needs_lora
 def test_lora_holds_the_frozen_base_in_bf16_and_trains_the_adapters():
     base = ["policy=pi05_tiny", "precision=bf16"]
     full, lora = compose(base), compose([*base, "policy.lora.enabled=true"])

@@ -5,7 +5,7 @@ after the policy is built (and its pretrained weights are in), so the trainer, e
 checker, export, serve and evaluate all see the same adapted policy. What it does:
 
 - Which weights get adapters: the policy's ``lora_parts()`` (backbone, expert, vision: lists of
-  modules; the contract's default is the action expert's modules and the rest as backbone) and the
+  modules; the contract's default, ``Policy.lora_parts``, is the action expert's modules and the rest as backbone) and the
   ``nn.Linear`` modules in the parts ``policy.lora.parts`` names (all of them, or those whose last name
   is in ``policy.lora.targets``). peft's ``inject_adapter_in_model`` wraps each (its weight becomes
   ``<module>.base_layer.weight``, the factors ``<module>.lora_A.default.weight`` / ``lora_B``); the
@@ -50,15 +50,10 @@ def _peft() -> Any:
     return peft
 
 
-def default_lora_parts(policy: nn.Module) -> dict[str, list[nn.Module]]:
-    """The contract's default: the action expert (``expert_modules()``) and everything else as backbone."""
-    return {"expert": list(policy.expert_modules()), "backbone": [policy]}
-
-
 def part_of_modules(policy: nn.Module) -> dict[str, str]:
     """Module name -> the part it belongs to. A module listed in a more specific part wins over one
     that contains it (vision, then expert, then backbone); modules in no part are ``other``."""
-    parts = policy.lora_parts() if callable(getattr(policy, "lora_parts", None)) else default_lora_parts(policy)
+    parts = policy.lora_parts()  # the contract's (slurmvla.policy.base.Policy: every built policy has one)
     unknown = sorted(set(parts) - {"backbone", "expert", "vision"})
     if unknown:
         raise ValueError(f"{type(policy).__qualname__}.lora_parts() names parts {unknown}; the parts are backbone, "
@@ -71,10 +66,9 @@ def part_of_modules(policy: nn.Module) -> dict[str, str]:
     return {name: owner.get(id(m), "other") for name, m in policy.named_modules()}
 
 
-def adapted_modules(policy: nn.Module, cfg: PolicyConfig) -> dict[str, str]:
-    """The ``nn.Linear`` modules that get adapters: full name -> part."""
+def adapted_modules(policy: nn.Module, cfg: PolicyConfig, parts: dict[str, str]) -> dict[str, str]:
+    """The ``nn.Linear`` modules that get adapters: full name -> part (``parts``: :func:`part_of_modules`)."""
     lora = cfg.lora
-    parts = part_of_modules(policy)
     chosen = {name: parts[name] for name, m in policy.named_modules()
               if isinstance(m, nn.Linear) and parts[name] in lora.parts
               and (lora.targets is None or name.rsplit(".", 1)[-1] in lora.targets)}
@@ -91,8 +85,8 @@ def apply_lora(policy: nn.Module, cfg: PolicyConfig) -> nn.Module:
     """Add the configured adapters to ``policy`` in place (see the module docstring); returns it."""
     peft = _peft()
     lora = cfg.lora
-    chosen = adapted_modules(policy, cfg)
     parts = part_of_modules(policy)
+    chosen = adapted_modules(policy, cfg, parts)
     was_trainable = {n: p.requires_grad for n, p in policy.named_parameters()}
     expert = [name for name, part in chosen.items() if part == "expert"]
     config = peft.LoraConfig(
