@@ -1,7 +1,7 @@
 """Real-time inference: ``sample_actions`` latency at batch 1, eager against CUDA graphs, and what the
 server adds.
 
-    python benchmarks/sample_latency.py policy=pi05 precision=bf16 [--iters 200] [--server] [--json OUT]
+    python benchmarks/sample_latency.py policy=pi05 precision=bf16 [--iters 200] [--server] [--kernels 15] [--json OUT]
 
 The policy is built with random weights straight on the device (the meta device, then materialised
 there: no fp32 copy on the host), put in eval mode and given one DROID observation as the server
@@ -38,6 +38,7 @@ from slurmvla.export import Loaded
 from slurmvla.policy import build_policy
 from slurmvla.policy.base import seeded_sample_actions
 from slurmvla.policy.graphed import GraphedSampler, lower_weights
+from slurmvla.profile import kernel_table
 from slurmvla.serve import PolicyRunner, PolicyServer, serving_in_thread
 
 CAMERAS = ["observation/exterior_image_1_left", "observation/exterior_image_2_left", "observation/wrist_image_left"]
@@ -70,6 +71,8 @@ def main() -> None:
     parser.add_argument("--modes", default="eager_autocast,eager,graph,compile_graph")
     parser.add_argument("--server", action="store_true", help="also time the server through openpi's client")
     parser.add_argument("--json", help="write the figures here too")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="per mode, the N most expensive kernels of 5 calls under torch's profiler, and their kinds")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     cfg = compose([*args.overrides, f"serve.cameras=[{','.join(CAMERAS)}]"])
@@ -125,6 +128,8 @@ def main() -> None:
               f"first call {row['first_call_s']:.1f} s"
               + (f"  max |a - eager| {row['max_abs_diff_vs_eager']:.4f}" if "max_abs_diff_vs_eager" in row else ""),
               flush=True)
+        if args.kernels:
+            print(kernel_table(call, device, args.kernels, calls=5), flush=True)
 
     if args.server:
         results["server"] = server_overhead(loaded, cfg, args.iters, cuda)

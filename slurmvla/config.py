@@ -32,6 +32,10 @@ WANDB_MODES = ("offline", "online", "disabled")
 DEVICES = ("auto", "cpu", "cuda")
 
 
+# What a checkpointed layer keeps besides its inputs (slurmvla/policy/recompute.py).
+CHECKPOINT_SAVES = ("inputs", "matmuls")
+
+
 def _choice(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
@@ -146,6 +150,11 @@ class PolicyConfig:
     dynamics: bool = False
     num_inference_steps: int = 10
     gradient_checkpointing: bool = False
+    # With gradient_checkpointing: checkpoint layers 0, k, 2k, ... of each stack (the rest keep their
+    # activations), and what a checkpointed layer keeps: inputs (all recomputed) or matmuls (the outputs
+    # of its matrix products and attention too; slurmvla/policy/recompute.py).
+    checkpoint_every: int = 1
+    checkpoint_saves: str = "inputs"
     freeze_vision_encoder: bool = False
     train_expert_only: bool = False
     # Normalization a policy was trained with (pi0.5: quantile); None: data.state/action_normalization.
@@ -155,6 +164,8 @@ class PolicyConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
+        _choice("policy.checkpoint_saves", self.checkpoint_saves, CHECKPOINT_SAVES)
+        _positive("policy.checkpoint_every", self.checkpoint_every)
         entry = POLICIES.get(self.name)
         if not entry.target and not self.target:
             raise ValueError(f"policy.name={self.name!r} needs policy.target=package.module.Class (the policy's class); "
@@ -571,11 +582,15 @@ class ProfileConfig:
     steps: int = 10
     # Dense peak of one accelerator in TFLOP/s for MFU (e.g. 989 for an H100 SXM in bf16); 0 = not reported.
     peak_tflops: float = 0.0
+    # After the timed steps, one more step under torch's profiler: its N most expensive kernels (GPU) or
+    # operators (CPU) and their kinds (matrix products, attention, elementwise, ...); 0 = none.
+    kernels: int = 0
 
     def __post_init__(self) -> None:
         _positive("profile.warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("profile.steps", self.steps)
         _positive("profile.peak_tflops", self.peak_tflops, allow_zero=True)
+        _positive("profile.kernels", self.kernels, allow_zero=True)
 
 
 @dataclass

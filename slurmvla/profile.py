@@ -74,6 +74,72 @@ class PhaseTimer:
         return out
 
 
+# Kinds of kernel by name, first match wins (cuBLAS / CUTLASS / nvjet matrix products, FlashAttention /
+# memory-efficient attention, Triton's fused kernels from torch.compile, copies, reductions, the rest).
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("matrix product", ("gemm", "xmma", "cutlass", "nvjet", "matmul", "aten::mm", "aten::addmm", "aten::bmm",
+                        "aten::linear", "conv")),
+    ("compiled (triton)", ("triton",)),
+    ("copy / cast", ("copy", "memcpy", "memset", "cat", "aten::to", "_to_copy")),
+    ("reduction / norm", ("reduce", "norm", "softmax", "sum", "mean")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "aten::")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def kernel_table(fn, device: torch.device, top: int = 15, calls: int = 1) -> str:
+    """Run ``fn`` ``calls`` times under torch's profiler; the ``top`` kernels (GPU: device time of each
+    kernel, graph replays included) or operators (CPU: self time) by total time, their kinds' totals,
+    and the device's busy time per call against the wall clock (a GPU busy for less than the wall is
+    waiting on the host: launches, synchronisation)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        wall = (time.perf_counter() - t0) / calls
+    totals: dict[str, list] = {}
+    for e in prof.events():
+        if cuda:
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = e.device_time
+        else:
+            if e.device_type != torch.autograd.DeviceType.CPU or not e.name.startswith("aten::"):
+                continue
+            us = e.self_cpu_time_total
+        row = totals.setdefault(e.name, [0.0, 0])
+        row[0] += us
+        row[1] += 1
+    busy = sum(us for us, _ in totals.values()) / calls / 1e3
+    kinds: dict[str, float] = {}
+    for name, (us, _) in totals.items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us / calls / 1e3
+    what = "kernels (device time)" if cuda else "operators (self CPU time)"
+    lines = [f"{what} per call: {busy:.2f} ms busy in {wall * 1e3:.2f} ms of wall clock ({100 * busy / (wall * 1e3):.0f}%)",
+             f"{'kind':20s} {'ms':>9s} {'share':>6s}"]
+    for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{kind:20s} {ms:9.2f} {100 * ms / max(busy, 1e-9):5.1f}%")
+    lines.append(f"{'top ' + str(top):20s} {'ms':>9s} {'share':>6s} {'count':>6s}  name")
+    for name, (us, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        ms = us / calls / 1e3
+        lines.append(f"{kernel_kind(name):20s} {ms:9.2f} {100 * ms / max(busy, 1e-9):5.1f}% {n // calls:6d}  {name[:110]}")
+    return "\n".join(lines)
+
+
 def count_flops_per_sample(cfg: Config, batch: dict, policy: torch.nn.Module | None = None) -> float:
     """Forward + backward FLOPs of the policy on one sample, counted on a copy built on the meta
     device (shapes only: no weights, no memory, whatever the policy's size). ``policy``: the real one,
@@ -100,9 +166,20 @@ def profile_run(cfg: Config, run_dir: Path) -> dict:
     """Profile one configuration on every rank; the report on rank 0 (None elsewhere)."""
     from slurmvla.trainer import Trainer
 
+    t0 = time.perf_counter()
     trainer = Trainer(cfg, run_dir)
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize(trainer.device)
+    ready_s = time.perf_counter() - t0
     try:
-        return _measure(trainer)
+        report = _measure(trainer)
+        if report is not None:
+            report["trainer_ready_s"] = ready_s
+        if cfg.profile.kernels:
+            table = kernel_table(trainer.run_step, trainer.device, cfg.profile.kernels)
+            if report is not None:
+                report["kernels"] = table
+        return report
     finally:
         trainer.close(keep_process_group=True)
 
@@ -185,6 +262,11 @@ def format_report(r: dict) -> str:
     lines.append(f"model FLOPs per sample (forward + backward, FlopCounterMode): {r['flops_per_sample'] / 1e9:.3f} GFLOP")
     if "mfu" in r:
         lines.append(f"MFU: {100 * r['mfu']:.1f}% of the configured peak")
+    if "trainer_ready_s" in r:
+        lines.append(f"start-up: the Trainer was ready in {r['trainer_ready_s']:.1f} s (built, on its device, first "
+                     "batch not yet read)")
+    if "kernels" in r:
+        lines.append(f"one more optimizer step under torch's profiler: {r['kernels']}")
     note = ENGINES.get(c["engine"]).profile_note
     if note:
         lines.append(f"note: {note}")
@@ -245,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for variant in variants:
             cfg = compose([*base, *shlex.split(variant)])
-            steps = cfg.profile.warmup_steps + cfg.profile.steps + 1
+            steps = cfg.profile.warmup_steps + cfg.profile.steps + 1 + (cfg.profile.kernels > 0)
             cfg.trainer.max_steps = max(cfg.trainer.max_steps, steps)
             with tempfile.TemporaryDirectory(prefix="slurmvla-profile-") as run_dir:
                 report = profile_run(cfg, Path(run_dir))

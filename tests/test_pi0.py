@@ -390,3 +390,23 @@ def test_an_export_loads_into_a_meta_built_policy_with_its_values_and_frozen_par
     noise = torch.randn(B, cfg.policy.action_horizon, cfg.policy.max_action_dim)
     with torch.no_grad():
         assert torch.equal(loaded.sample_actions(batch, noise=noise), saved.sample_actions(batch, noise=noise))
+
+
+def test_every_checkpointing_setting_gives_pi05s_gradients():
+    """pi0.5's joint layers and its vision tower under each activation-checkpointing setting
+    (policy/recompute.py): the plain gradients, and the recomputation each setting promises."""
+    from .test_policy import _CountMatmuls, checkpointing_cases
+
+    def run(**kw):
+        cfg = policy_cfg("pi05_tiny", **kw)
+        torch.manual_seed(0)
+        policy = build_policy(cfg).train()
+        batch = batch_for(cfg)
+        g = torch.Generator().manual_seed(1)
+        noise = torch.randn(B, cfg.action_horizon, cfg.max_action_dim, generator=g)
+        loss = policy(batch, noise=noise, t=torch.rand(B, generator=g))["loss"]
+        with _CountMatmuls() as counter:
+            loss.backward()
+        return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, counter.count
+
+    checkpointing_cases(run)

@@ -121,14 +121,44 @@ def _grads(p, batch, noise, t):
     return {n: q.grad.clone() for n, q in p.named_parameters() if q.grad is not None}
 
 
+class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+        return func(*args, **(kwargs or {}))
+
+
+def checkpointing_cases(grads_and_backward_matmuls, **base):
+    """Every checkpointing setting gives the plain gradients; what it recomputes shows in the backward
+    pass's matrix products: all of the forward's (every layer, inputs kept), about half (every other
+    layer), none (matmul outputs kept), against the plain backward's count."""
+    plain, plain_mm = grads_and_backward_matmuls(**base)
+    counts = {}
+    for name, kw in {"every layer": {}, "every 2nd": {"checkpoint_every": 2},
+                     "matmuls kept": {"checkpoint_saves": "matmuls"}}.items():
+        grads, counts[name] = grads_and_backward_matmuls(**base, gradient_checkpointing=True, **kw)
+        assert grads.keys() == plain.keys(), name
+        for n in plain:
+            assert torch.allclose(plain[n], grads[n], rtol=1e-5, atol=1e-7), (name, n)
+    assert counts["matmuls kept"] == plain_mm < counts["every 2nd"] < counts["every layer"], (plain_mm, counts)
+
+
 def test_gradient_checkpointing_gives_the_same_gradients():
     batch = make_batch()
     noise, t = fixed_noise(batch)
-    plain = _grads(policy(), batch, noise, t)
-    ckpt = _grads(policy(gradient_checkpointing=True), batch, noise, t)
-    assert plain.keys() == ckpt.keys()
-    for n in plain:
-        assert torch.allclose(plain[n], ckpt[n], rtol=1e-5, atol=1e-7), n
+
+    def run(**kw):
+        p = policy(**kw)
+        p.zero_grad()
+        loss = p(batch, noise=noise, t=t)["loss"]
+        with _CountMatmuls() as counter:
+            loss.backward()
+        return {n: q.grad.clone() for n, q in p.named_parameters() if q.grad is not None}, counter.count
+
+    checkpointing_cases(run, depth=4)
 
 
 def test_every_parameter_gets_a_gradient():

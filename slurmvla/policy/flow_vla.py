@@ -22,12 +22,12 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from slurmvla.config import ATTENTION_FALLBACKS, PolicyConfig
 from slurmvla.data.spec import Draw, SampleSpec
 from slurmvla.policy.base import Policy
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
+from slurmvla.policy.recompute import Recompute
 from slurmvla.policy.tokenizer import VOCAB_SIZE, ByteTokenizer
 from slurmvla.registry import SAMPLE_MODES
 
@@ -232,6 +232,7 @@ class FlowMatchingVLA(Policy):
         self.reads_text = self.sample_spec(cfg).tokenizer is not None
         impl = resolve_attention(cfg.attention_implementation)
         self.gradient_checkpointing = cfg.gradient_checkpointing
+        self.recompute = Recompute.from_config(cfg)
         self.vision = VisionEncoder(cfg, impl)
         # One embedding per (history frame, camera): images arrive as [B, num_obs_history * cams, ...].
         self.camera_embedding = nn.Parameter(torch.zeros(cfg.num_obs_history * cfg.num_cameras, cfg.width))
@@ -324,7 +325,7 @@ class FlowMatchingVLA(Policy):
         filled = bool(cache)
         for j, layer in enumerate(self.layers):
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                prefix, suffix, _ = checkpoint(layer, prefix, suffix, keep, use_reentrant=False)
+                prefix, suffix, _ = self.recompute(layer, j, prefix, suffix, keep)
             else:
                 prefix, suffix, kv = layer(prefix, suffix, keep, cache[j] if filled else None)
                 if cache is not None and not filled:

@@ -46,13 +46,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from slurmvla.config import PolicyConfig
 from slurmvla.data.spec import DataFeatures, Draw, SampleSpec
 from slurmvla.policy.base import Policy
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.flow_vla import attention, resolve_attention
+from slurmvla.policy.recompute import Recompute
 from slurmvla.weights import parameter_generator
 
 log = logging.getLogger(__name__)
@@ -226,13 +226,13 @@ class VisionTower(nn.Module):
         self.layers = nn.ModuleList(hf.SiglipEncoderLayer(config) for _ in range(config.num_hidden_layers))
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, pixels: torch.Tensor, checkpointed: bool = False) -> torch.Tensor:
-        """``checkpointed``: each encoder layer's activations are recomputed in the backward pass
-        (with the policy's gradient checkpointing, as LeRobot checkpoints its vision tower too)."""
+    def forward(self, pixels: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:
+        """``recompute``: the encoder layers are checkpointed as it says (with the policy's gradient
+        checkpointing, as LeRobot checkpoints its vision tower too)."""
         x = self.embeddings.patch_embedding(pixels.to(self.embeddings.patch_embedding.weight.dtype))
         x = x.flatten(2).transpose(1, 2) + self.embeddings.position_embedding.weight[None]
-        for layer in self.layers:
-            x = checkpoint(layer, x, None, use_reentrant=False) if checkpointed else layer(x, None)
+        for i, layer in enumerate(self.layers):
+            x = recompute(layer, i, x, None) if recompute is not None else layer(x, None)
         return self.post_layernorm(x)
 
 
@@ -266,6 +266,7 @@ class Pi0Policy(Policy):
         # built whole or parameter by parameter on each rank's shard.
         self.init_seed = int(torch.randint(0, 2**62, (), device="cpu").item())
         self.gradient_checkpointing = cfg.gradient_checkpointing
+        self.recompute = Recompute.from_config(cfg)
         attn = resolve_attention(cfg.attention_implementation)  # sdpa or eager
         GemmaDecoderLayer = _transformers().GemmaDecoderLayer
         self.vision = VisionTower(siglip_config(cfg, attn))
@@ -422,7 +423,8 @@ class Pi0Policy(Policy):
     def _prefix(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         images = batch["images"]
         b, cams = images.shape[:2]
-        img = self.projector(self.vision(self._pixels(images.flatten(0, 1)), self._checkpointing()))
+        img = self.projector(self.vision(self._pixels(images.flatten(0, 1)),
+                                         self.recompute if self._checkpointing() else None))
         per_cam = img.shape[1]
         parts = [img.reshape(b, cams * per_cam, -1)]
         keep = [batch["image_mask"][:, :, None].expand(b, cams, per_cam).reshape(b, cams * per_cam)]
@@ -476,7 +478,7 @@ class Pi0Policy(Policy):
             rotary, masks = self._masks(keep, suffix.shape[1], lead)
         for j, layer in enumerate(self.layers):
             if self._checkpointing():
-                prefix, suffix, _ = checkpoint(layer, prefix, suffix, rotary, masks, cond, use_reentrant=False)
+                prefix, suffix, _ = self.recompute(layer, j, prefix, suffix, rotary, masks, cond)
             else:
                 prefix, suffix, kv = layer(prefix, suffix, rotary, masks, cond, cache.kv[j] if filled else None)
                 if cache is not None and not filled:

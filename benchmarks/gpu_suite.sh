@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU measurements of one session, in one call: each section's output in its own log under $OUT.
+#
+#   bash benchmarks/gpu_suite.sh [SECTION ...]     # default: tests latency train compile batch
+#
+# Sections (pi0.5 at its published size, bf16, one GPU):
+#   tests     python -m pytest tests/test_gpu.py
+#   latency   sample_actions at batch 1 (eager, CUDA graph, compiled + graph), the server through openpi's
+#             client, and the kernels of each
+#   train     python -m slurmvla.profile at micro-batch 16: phases, MFU, start-up, kernels
+#   compile   the same with trainer.compile=true
+#   sac       selective checkpointing (policy.checkpoint_saves=matmuls) at micro-batch 8 x 2
+#   batch     the largest micro-batch that fits (benchmarks/max_micro_batch.py)
+#   lerobot   benchmarks/vs_lerobot.py --parts model --device cuda (LeRobot's side: .gpu/lerobot-python)
+# Each runs under its own time limit (SUITE_LIMIT_<SECTION> seconds), so one that hangs costs only its share.
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PI05=(policy=pi05 precision=bf16 data.num_workers=4)
+PROFILE=(profile.warmup_steps=2 profile.steps=5 profile.peak_tflops=989 trainer.global_batch_size=16)
+
+run() {  # run NAME LIMIT CMD...
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    echo "== $name: $*" | tee -a "$OUT/suite.log"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/suite.log"
+    tail -n 60 "$OUT/$name.log"
+}
+
+section() {
+    case $1 in
+        tests) run tests "${SUITE_LIMIT_TESTS:-180}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rs --durations=10 ;;
+        latency) run latency "${SUITE_LIMIT_LATENCY:-240}" python3 benchmarks/sample_latency.py "${PI05[@]}" \
+            --modes eager,graph,compile_graph --iters 30 --server --kernels 12 ;;
+        train) run train "${SUITE_LIMIT_TRAIN:-150}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
+            profile.kernels=15 ;;
+        compile) run compile "${SUITE_LIMIT_COMPILE:-200}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
+            trainer.compile=true profile.kernels=15 ;;
+        sac) run sac "${SUITE_LIMIT_SAC:-150}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
+            trainer.grad_accum_steps=2 --compare policy.checkpoint_saves=inputs policy.checkpoint_saves=matmuls ;;
+        batch) run batch "${SUITE_LIMIT_BATCH:-150}" python3 benchmarks/max_micro_batch.py --start 24 --limit 64 \
+            --steps 1 "${PI05[@]}" data.num_workers=0 ;;
+        lerobot) run lerobot "${SUITE_LIMIT_LEROBOT:-300}" python3 benchmarks/vs_lerobot.py --parts model \
+            --device cuda --lerobot-python .gpu/lerobot-python ;;
+        *) echo "unknown section $1; choose from tests latency train compile sac batch lerobot" >&2; exit 2 ;;
+    esac
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/suite.log"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+    | tee -a "$OUT/suite.log"
+for s in "${@:-tests latency train compile batch}"; do
+    for one in $s; do section "$one"; done
+done
