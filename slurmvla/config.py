@@ -32,6 +32,8 @@ WANDB_MODES = ("offline", "online", "disabled")
 DEVICES = ("auto", "cpu", "cuda")
 
 
+# torch's scaled-dot-product attention kernels by the names policy.attention_kernels takes.
+ATTENTION_KERNELS = ("flash", "efficient", "cudnn", "math")
 # What a checkpointed layer keeps besides its inputs (slurmvla/policy/recompute.py).
 CHECKPOINT_SAVES = ("inputs", "matmuls")
 
@@ -266,9 +268,17 @@ class Pi0Config(TransformerPolicyConfig):
     # openpi's LoRA targets: Gemma's attention and MLP projections (not pi0.5's adaptive-norm modulation,
     # which openpi's LoRA leaves frozen).
     lora: LoraConfig = field(default_factory=lambda: LoraConfig(targets=list(GEMMA_LORA_TARGETS)))
+    # On a GPU, torch's fused attention kernels in the order they are tried (flash, efficient, cudnn,
+    # math; a kernel that cannot take a call's inputs is skipped); null: torch's own order.
+    attention_kernels: list[str] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for kernel in self.attention_kernels or []:
+            _choice("policy.attention_kernels", kernel, ATTENTION_KERNELS)
+        if self.attention_kernels is not None and "math" not in self.attention_kernels:
+            raise ValueError(f"policy.attention_kernels={list(self.attention_kernels)} needs math last: it is the "
+                             "one kernel that takes every input (others refuse some masks, head sizes or dtypes)")
         for key in ("num_kv_heads", "mlp_dim", "expert_mlp_dim", "vision_mlp_dim", "vocab_size", "max_state_dim",
                     "max_action_dim"):
             _positive(f"policy.{key}", getattr(self, key))

@@ -58,6 +58,9 @@ def test_flops_include_the_backward_pass(make_cfg):
     with FlopCounterMode(display=False) as fwd, torch.no_grad():
         build_policy(cfg.policy)(batch)
     assert 2.5 < total / fwd.get_total_flops() < 3.2
+    # Model FLOPs: activation checkpointing's recomputation (a fourth forward) is not counted.
+    cfg.policy.gradient_checkpointing = True
+    assert count_flops_per_sample(cfg, batch) == total
 
 
 @pytest.mark.multiproc

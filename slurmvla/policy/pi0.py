@@ -35,6 +35,7 @@ without antialiasing on [0, 1] floats, then scaled to [-1, 1].
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -141,13 +142,22 @@ class AdaptiveRMSNorm(nn.Module):
         self.dense = nn.Linear(cond_dim, 3 * dim)
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.modulate(x, self.dense(cond))
+
+    def modulate(self, x: torch.Tensor, modulation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norm with ``modulation = dense(cond)`` given (``[B, 3 * dim]``: scale, shift, gate)."""
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        scale, shift, gate = self.dense(cond)[:, None, :].chunk(3, dim=-1)
+        scale, shift, gate = modulation[:, None, :].chunk(3, dim=-1)
         return (normed * (1 + scale.float()) + shift.float()).to(x.dtype), gate.to(x.dtype)
 
 
-def _norm(norm: nn.Module, x: torch.Tensor, cond: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return norm(x, cond) if isinstance(norm, AdaptiveRMSNorm) else (norm(x), None)
+def _norm(norm: nn.Module, x: torch.Tensor, cond: torch.Tensor | tuple | None,
+          which: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``cond``: pi0.5's time condition, or (inference) the layer's norms' modulations computed ahead
+    (a tuple: the input norm's, then the post-attention norm's; ``which`` picks)."""
+    if not isinstance(norm, AdaptiveRMSNorm):
+        return norm(x), None
+    return norm.modulate(x, cond[which]) if isinstance(cond, tuple) else norm(x, cond)
 
 
 def _residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
@@ -169,8 +179,8 @@ class JointLayer(nn.Module):
             backbone.mlp = None
 
     @staticmethod
-    def _project(layer: nn.Module, x: torch.Tensor, cond: torch.Tensor | None, queries: bool):
-        h, gate = _norm(layer.input_layernorm, x, cond)
+    def _project(layer: nn.Module, x: torch.Tensor, cond: torch.Tensor | tuple | None, queries: bool):
+        h, gate = _norm(layer.input_layernorm, x, cond, 0)
         attn = layer.self_attn
         shape = (*h.shape[:2], -1, attn.head_dim)
         q = attn.q_proj(h).view(shape).transpose(1, 2) if queries else None
@@ -180,16 +190,16 @@ class JointLayer(nn.Module):
 
     @staticmethod
     def _finish(layer: nn.Module, x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None,
-                cond: torch.Tensor | None) -> torch.Tensor:
+                cond: torch.Tensor | tuple | None) -> torch.Tensor:
         x = _residual(x, layer.self_attn.o_proj(y.transpose(1, 2).flatten(2)), gate)
-        h, gate = _norm(layer.post_attention_layernorm, x, cond)
+        h, gate = _norm(layer.post_attention_layernorm, x, cond, 1)
         return _residual(x, layer.mlp(h), gate)
 
     def forward(self, prefix: torch.Tensor | None, suffix: torch.Tensor, rotary: tuple, masks: tuple,
-                cond: torch.Tensor | None = None, prefix_kv: tuple | None = None) -> tuple:
+                cond: torch.Tensor | tuple | None = None, prefix_kv: tuple | None = None) -> tuple:
         """``rotary``: (cos, sin) over [prefix, suffix]; ``masks``: bool (prefix queries -> prefix
         keys ``[B, 1, P, P]``, suffix queries -> all keys ``[B, 1, S, P + S]``); ``cond``: pi0.5's
-        time condition. With ``prefix_kv`` (an earlier call's prefix keys / values: the prefix never
+        time condition, or its two norms' modulations computed ahead (inference). With ``prefix_kv`` (an earlier call's prefix keys / values: the prefix never
         attends to the suffix, so they are the same at every denoising step) only the suffix runs.
         Returns ``(prefix or None, suffix, (k, v) of the prefix)``."""
         apply_rotary = self._apply_rotary
@@ -245,6 +255,17 @@ class PrefixCache:
     kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None
     masks: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class StepCondition:
+    """pi0.5, one denoising step: the time condition and every adaptive norm's modulation at that step's
+    time, computed with every other step's before the loop (they depend on the time alone, so each norm's
+    weights are read once per call, not once per step)."""
+
+    cond: torch.Tensor
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    final: torch.Tensor
 
 
 class Pi0Policy(Policy):
@@ -440,9 +461,15 @@ class Pi0Policy(Policy):
     def _state_in_prefix(self, batch: dict, parts: list, keep: list) -> tuple[list, list]:
         return parts, keep
 
-    def _suffix(self, batch: dict, x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    def _step_conditions(self, times: list[float], b: int, dtype: torch.dtype,
+                         device: torch.device) -> list[StepCondition | None]:
+        """pi0.5's per-step conditions for the denoising ``times`` (pi0 has none)."""
+        return [None] * len(times)
+
+    def _suffix(self, batch: dict, x_t: torch.Tensor, t: torch.Tensor,
+                cond: torch.Tensor | None = None) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         """Expert-stream tokens, how many leading ones form their own attention block (pi0's state
-        token), and the time condition (pi0.5)."""
+        token), and the time condition (pi0.5; ``cond``: already computed for ``t``)."""
         state = self._state_token(batch)
         a = self.action_in_proj(x_t)
         time = sinusoidal_time(t, a.shape[-1])[:, None, :].expand_as(a).to(a.dtype)
@@ -466,11 +493,11 @@ class Pi0Policy(Policy):
         return rope(positions, self.cfg.head_dim), (allowed[:, None, :p, :p], allowed[:, None, p:, :])
 
     def _velocity(self, prefix: torch.Tensor, keep: torch.Tensor, batch: dict, x_t: torch.Tensor,
-                  t: torch.Tensor, cache: PrefixCache | None = None) -> torch.Tensor:
+                  t: torch.Tensor, cache: PrefixCache | None = None, step: StepCondition | None = None) -> torch.Tensor:
         """The expert's velocity at ``(x_t, t)``: one training forward, or one denoising step. With a
         ``cache`` (inference), the first call fills it and later calls skip the prefix stream, reading
-        each layer's prefix keys / values from it."""
-        suffix, lead, cond = self._suffix(batch, x_t, t)
+        each layer's prefix keys / values from it; ``step``: pi0.5's condition at ``t``, computed ahead."""
+        suffix, lead, cond = self._suffix(batch, x_t, t, None if step is None else step.cond)
         filled = cache is not None and bool(cache.kv)
         if filled:
             rotary, masks = cache.rotary, cache.masks
@@ -480,15 +507,31 @@ class Pi0Policy(Policy):
             if self._checkpointing():
                 prefix, suffix, _ = self.recompute(layer, j, prefix, suffix, rotary, masks, cond)
             else:
-                prefix, suffix, kv = layer(prefix, suffix, rotary, masks, cond, cache.kv[j] if filled else None)
+                layer_cond = cond if step is None else step.layers[j]
+                prefix, suffix, kv = layer(prefix, suffix, rotary, masks, layer_cond, cache.kv[j] if filled else None)
                 if cache is not None and not filled:
                     cache.kv.append(kv)
         if cache is not None and not filled:
             cache.rotary, cache.masks = rotary, masks
-        out, _ = _norm(self.expert_norm, suffix, cond)
+        out, _ = _norm(self.expert_norm, suffix, cond if step is None else (step.final,))
         return self.action_out_proj(out[:, lead:])
 
+    def _kernels(self):
+        """The attention kernels policy.attention_kernels asks for, in its order (torch's own choice without it)."""
+        names = self.cfg.attention_kernels
+        if not names or not self.action_in_proj.weight.is_cuda:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                    "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+        return sdpa_kernel([backends[n] for n in names], set_priority=True)
+
     def forward(self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None) -> dict:
+        with self._kernels():
+            return self._loss(batch, noise, t)
+
+    def _loss(self, batch: dict, noise: torch.Tensor | None, t: torch.Tensor | None) -> dict:
         """Flow-matching loss in the padded action space, reported over the data's dims: the mean over
         every chunk element (LeRobot's and openpi's convention; see the module docstring)."""
         actions = pad_last(self.normalize_actions(batch["actions"]), self.cfg.max_action_dim)
@@ -503,6 +546,10 @@ class Pi0Policy(Policy):
     def sample_actions(self, batch: dict, noise: torch.Tensor | None = None, num_steps: int | None = None) -> torch.Tensor:
         """Euler integration from noise (t = 1) to actions (t = 0); the prefix runs once, later steps
         reuse its keys / values. Returns actions in the dataset's units."""
+        with self._kernels():
+            return self._integrate(batch, noise, num_steps)
+
+    def _integrate(self, batch: dict, noise: torch.Tensor | None, num_steps: int | None) -> torch.Tensor:
         steps = num_steps or self.cfg.num_inference_steps
         b = batch["state"].shape[0]
         x = torch.randn((b, self.cfg.action_horizon, self.cfg.max_action_dim), device=batch["state"].device) \
@@ -510,9 +557,11 @@ class Pi0Policy(Policy):
         dt = -1.0 / steps
         prefix, keep = self._prefix(batch)
         cache = PrefixCache()
+        times = [1.0 + i * dt for i in range(steps)]
+        conditions = self._step_conditions(times, b, prefix.dtype, x.device)
         for i in range(steps):
-            t = torch.full((b,), 1.0 + i * dt, device=x.device)
-            x = x + dt * self._velocity(prefix, keep, batch, x.to(prefix.dtype), t, cache).float()
+            t = torch.full((b,), times[i], device=x.device)
+            x = x + dt * self._velocity(prefix, keep, batch, x.to(prefix.dtype), t, cache, conditions[i]).float()
         return x[..., : self.cfg.action_dim] * self.action_scale + self.action_offset
 
 
@@ -598,11 +647,28 @@ class Pi05Policy(Pi0Policy):
         state = self._state_token(batch)
         return [*parts, state], [*keep, torch.ones(state.shape[0], 1, dtype=torch.bool, device=state.device)]
 
-    def _suffix(self, batch: dict, x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    def _suffix(self, batch: dict, x_t: torch.Tensor, t: torch.Tensor,
+                cond: torch.Tensor | None = None) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         a = self.action_in_proj(x_t)
-        time = sinusoidal_time(t, a.shape[-1]).to(a.dtype)
-        cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time))))
-        return a, 0, cond
+        return a, 0, self._time_condition(t, a.dtype) if cond is None else cond
+
+    def _time_condition(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        time = sinusoidal_time(t, self.cfg.expert_width).to(dtype)
+        return F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time))))
+
+    def _step_conditions(self, times: list[float], b: int, dtype: torch.dtype,
+                         device: torch.device) -> list[StepCondition]:
+        steps = len(times)
+        t = torch.tensor(times, device=device).repeat_interleave(b)  # float32, as torch.full gives each step's
+        cond = self._time_condition(t, dtype)
+
+        def per_step(norm: AdaptiveRMSNorm) -> torch.Tensor:
+            return norm.dense(cond).unflatten(0, (steps, b))
+
+        layers = [(per_step(layer.expert.input_layernorm), per_step(layer.expert.post_attention_layernorm))
+                  for layer in self.layers]
+        final, cond = per_step(self.expert_norm), cond.unflatten(0, (steps, b))
+        return [StepCondition(cond[i], [(a[i], p[i]) for a, p in layers], final[i]) for i in range(steps)]
 
 
 def describe(cfg: PolicyConfig) -> dict[str, Any]:
