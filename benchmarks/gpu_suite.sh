@@ -11,7 +11,7 @@
 #   compile   the same with trainer.compile=true
 #   sac       selective checkpointing (policy.checkpoint_saves=matmuls) at micro-batch 8 x 2
 #   kernels   sample_actions compiled + graphed under each order of attention kernels (policy.attention_kernels)
-#   train_kernels  the training step (eager, compiled) with the memory-efficient attention kernel first
+#   train_kernels  the compiled training step with the memory-efficient attention kernel first
 #   batch     the largest micro-batch that fits (benchmarks/max_micro_batch.py)
 #   inference_tests  the GPU tests of inference (graphs, server) and of the step's host synchronisation
 #   lerobot   benchmarks/vs_lerobot.py --parts model --device cuda (LeRobot's side: .gpu/lerobot-python)
@@ -48,8 +48,7 @@ section() {
         kernels) run kernels "${SUITE_LIMIT_KERNELS:-150}" python3 benchmarks/sample_latency.py "${PI05[@]}" \
             --modes compile_graph --iters 30 --attention-kernels cudnn,math efficient,math flash,efficient,math ;;
         train_kernels) run train_kernels "${SUITE_LIMIT_TRAIN_KERNELS:-150}" python3 -m slurmvla.profile "${PI05[@]}" \
-            "${PROFILE[@]}" --compare "policy.attention_kernels=[efficient,math]" \
-            "trainer.compile=true policy.attention_kernels=[efficient,math]" ;;
+            "${PROFILE[@]}" "policy.attention_kernels=[efficient,math]" trainer.compile=true profile.kernels=15 ;;
         batch) run batch "${SUITE_LIMIT_BATCH:-150}" python3 benchmarks/max_micro_batch.py --start 24 --limit 64 \
             --steps 1 "${PI05[@]}" data.num_workers=0 ;;
         lerobot) run lerobot "${SUITE_LIMIT_LEROBOT:-300}" python3 benchmarks/vs_lerobot.py --parts model \

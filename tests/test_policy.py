@@ -270,3 +270,32 @@ def test_grouped_attention_with_a_mask_through_expanded_heads_equals_the_grouped
     torch.testing.assert_close(expanded, explicit, rtol=1e-5, atol=1e-6)
     # Query head h reads key / value head h // 4: swapping the two kv heads changes the output.
     assert not torch.allclose(flow_vla.attention(q, k.flip(1), v.flip(1), mask, "sdpa", expand_heads=True), expanded)
+
+
+def test_a_checkpointed_layer_is_recomputed_under_its_forwards_context():
+    """The policy's choice of attention kernels (policy.attention_kernels) holds in the backward pass's
+    recomputation too: torch's CPU kernels save other tensors (math: none; flash: its log-sum-exp), and
+    checkpointing refuses a recomputation that saves other tensors than the forward did."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from slurmvla.policy.recompute import Recompute
+
+    def layer(x):
+        q = x.view(1, 2, 8, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q).flatten()
+
+    entered = []
+
+    def math_only():
+        entered.append(1)
+        return sdpa_kernel([SDPBackend.MATH])
+
+    for saves in ("inputs", "matmuls"):
+        entered.clear()
+        x = torch.randn(64, requires_grad=True)
+        with math_only():  # the forward's choice, as the policy's forward makes it
+            y = Recompute(saves=saves, context=math_only)(layer, 0, x)
+        y.sum().backward()  # outside it, as autograd runs the backward
+        plain = torch.autograd.grad(layer(x).sum(), x)[0]
+        torch.testing.assert_close(x.grad, plain)
+        assert len(entered) == 3, saves  # the caller's, the checkpointed forward's, the recomputation's

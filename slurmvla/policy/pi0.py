@@ -287,7 +287,9 @@ class Pi0Policy(Policy):
         # built whole or parameter by parameter on each rank's shard.
         self.init_seed = int(torch.randint(0, 2**62, (), device="cpu").item())
         self.gradient_checkpointing = cfg.gradient_checkpointing
-        self.recompute = Recompute.from_config(cfg)
+        # The recomputation in the backward pass runs under the forward's attention kernels (a kernel's
+        # saved outputs differ between kernels, which checkpointing checks).
+        self.recompute = Recompute.from_config(cfg, context=self._kernels)
         attn = resolve_attention(cfg.attention_implementation)  # sdpa or eager
         GemmaDecoderLayer = _transformers().GemmaDecoderLayer
         self.vision = VisionTower(siglip_config(cfg, attn))
@@ -659,7 +661,9 @@ class Pi05Policy(Pi0Policy):
     def _step_conditions(self, times: list[float], b: int, dtype: torch.dtype,
                          device: torch.device) -> list[StepCondition]:
         steps = len(times)
-        t = torch.tensor(times, device=device).repeat_interleave(b)  # float32, as torch.full gives each step's
+        # Filled where the model runs (no copy from the host: a CUDA graph captures this too), each step's value
+        # the float32 the loop's torch.full gives it.
+        t = torch.cat([torch.full((b,), time, device=device) for time in times])
         cond = self._time_condition(t, dtype)
 
         def per_step(norm: AdaptiveRMSNorm) -> torch.Tensor:

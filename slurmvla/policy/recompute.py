@@ -18,8 +18,9 @@ memory move. ``python -m slurmvla.plan`` prints each setting's memory before a r
 
 from __future__ import annotations
 
-import functools
+import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -42,24 +43,46 @@ def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 _KEPT = _kept_ops()
 
 
-class Recompute:
-    """Calls layer ``index`` of a stack, checkpointed or not as the policy's config says."""
+class _Both(contextlib.AbstractContextManager):
+    def __init__(self, first, second):
+        self.stack, self.first, self.second = contextlib.ExitStack(), first, second
 
-    def __init__(self, every: int = 1, saves: str = "inputs"):
+    def __enter__(self):
+        self.stack.enter_context(self.first)
+        self.stack.enter_context(self.second)
+        return self
+
+    def __exit__(self, *exc):
+        return self.stack.__exit__(*exc)
+
+
+class Recompute:
+    """Calls layer ``index`` of a stack, checkpointed or not as the policy's config says. ``context``: a
+    callable giving a fresh context manager that the layer's forward runs under (e.g. the policy's choice
+    of attention kernels), which its recomputation in the backward pass then runs under too."""
+
+    def __init__(self, every: int = 1, saves: str = "inputs", context: Callable[[], Any] | None = None):
         if saves not in CHECKPOINT_SAVES:
             raise ValueError(f"policy.checkpoint_saves={saves!r} is not an option; choose one of {list(CHECKPOINT_SAVES)}")
         if every < 1:
             raise ValueError(f"policy.checkpoint_every={every!r} must be a positive integer (1: every layer)")
-        self.every, self.saves = every, saves
-        self._kwargs: dict = {"use_reentrant": False}
-        if saves == "matmuls":
-            self._kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+        self.every, self.saves, self.context = every, saves, context
 
     @classmethod
-    def from_config(cls, cfg) -> Recompute:
-        return cls(getattr(cfg, "checkpoint_every", 1), getattr(cfg, "checkpoint_saves", "inputs"))
+    def from_config(cls, cfg, context: Callable[[], Any] | None = None) -> Recompute:
+        return cls(getattr(cfg, "checkpoint_every", 1), getattr(cfg, "checkpoint_saves", "inputs"), context)
+
+    def _contexts(self) -> tuple:
+        """(the forward's context, the recomputation's), as torch.utils.checkpoint's ``context_fn`` gives them."""
+        if self.saves == "matmuls":
+            forward, again = create_selective_checkpoint_contexts(_keep_matmuls)
+        else:
+            forward, again = contextlib.nullcontext(), contextlib.nullcontext()
+        if self.context is None:
+            return forward, again
+        return _Both(forward, self.context()), _Both(again, self.context())
 
     def __call__(self, layer: Callable, index: int, *args):
         if index % self.every:
             return layer(*args)
-        return checkpoint(layer, *args, **self._kwargs)
+        return checkpoint(layer, *args, use_reentrant=False, context_fn=self._contexts)
