@@ -46,7 +46,7 @@ section() {
         sac) run sac "${SUITE_LIMIT_SAC:-150}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
             trainer.grad_accum_steps=2 --compare policy.checkpoint_saves=inputs policy.checkpoint_saves=matmuls ;;
         kernels) run kernels "${SUITE_LIMIT_KERNELS:-150}" python3 benchmarks/sample_latency.py "${PI05[@]}" \
-            --modes compile_graph --iters 30 --attention-kernels cudnn,math efficient,math flash,efficient,math ;;
+            --modes compile_graph --iters 30 --kernels 10 --attention-kernels cudnn,math efficient,math flash,efficient,math ;;
         train_kernels) run train_kernels "${SUITE_LIMIT_TRAIN_KERNELS:-150}" python3 -m slurmvla.profile "${PI05[@]}" \
             "${PROFILE[@]}" "policy.attention_kernels=[efficient,math]" trainer.compile=true profile.kernels=15 ;;
         batch) run batch "${SUITE_LIMIT_BATCH:-150}" python3 benchmarks/max_micro_batch.py --start 24 --limit 64 \
