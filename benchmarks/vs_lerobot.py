@@ -3,6 +3,7 @@
     bash tests/reference/make_env.sh                 # once: LeRobot 0.6.1 in ../lerobot061
     python benchmarks/vs_lerobot.py [--lerobot-python ../lerobot061/bin/python] [--workers 1 2]
                                     [--episodes 8 --length 250 --batch-size 8 --batches 40]
+    python benchmarks/vs_lerobot.py --device cuda [--lerobot-python ...]   # the model part, one GPU, published size
 
 Loading: one LeRobot v3.0 dataset in DROID's encoding (AV1 at GOP 2, CRF 30, 3 cameras at 180x320,
 ``--length``-frame episodes, 4 per file), written twice: flat scenes (the sample writer's) and scenes
@@ -29,6 +30,31 @@ differ by LeRobot's dead weights: the last backbone layer's query, output projec
 final norm (the expert reads only that layer's keys and values; LeRobot computes them for every prefix
 token) and two unused language-model heads. slurmvla does not build them, and runs the prompt without
 its trailing padding (LeRobot runs all ``tokenizer_max_length`` tokens).
+
+``--device cuda`` (the model part only; the other parts stay on the CPU): the same comparison on one GPU
+at pi0.5's published size (SigLIP so400m/14 at 224, Gemma 2B, Gemma 300M expert: slurmvla's
+``policy=pi05`` as it stands, LeRobot's ``gemma_2b`` / ``gemma_300m`` tables unpatched), 3 cameras,
+prompt up to 200 tokens, horizon 50, 10 denoising steps; step at batch 16, inference at batch 1;
+activation checkpointing on (``--checkpointing`` to change). Each side in bf16 as its own trainer runs it:
+
+- slurmvla: ``precision=bf16``: live weights bf16 with fp32 master weights and fp32 AdamW state
+  (``engine.precision.MasterWeights``), forward under bf16 autocast, clipping on the fp32 master
+  gradients, fused AdamW (``optim.fused=auto`` on CUDA). Built on the meta device and initialised on the GPU.
+- LeRobot: ``PI05Config(dtype="bfloat16")`` as ``lerobot-train --policy.dtype=bfloat16`` runs it: its
+  weights cast to bf16 except the vision tower, projector and norms (fp32), AdamW (torch's default
+  foreach kernel) on those weights (bf16 state for the bf16 ones, no fp32 master), and its trainer's
+  ``Accelerator(mixed_precision="bf16")``: ``prepare``, forward under ``accelerator.autocast()``,
+  ``accelerator.backward``, ``accelerator.clip_grad_norm_``. Built with the GPU as torch's default
+  device (``with torch.device("cuda")``: its own classes and initialisation, no fp32 copy on the host).
+
+Inference under bf16 autocast on both sides (LeRobot's trainer evaluates under ``accelerator.autocast()``).
+Times with ``torch.cuda.synchronize()`` after each call; peak memory is ``torch.cuda.max_memory_allocated``
+(and ``max_memory_reserved``) over the timed training steps, the statistics reset after the warm-up
+steps (weights, gradients and optimizer state included). FLOPs: ``FlopCounterMode`` over one more real
+step and one more inference call on the GPU (about one step's time). Fewer steps by default (5 timed
+after 2 warm-up; inference 20 after 3). LeRobot's preprocessor runs inside its step (the raw batch on
+the host as its DataLoader yields it; its device step copies it, about 30 MB); slurmvla's batch is on
+the GPU already (its trainer prepares and copies it in the loader's stage).
 """
 
 from __future__ import annotations
@@ -221,74 +247,129 @@ SIZES = {"image": 112, "patch": 16, "vision": {"hidden_size": 256, "num_hidden_l
                                                "intermediate_size": 1024},
          "backbone": (512, 4, 2048, 8, 1, 64), "expert": (256, 4, 1024, 8, 1, 64), "vocab": 320, "text": 128,
          "horizon": 50, "batch": 8, "steps": 10}
+# --device cuda: the published size (slurmvla's policy=pi05, LeRobot's gemma_2b / gemma_300m tables), bf16.
+# Timed training steps by default, inference calls per timed step, warm-up calls.
+PUBLISHED = {"image": 224, "text": 200, "horizon": 50, "batch": 16, "steps": 5}
+WARMUP = {"cpu": (2, 2), "cuda": (2, 3)}  # (training steps, inference calls)
+INFER_PER_STEP = {"cpu": 3, "cuda": 4}
 TOKENIZER = HERE.parents[1] / "tests" / "golden" / "lerobot061" / "tokenizer"
 
 
-def _timed(fn, steps: int, warmup: int) -> list[float]:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, steps: int, warmup: int, device: str = "cpu") -> list[float]:
+    """Seconds per call after ``warmup`` calls. On CUDA each call is synchronised, and the peak-memory
+    statistics are reset after the warm-up (the peak then covers the timed calls)."""
     for _ in range(warmup):
         fn()
+    _sync(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     out = []
     for _ in range(steps):
         t0 = time.perf_counter()
         fn()
+        _sync(device)
         out.append(time.perf_counter() - t0)
     return out
 
 
 def _flops(fn) -> float:
     """GFLOP of one call, as torch's FlopCounterMode counts them (matrix products, attention,
-    convolutions: the work that sets the time of a compute-bound step)."""
+    convolutions: the work that sets the time of a compute-bound step); NaN (with the reason on stderr)
+    where the counter fails, so the times still come back."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as counter:
-        fn()
+    try:
+        with FlopCounterMode(display=False) as counter:
+            fn()
+    except Exception as e:  # noqa: BLE001 - a count is a nicety beside the times
+        print(f"FLOP count failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return float("nan")
     return counter.get_total_flops() / 1e9
 
 
-def _summary(step_s: list[float], infer_s: list[float], params: int, step_gflop: float, infer_gflop: float) -> dict:
+def _gpu_memory() -> dict:
+    """Peak allocated and reserved GPU memory since the last reset (MiB), and the GPU."""
+    mib = 2**20
+    return {"peak_alloc_mib": torch.cuda.max_memory_allocated() / mib,
+            "peak_reserved_mib": torch.cuda.max_memory_reserved() / mib,
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+
+def _summary(step_s: list[float], infer_s: list[float], params: int, step_gflop: float, infer_gflop: float,
+             gpu: dict | None = None) -> dict:
     import statistics
 
     return {"step_gflop": step_gflop, "infer_gflop": infer_gflop,
             "threads": torch.get_num_threads(), "step_ms": 1e3 * statistics.median(step_s),
             "infer_ms": 1e3 * statistics.median(infer_s),
             "infer_p90_ms": 1e3 * sorted(infer_s)[int(0.9 * (len(infer_s) - 1))], "params": params,
-            "peak_rss_mib": _peak_rss_mib()}
+            "peak_rss_mib": _peak_rss_mib(), **(gpu or {})}
 
 
-def slurmvla_model(steps: int, checkpointing: bool) -> dict:
+def slurmvla_model(steps: int, checkpointing: bool, device: str = "cpu", precision: str = "fp32",
+                   published: bool = False) -> dict:
+    """slurmvla's Trainer step on a batch of its loader; ``sample_actions`` at batch 1 (under the
+    engine's autocast: none in fp32). ``published``: ``policy=pi05`` at its own (published) sizes."""
     from slurmvla.compose import compose
     from slurmvla.data.synthetic import write_droid_sample
     from slurmvla.trainer import Trainer
 
-    (vw, vd, vh, vm), (w, d, m, h, kv, hd), (ew, _, em, *_) = (
-        SIZES["vision"].values(), SIZES["backbone"], SIZES["expert"])
+    if published:
+        sizes = ["policy=pi05", f"policy.image_size={PUBLISHED['image']}", f"policy.max_text_len={PUBLISHED['text']}",
+                 f"policy.action_horizon={PUBLISHED['horizon']}", "policy.num_cameras=3",
+                 f"trainer.global_batch_size={PUBLISHED['batch']}"]
+    else:
+        (vw, vd, vh, vm), (w, d, m, h, kv, hd), (ew, _, em, *_) = (
+            SIZES["vision"].values(), SIZES["backbone"], SIZES["expert"])
+        sizes = ["policy=pi05", f"policy.image_size={SIZES['image']}",
+                 f"policy.patch_size={SIZES['patch']}", f"policy.vision_width={vw}", f"policy.vision_depth={vd}",
+                 f"policy.vision_heads={vh}", f"policy.vision_mlp_dim={vm}", f"policy.width={w}",
+                 f"policy.depth={d}", f"policy.mlp_dim={m}", f"policy.num_heads={h}", f"policy.num_kv_heads={kv}",
+                 f"policy.head_dim={hd}", f"policy.expert_width={ew}", f"policy.expert_mlp_dim={em}",
+                 f"policy.vocab_size={SIZES['vocab']}", f"policy.max_text_len={SIZES['text']}",
+                 f"policy.action_horizon={SIZES['horizon']}", f"trainer.global_batch_size={SIZES['batch']}"]
+    warm_step, warm_infer = WARMUP[device]
     with tempfile.TemporaryDirectory() as tmp:
         root = write_droid_sample(Path(tmp) / "data", 4, seed=0, episodes_per_file=4, length=60)
         cfg = compose([f"data.root={root}", "data.num_workers=0", "logging.wandb.mode=disabled", "trainer.progress_bar=false",
-                       "checkpoint.every_steps=0", "policy=pi05", f"policy.image_size={SIZES['image']}",
-                       f"policy.patch_size={SIZES['patch']}", f"policy.vision_width={vw}", f"policy.vision_depth={vd}",
-                       f"policy.vision_heads={vh}", f"policy.vision_mlp_dim={vm}", f"policy.width={w}",
-                       f"policy.depth={d}", f"policy.mlp_dim={m}", f"policy.num_heads={h}", f"policy.num_kv_heads={kv}",
-                       f"policy.head_dim={hd}", f"policy.expert_width={ew}", f"policy.expert_mlp_dim={em}",
-                       f"policy.vocab_size={SIZES['vocab']}", f"policy.max_text_len={SIZES['text']}",
-                       f"policy.action_horizon={SIZES['horizon']}", "policy.num_inference_steps=10",
-                       f"trainer.global_batch_size={SIZES['batch']}", "precision=fp32",
-                       f"policy.gradient_checkpointing={str(checkpointing).lower()}"])
+                       "checkpoint.every_steps=0", *sizes, "policy.num_inference_steps=10", f"trainer.device={device}",
+                       f"precision={precision}", f"policy.gradient_checkpointing={str(checkpointing).lower()}"])
+        t0 = time.perf_counter()
         trainer = Trainer(cfg, Path(tmp) / "run")
+        _sync(device)
+        build_s = time.perf_counter() - t0
         batch = trainer._next_batch()
-        step_s = _timed(lambda: trainer.train_step([batch]), steps, 2)
+        step_s = _timed(lambda: trainer.train_step([batch]), steps, warm_step, device)
+        gpu = _gpu_memory() if device == "cuda" else None
         step_gflop = _flops(lambda: trainer.train_step([batch]))
         policy = trainer.policy.eval()
         one = {k: v[:1] for k, v in batch.items()}
+
+        def infer():
+            with trainer.engine.autocast():
+                return policy.sample_actions(one)
+
         with torch.inference_mode():
-            infer_s = _timed(lambda: policy.sample_actions(one), 3 * steps, 2)
-            infer_gflop = _flops(lambda: policy.sample_actions(one))
+            infer_s = _timed(infer, INFER_PER_STEP[device] * steps, warm_infer, device)
+            infer_gflop = _flops(infer)
         params = sum(p.numel() for p in policy.parameters())
         trainer.close()
-    return _summary(step_s, infer_s, params, step_gflop, infer_gflop)
+    return {**_summary(step_s, infer_s, params, step_gflop, infer_gflop, gpu), "build_s": build_s, "built_on": device}
 
 
-def lerobot_model(steps: int, checkpointing: bool) -> dict:
+def lerobot_model(steps: int, checkpointing: bool, device: str = "cpu", precision: str = "fp32",
+                  published: bool = False) -> dict:
+    """LeRobot's PI05Policy with its own preprocessor, AdamW and clipping, as its trainer steps it;
+    ``predict_action_chunk`` at batch 1. ``published``: its size tables as shipped (gemma_2b, gemma_300m,
+    SigLIP so400m/14), else patched to ``SIZES``. ``precision="bf16"``: ``dtype="bfloat16"`` and
+    Accelerate's bf16 autocast, as ``lerobot-train --policy.dtype=bfloat16`` runs it."""
+    import contextlib
+
     sys.path.insert(0, str(HERE.parents[1] / "tests" / "reference"))
     import generate_pi0_golden as golden  # LeRobot's size tables, patched as the golden files patch them
     import transformers
@@ -297,21 +378,40 @@ def lerobot_model(steps: int, checkpointing: bool) -> dict:
     from lerobot.policies.pi05.configuration_pi05 import PI05Config
     from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors
 
-    golden.TINY_GEMMA.update({"bench_backbone": SIZES["backbone"], "bench_expert": SIZES["expert"]})
-    golden.TINY_SIGLIP.update({**SIZES["vision"], "patch_size": SIZES["patch"]})
-    golden.patch_sizes(modeling)
-    res, horizon, b = SIZES["image"], SIZES["horizon"], SIZES["batch"]
+    sizes = PUBLISHED if published else SIZES
+    if not published:
+        golden.TINY_GEMMA.update({"bench_backbone": SIZES["backbone"], "bench_expert": SIZES["expert"]})
+        golden.TINY_SIGLIP.update({**SIZES["vision"], "patch_size": SIZES["patch"]})
+        golden.patch_sizes(modeling)
+    res, horizon, b = sizes["image"], sizes["horizon"], sizes["batch"]
     cams = ("observation.images.exterior_1_left", "observation.images.exterior_2_left", "observation.images.wrist_left")
     config = PI05Config(
         paligemma_variant="gemma_2b", action_expert_variant="gemma_300m", chunk_size=horizon, n_action_steps=horizon,
-        image_resolution=(res, res), tokenizer_max_length=SIZES["text"], num_inference_steps=10, device="cpu",
-        gradient_checkpointing=checkpointing,
+        image_resolution=(res, res), tokenizer_max_length=sizes["text"], num_inference_steps=10, device=device,
+        gradient_checkpointing=checkpointing, dtype="bfloat16" if precision == "bf16" else "float32",
         input_features={**{c: PolicyFeature(type=FeatureType.VISUAL, shape=(3, res, res)) for c in cams},
                         "observation.state": PolicyFeature(type=FeatureType.STATE, shape=(8,))},
         output_features={"action": PolicyFeature(type=FeatureType.ACTION, shape=(8,))})
-    config.paligemma_variant, config.action_expert_variant = "bench_backbone", "bench_expert"
+    if not published:
+        config.paligemma_variant, config.action_expert_variant = "bench_backbone", "bench_expert"
+    t0 = time.perf_counter()
     torch.manual_seed(0)
-    policy = modeling.PI05Policy(config)
+    built_on = device
+    try:  # on a GPU, with it as torch's default device: LeRobot's own classes and initialisation, run there
+        with torch.device(device) if device != "cpu" else contextlib.nullcontext():
+            policy = modeling.PI05Policy(config)
+    except Exception as e:  # noqa: BLE001 - then as LeRobot builds it: on the host, then moved
+        if device == "cpu":
+            raise
+        print(f"building on {device} failed ({type(e).__name__}: {e}); building on the host", file=sys.stderr)
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.manual_seed(0)
+        built_on, policy = "cpu", modeling.PI05Policy(config)
+    _sync(device)
+    build_s = time.perf_counter() - t0
     stats = {k: {s: torch.full((8,), v) for s, v in (("mean", 0.0), ("std", 1.0), ("q01", -1.0), ("q99", 1.0),
                                                       ("min", -2.0), ("max", 2.0))} for k in ("observation.state", "action")}
     real = transformers.AutoTokenizer.from_pretrained
@@ -330,24 +430,46 @@ def lerobot_model(steps: int, checkpointing: bool) -> dict:
 
     batch = raw(b)
     opt = torch.optim.AdamW(policy.parameters(), lr=2.5e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    if precision == "bf16":
+        # lerobot-train: Accelerator(mixed_precision from policy.dtype), prepare, and update_policy's calls.
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        accelerator = Accelerator(step_scheduler_with_optimizer=False, mixed_precision="bf16", cpu=device == "cpu",
+                                  kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+        policy, opt = accelerator.prepare(policy, opt)
+        autocast, backward = accelerator.autocast, accelerator.backward
+        clip = accelerator.clip_grad_norm_
+    else:
+        autocast, backward = contextlib.nullcontext, lambda loss: loss.backward()
+        clip = torch.nn.utils.clip_grad_norm_
 
     def step() -> None:  # what LeRobot's trainer does per step: its preprocessor, forward, backward, clip, AdamW
-        loss, _ = policy.forward(pre(dict(batch)))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        with autocast():
+            loss, _ = policy.forward(pre(dict(batch)))
+        backward(loss)
+        clip(policy.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    warm_step, warm_infer = WARMUP[device]
     policy.train()
-    step_s = _timed(step, steps, 2)
+    step_s = _timed(step, steps, warm_step, device)
+    gpu = _gpu_memory() if device == "cuda" else None
     step_gflop = _flops(step)
     policy.eval()
     one = raw(1)
     one.pop("action")
+
+    def infer():
+        with autocast():
+            return policy.predict_action_chunk(pre(dict(one)))
+
     with torch.inference_mode():
-        infer_s = _timed(lambda: policy.predict_action_chunk(pre(dict(one))), 3 * steps, 2)
-        infer_gflop = _flops(lambda: policy.predict_action_chunk(pre(dict(one))))
-    return _summary(step_s, infer_s, sum(p.numel() for p in policy.parameters()), step_gflop, infer_gflop)
+        infer_s = _timed(infer, INFER_PER_STEP[device] * steps, warm_infer, device)
+        infer_gflop = _flops(infer)
+    return {**_summary(step_s, infer_s, sum(p.numel() for p in policy.parameters()), step_gflop, infer_gflop, gpu),
+            "build_s": build_s, "built_on": built_on}
 
 
 def side(argv: list[str]) -> None:
@@ -355,7 +477,11 @@ def side(argv: list[str]) -> None:
     if not kind.endswith("-model"):  # data loading: one thread per process, as DataLoader workers run
         torch.set_num_threads(1)
     if kind.endswith("-model"):
-        result = (slurmvla_model if kind == "slurmvla-model" else lerobot_model)(int(rest[0]), rest[1] == "on")
+        device = rest[2] if len(rest) > 2 else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit(f"error: --device cuda, but this Python's torch {torch.__version__} sees no CUDA device")
+        fn = slurmvla_model if kind == "slurmvla-model" else lerobot_model
+        result = fn(int(rest[0]), rest[1] == "on", device, "bf16" if device == "cuda" else "fp32", device == "cuda")
     elif kind.endswith("-startup"):
         result = (slurmvla_startup if kind == "slurmvla-startup" else lerobot_startup)(*rest)
     else:
@@ -367,8 +493,13 @@ def side(argv: list[str]) -> None:
 
 # -- the orchestrator (slurmvla's Python) ----------------------------------------------------------
 
-def run_side(python: str, *args: object) -> dict:
-    res = subprocess.run([python, str(HERE), "--side", *(str(a) for a in args)], capture_output=True, text=True)
+def run_side(python: str, *args: object, timeout: float | None = None) -> dict:
+    try:
+        res = subprocess.run([python, str(HERE), "--side", *(str(a) for a in args)], capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise SystemExit(f"error: {' '.join(str(a) for a in args[:1])} ran past {timeout:.0f} s:\n{err[-3000:]}") from None
     lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
     if res.returncode != 0 or not lines:
         raise SystemExit(f"error: {' '.join(str(a) for a in args[:1])} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
@@ -376,8 +507,13 @@ def run_side(python: str, *args: object) -> dict:
 
 
 def lerobot_versions(python: str) -> str:
-    code = "import importlib.metadata as m; print({k: m.version(k) for k in ('lerobot', 'torch', 'datasets', 'torchcodec')})"
-    return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    code = ("import importlib.metadata as m\n"
+            "def v(k):\n    try:\n        return m.version(k)\n    except m.PackageNotFoundError:\n        return None\n"
+            "print({k: v(k) for k in ('lerobot', 'torch', 'transformers', 'datasets', 'torchcodec')})")
+    res = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"error: {python} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
+    return res.stdout.strip()
 
 
 def loading(args, tmp: Path) -> None:
@@ -490,26 +626,64 @@ def startup(args, tmp: Path) -> None:
 
 
 def model(args, tmp: Path) -> None:
-    print(f"training step and inference, pi0.5 on the CPU, fp32: image {SIZES['image']} (3 cameras), backbone "
-          f"{SIZES['backbone']}, expert {SIZES['expert']} (width, depth, mlp, heads, kv heads, head dim), SigLIP "
-          f"{tuple(SIZES['vision'].values())}, text {SIZES['text']}, horizon {SIZES['horizon']}; step: batch "
-          f"{SIZES['batch']}, AdamW, clipping (LeRobot: its preprocessor too); inference: batch 1, 10 steps; "
-          "activation checkpointing off and on, the same on both sides")
-    print(f"{'ckpt':4s} {'side':9s} {'threads':>7s} {'params':>10s} {'step ms':>9s} {'samples/s':>9s} {'GFLOP':>7s} "
-          f"{'infer ms p50':>12s} {'p90':>7s} {'GFLOP':>7s} {'peak RSS MiB':>12s}")
-    ratios = []
+    cuda = args.device == "cuda"
+    sizes = PUBLISHED if cuda else SIZES
+    if cuda:
+        print(f"training step and inference, pi0.5 at the published size on one GPU, bf16 on both sides (slurmvla: "
+              f"bf16 weights, fp32 masters and AdamW state, autocast, fused AdamW; LeRobot: dtype=bfloat16, vision "
+              f"tower fp32, AdamW on its weights, Accelerate's bf16 autocast): slurmvla policy=pi05, LeRobot "
+              f"gemma_2b + gemma_300m; image {sizes['image']} (3 cameras), text {sizes['text']}, horizon "
+              f"{sizes['horizon']}; step: batch {sizes['batch']}, AdamW, clipping (LeRobot: its preprocessor too), "
+              f"{args.steps} timed after {WARMUP['cuda'][0]}; inference: batch 1, 10 steps, "
+              f"{INFER_PER_STEP['cuda'] * args.steps} timed after {WARMUP['cuda'][1]}; activation checkpointing "
+              f"{' and '.join(args.checkpointing)}, the same on both sides", flush=True)
+        mem_head = f"{'peak alloc MiB':>14s} {'reserved MiB':>12s}"
+    else:
+        print(f"training step and inference, pi0.5 on the CPU, fp32: image {SIZES['image']} (3 cameras), backbone "
+              f"{SIZES['backbone']}, expert {SIZES['expert']} (width, depth, mlp, heads, kv heads, head dim), SigLIP "
+              f"{tuple(SIZES['vision'].values())}, text {SIZES['text']}, horizon {SIZES['horizon']}; step: batch "
+              f"{SIZES['batch']}, AdamW, clipping (LeRobot: its preprocessor too); inference: batch 1, 10 steps; "
+              "activation checkpointing off and on, the same on both sides")
+        mem_head = f"{'peak RSS MiB':>12s}"
+    flop, per = ("TFLOP", 1e3) if cuda else ("GFLOP", 1.0)  # the published size's step: hundreds of TFLOP
+    head = (f"{'ckpt':4s} {'side':9s} {'threads':>7s} {'params':>10s} {'step ms':>9s} {'samples/s':>9s} {flop:>7s} "
+            f"{'infer ms p50':>12s} {'p90':>7s} {flop:>7s} {mem_head}")
+    if not cuda:
+        print(head)
+    ratios, failed, builds, shown = [], [], [], False
+    mem = "peak_alloc_mib" if cuda else "peak_rss_mib"
     for ckpt in args.checkpointing:
-        rows = {name: run_side(python, kind, args.steps, ckpt) for name, python, kind in
-                (("slurmvla", sys.executable, "slurmvla-model"), ("LeRobot", args.lerobot_python, "lerobot-model"))}
-        for name, r in rows.items():
-            print(f"{ckpt:4s} {name:9s} {r['threads']:7d} {r['params']:10d} {r['step_ms']:9.0f} "
-                  f"{SIZES['batch'] / r['step_ms'] * 1e3:9.2f} {r['step_gflop']:7.1f} {r['infer_ms']:12.0f} "
-                  f"{r['infer_p90_ms']:7.0f} {r['infer_gflop']:7.1f} {r['peak_rss_mib']:12.0f}")
+        rows = {}
+        for name, python, kind in (("slurmvla", sys.executable, "slurmvla-model"),
+                                   ("LeRobot", args.lerobot_python, "lerobot-model")):
+            side_args = (kind, args.steps, ckpt, *((args.device,) if cuda else ()))
+            try:
+                r = rows[name] = run_side(python, *side_args, timeout=args.side_timeout)
+            except SystemExit as e:  # the other side's figures still come back
+                failed.append(f"{name} (ckpt {ckpt})")
+                print(f"{ckpt:4s} {name:9s} {e}", file=sys.stderr, flush=True)
+                continue
+            if cuda and not shown:
+                print(f"device: {r['gpu']}, torch {r['torch']}\n{head}")
+                shown = True
+            line = (f"{ckpt:4s} {name:9s} {r['threads']:7d} {r['params']:10d} {r['step_ms']:9.0f} "
+                    f"{sizes['batch'] / r['step_ms'] * 1e3:9.2f} {r['step_gflop'] / per:7.1f} {r['infer_ms']:12.0f} "
+                    f"{r['infer_p90_ms']:7.0f} {r['infer_gflop'] / per:7.1f} ")
+            line += f"{r['peak_alloc_mib']:14.0f} {r['peak_reserved_mib']:12.0f}" if cuda else f"{r['peak_rss_mib']:12.0f}"
+            print(line, flush=True)
+            builds.append(f"{name} {r['build_s']:.1f} on {r['built_on']} (ckpt {ckpt})")
+        if len(rows) < 2:
+            continue
         a, b = rows["slurmvla"], rows["LeRobot"]
         ratios.append(f"checkpointing {ckpt}: step time {a['step_ms'] / b['step_ms']:.2f}x (FLOPs "
                       f"{a['step_gflop'] / b['step_gflop']:.2f}x), inference {a['infer_ms'] / b['infer_ms']:.2f}x (FLOPs "
-                      f"{a['infer_gflop'] / b['infer_gflop']:.2f}x), peak memory {a['peak_rss_mib'] / b['peak_rss_mib']:.2f}x")
-    print("slurmvla / LeRobot:\n  " + "\n  ".join(ratios))
+                      f"{a['infer_gflop'] / b['infer_gflop']:.2f}x), peak memory {a[mem] / b[mem]:.2f}x")
+    if ratios:
+        print("slurmvla / LeRobot:\n  " + "\n  ".join(ratios))
+    if cuda and builds:
+        print("built in (s): " + ", ".join(builds) + " (slurmvla: its Trainer, data included)")
+    if failed:
+        raise SystemExit(f"error: failed: {', '.join(failed)}")
 
 
 def main() -> None:
@@ -526,11 +700,27 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=40, help="batches timed after the first")
     parser.add_argument("--startup-episodes", type=int, default=95_600, help="start-up: episodes (DROID: 95.6k)")
     parser.add_argument("--startup-frames", type=int, default=27_600_000, help="start-up: frames (DROID: 27.6M)")
-    parser.add_argument("--steps", type=int, default=SIZES["steps"], help="model: timed training steps (3x inference calls)")
-    parser.add_argument("--checkpointing", nargs="+", choices=("off", "on"), default=["off", "on"],
-                        help="model: activation checkpointing, the same on both sides")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"model: timed training steps (default {SIZES['steps']} on the CPU, {PUBLISHED['steps']} on "
+                             f"CUDA; inference calls {INFER_PER_STEP['cpu']}x / {INFER_PER_STEP['cuda']}x that)")
+    parser.add_argument("--checkpointing", nargs="+", choices=("off", "on"), default=None,
+                        help="model: activation checkpointing, the same on both sides (default: off and on on the "
+                             "CPU, on on CUDA)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="model: cpu (fp32, the small SIZES) or cuda (one GPU, the published size, bf16)")
+    parser.add_argument("--side-timeout", type=float, default=None,
+                        help="model: seconds each side may run (default: none on the CPU, 300 on CUDA)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=None,
+                        help="default: all on the CPU; model with --device cuda")
     args = parser.parse_args()
+    cuda = args.device == "cuda"
+    args.parts = args.parts or (["model"] if cuda else list(PARTS))
+    args.steps = args.steps or (PUBLISHED["steps"] if cuda else SIZES["steps"])
+    args.checkpointing = args.checkpointing or (["on"] if cuda else ["off", "on"])
+    if args.side_timeout is None and cuda:
+        args.side_timeout = 300.0
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit(f"error: --device cuda, but torch {torch.__version__} sees no CUDA device here")
     if not Path(args.lerobot_python).is_file():
         raise SystemExit(f"error: --lerobot-python={args.lerobot_python!r} does not exist; build it with "
                          "bash tests/reference/make_env.sh")
