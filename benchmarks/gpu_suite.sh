@@ -10,11 +10,10 @@
 #   train     python -m slurmvla.profile at micro-batch 16: phases, MFU, start-up, kernels
 #   compile   the same with trainer.compile=true
 #   sac       selective checkpointing (policy.checkpoint_saves=matmuls) at micro-batch 8 x 2
-#   kernels   sample_actions compiled + graphed under each order of attention kernels (policy.attention_kernels)
-#   train_kernels  the compiled training step with the memory-efficient attention kernel first
 #   batch     the largest micro-batch that fits (benchmarks/max_micro_batch.py)
 #   inference_tests  the GPU tests of inference (graphs, server) and of the step's host synchronisation
-#   lerobot   benchmarks/vs_lerobot.py --parts model --device cuda (LeRobot's side: .gpu/lerobot-python)
+#   lerobot   benchmarks/vs_lerobot.py --parts model --device cuda (LeRobot's side: benchmarks/lerobot_python.sh;
+#             the wheels of both sides: bash benchmarks/gpu_wheels.sh, here, before the call)
 # Each runs under its own time limit (SUITE_LIMIT_<SECTION> seconds), so one that hangs costs only its share.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -45,17 +44,13 @@ section() {
             trainer.compile=true profile.kernels=15 ;;
         sac) run sac "${SUITE_LIMIT_SAC:-150}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
             trainer.grad_accum_steps=2 --compare policy.checkpoint_saves=inputs policy.checkpoint_saves=matmuls ;;
-        kernels) run kernels "${SUITE_LIMIT_KERNELS:-150}" python3 benchmarks/sample_latency.py "${PI05[@]}" \
-            --modes compile_graph --iters 30 --kernels 10 --attention-kernels cudnn,math efficient,math flash,efficient,math ;;
-        train_kernels) run train_kernels "${SUITE_LIMIT_TRAIN_KERNELS:-150}" python3 -m slurmvla.profile "${PI05[@]}" \
-            "${PROFILE[@]}" "policy.attention_kernels=[efficient,math]" trainer.compile=true profile.kernels=15 ;;
         batch) run batch "${SUITE_LIMIT_BATCH:-150}" python3 benchmarks/max_micro_batch.py --start 24 --limit 64 \
             --steps 1 "${PI05[@]}" data.num_workers=0 ;;
         lerobot) run lerobot "${SUITE_LIMIT_LEROBOT:-300}" python3 benchmarks/vs_lerobot.py --parts model \
-            --device cuda --lerobot-python .gpu/lerobot-python --side-timeout 200 ;;
+            --device cuda --lerobot-python benchmarks/lerobot_python.sh --side-timeout 200 ;;
         inference_tests) run inference_tests "${SUITE_LIMIT_INFERENCE_TESTS:-90}" python3 -m pytest -q -p no:cacheprovider \
             tests/test_gpu.py -k "graph or server or never_waits" ;;
-        *) echo "unknown section $1; choose from tests latency train compile sac kernels train_kernels batch inference_tests lerobot" >&2; exit 2 ;;
+        *) echo "unknown section $1; choose from tests latency train compile sac batch inference_tests lerobot" >&2; exit 2 ;;
     esac
 }
 

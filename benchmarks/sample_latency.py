@@ -71,9 +71,6 @@ def main() -> None:
     parser.add_argument("--modes", default="eager_autocast,eager,graph,compile_graph")
     parser.add_argument("--server", action="store_true", help="also time the server through openpi's client")
     parser.add_argument("--json", help="write the figures here too")
-    parser.add_argument("--attention-kernels", nargs="+", metavar="K1,K2,...", dest="sweep",
-                        help="run the modes once per set of policy.attention_kernels (e.g. cudnn,math efficient,math), "
-                             "in this process on the same weights")
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="per mode, the N most expensive kernels of 5 calls under torch's profiler, and their kinds")
     parser.add_argument("overrides", nargs="*")
@@ -103,29 +100,23 @@ def main() -> None:
     ctx = (lambda: torch.autocast("cuda", torch.bfloat16)) if autocast else torch.no_grad
 
     results, eager = {}, None
-    for kernels in args.sweep or [None]:
-        if kernels is not None:
-            policy.cfg.attention_kernels = kernels.split(",")
-            torch._dynamo.reset()  # compiled layers trace again under the new kernels
-            print(f"policy.attention_kernels={policy.cfg.attention_kernels}", flush=True)
-        for mode in args.modes.split(","):
-            label = mode if kernels is None else f"{mode}@{kernels}"
-            row = run_mode(mode, policy, spec, batch, ctx, autocast, cuda, args)
-            if row is None:
-                continue
-            if mode == "eager" and eager is None:
-                eager = row.pop("actions")
-            elif eager is not None:
-                row["max_abs_diff_vs_eager"] = float((row.pop("actions") - eager).abs().max())
-            else:
-                row.pop("actions")
-            results[label] = row
-            print(f"{label:>15}: p50 {row['p50_ms']:8.2f} ms  p99 {row['p99_ms']:8.2f} ms  min {row['min_ms']:8.2f} ms  "
-                  f"first call {row['first_call_s']:.1f} s"
-                  + (f"  max |a - eager| {row['max_abs_diff_vs_eager']:.4f}" if "max_abs_diff_vs_eager" in row else ""),
-                  flush=True)
-            if args.kernels:
-                print(row.pop("kernel_table"), flush=True)
+    for mode in args.modes.split(","):
+        row = run_mode(mode, policy, spec, batch, ctx, autocast, cuda, args)
+        if row is None:
+            continue
+        actions = row.pop("actions")
+        if mode == "eager":
+            eager = actions
+        elif eager is not None:
+            row["max_abs_diff_vs_eager"] = float((actions - eager).abs().max())
+        table = row.pop("kernel_table", None)
+        results[mode] = row
+        print(f"{mode:>15}: p50 {row['p50_ms']:8.2f} ms  p99 {row['p99_ms']:8.2f} ms  min {row['min_ms']:8.2f} ms  "
+              f"first call {row['first_call_s']:.1f} s"
+              + (f"  max |a - eager| {row['max_abs_diff_vs_eager']:.4f}" if "max_abs_diff_vs_eager" in row else ""),
+              flush=True)
+        if table:
+            print(table, flush=True)
 
     if args.server:
         results["server"] = server_overhead(loaded, cfg, args.iters, cuda)

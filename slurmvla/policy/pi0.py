@@ -519,7 +519,9 @@ class Pi0Policy(Policy):
         return self.action_out_proj(out[:, lead:])
 
     def _kernels(self):
-        """The attention kernels policy.attention_kernels asks for, in its order (torch's own choice without it)."""
+        """The attention kernels policy.attention_kernels asks for the training forward on a GPU, in its order
+        (torch's own choice without it). Inference keeps torch's choice: its shapes repeat (the prompt cut
+        to a multiple of 32 tokens, one CUDA graph per shape), so a kernel planned per shape costs nothing."""
         names = self.cfg.attention_kernels
         if not names or not self.action_in_proj.weight.is_cuda:
             return contextlib.nullcontext()
@@ -548,10 +550,6 @@ class Pi0Policy(Policy):
     def sample_actions(self, batch: dict, noise: torch.Tensor | None = None, num_steps: int | None = None) -> torch.Tensor:
         """Euler integration from noise (t = 1) to actions (t = 0); the prefix runs once, later steps
         reuse its keys / values. Returns actions in the dataset's units."""
-        with self._kernels():
-            return self._integrate(batch, noise, num_steps)
-
-    def _integrate(self, batch: dict, noise: torch.Tensor | None, num_steps: int | None) -> torch.Tensor:
         steps = num_steps or self.cfg.num_inference_steps
         b = batch["state"].shape[0]
         x = torch.randn((b, self.cfg.action_horizon, self.cfg.max_action_dim), device=batch["state"].device) \
