@@ -83,8 +83,8 @@ What is counted, per GPU (the worst rank: shards are rounded up), in bytes:
 
 * Time: an ESTIMATE. Model FLOPs per sample are counted (``torch.utils.flop_counter.FlopCounterMode`` on
   one more fake run, forward + backward, gradient checkpointing off; attention as its math path's matmuls,
-  as ``slurmvla.profile`` counts); with checkpointing the step issues one forward more (the recomputation,
-  counted as the whole forward: an upper bound). Step time = issued FLOPs per GPU and optimizer step / (assumed
+  as ``slurmvla.profile`` counts); with checkpointing the step issues what its backward recomputes (counted
+  in one more fake run as configured: ``policy.checkpoint_every`` / ``checkpoint_saves`` show there). Step time = issued FLOPs per GPU and optimizer step / (assumed
   utilization x the GPU's dense peak), the utilization 40 % unless ``--mfu`` says otherwise; MFU = model
   FLOPs / (step time x peak). Communication, data loading and the optimizer's memory traffic are not
   modelled: measure with ``python -m slurmvla.profile`` on the real hardware.
@@ -819,16 +819,19 @@ class Planner:
 
     def flops(self, cfg: Config, compute: tuple[torch.dtype, torch.dtype]) -> tuple[float, float] | None:
         """(model FLOPs, issued FLOPs) of one sample's forward + backward: counted in a pass of their own
-        without gradient checkpointing; with it, the step issues one more forward of the checkpointed layers
-        (counted as the whole forward: an upper bound by the few layers outside them)."""
+        without gradient checkpointing; with it, in one more pass as configured, whose backward counts what
+        it recomputes (every checkpointed layer's forward, less what ``policy.checkpoint_saves`` keeps)."""
         if self._flops is None and self._step() is not None:
+            low = cfg.precision == "bf16"
             try:
-                got = self._step().run(1, compute, cfg.precision == "bf16", count_flops=True, checkpointing=False)
+                got = self._step().run(1, compute, low, count_flops=True, checkpointing=False)
+                issued = got.flops
+                if getattr(self._step().policy, "gradient_checkpointing", False):
+                    issued = self._step().run(1, compute, low, count_flops=True).flops
             except Exception as e:
                 self._fake_error = _failure(e)
                 return None
-            on = bool(getattr(self._step().policy, "gradient_checkpointing", False))
-            self._flops = (got.flops, got.flops + (got.forward_flops if on else 0.0))
+            self._flops = (got.flops, issued)
         return self._flops
 
     def activations(self, cfg: Config, micro: int, compute: tuple[torch.dtype, torch.dtype],
