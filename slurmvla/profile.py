@@ -113,6 +113,8 @@ def kernel_table(fn, device: torch.device, top: int = 15, calls: int = 1) -> str
         wall = (time.perf_counter() - t0) / calls
     totals: dict[str, list] = {}
     for e in prof.events():
+        if getattr(e, "is_user_annotation", False):  # a named range (e.g. the optimizer's step), not work
+            continue
         if cuda:
             if e.device_type != torch.autograd.DeviceType.CUDA:
                 continue
