@@ -84,10 +84,11 @@ What is counted, per GPU (the worst rank: shards are rounded up), in bytes:
 * Time: an ESTIMATE. Model FLOPs per sample are counted (``torch.utils.flop_counter.FlopCounterMode`` on
   one more fake run, forward + backward, gradient checkpointing off; attention as its math path's matmuls,
   as ``slurmvla.profile`` counts); with checkpointing the step issues what its backward recomputes (counted
-  in one more fake run as configured: ``policy.checkpoint_every`` / ``checkpoint_saves`` show there). Step time = issued FLOPs per GPU and optimizer step / (assumed
-  utilization x the GPU's dense peak), the utilization 40 % unless ``--mfu`` says otherwise; MFU = model
-  FLOPs / (step time x peak). Communication, data loading and the optimizer's memory traffic are not
-  modelled: measure with ``python -m slurmvla.profile`` on the real hardware.
+  in one more fake run as configured: ``policy.checkpoint_every`` / ``checkpoint_saves`` show there). Step
+  time = issued FLOPs per GPU and optimizer step / (assumed utilization x the GPU's dense peak), the
+  utilization 40 % unless ``--mfu`` says otherwise; MFU = model FLOPs / (step time x peak). Communication,
+  data loading and the optimizer's memory traffic are not modelled: measure with ``python -m
+  slurmvla.profile`` on the real hardware.
 """
 
 from __future__ import annotations

@@ -395,7 +395,7 @@ def test_an_export_loads_into_a_meta_built_policy_with_its_values_and_frozen_par
 def test_every_checkpointing_setting_gives_pi05s_gradients():
     """pi0.5's joint layers and its vision tower under each activation-checkpointing setting
     (policy/recompute.py): the plain gradients, and the recomputation each setting promises."""
-    from .test_policy import _CountMatmuls, checkpointing_cases
+    from .test_policy import CountMatmuls, checkpointing_cases
 
     def run(**kw):
         cfg = policy_cfg("pi05_tiny", **kw)
@@ -405,7 +405,7 @@ def test_every_checkpointing_setting_gives_pi05s_gradients():
         g = torch.Generator().manual_seed(1)
         noise = torch.randn(B, cfg.action_horizon, cfg.max_action_dim, generator=g)
         loss = policy(batch, noise=noise, t=torch.rand(B, generator=g))["loss"]
-        with _CountMatmuls() as counter:
+        with CountMatmuls() as counter:
             loss.backward()
         return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, counter.count
 

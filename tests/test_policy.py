@@ -121,7 +121,7 @@ def _grads(p, batch, noise, t):
     return {n: q.grad.clone() for n, q in p.named_parameters() if q.grad is not None}
 
 
-class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+class CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.count = 0
@@ -154,7 +154,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         p = policy(**kw)
         p.zero_grad()
         loss = p(batch, noise=noise, t=t)["loss"]
-        with _CountMatmuls() as counter:
+        with CountMatmuls() as counter:
             loss.backward()
         return {n: q.grad.clone() for n, q in p.named_parameters() if q.grad is not None}, counter.count
 

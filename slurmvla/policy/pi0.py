@@ -199,8 +199,9 @@ class JointLayer(nn.Module):
                 cond: torch.Tensor | tuple | None = None, prefix_kv: tuple | None = None) -> tuple:
         """``rotary``: (cos, sin) over [prefix, suffix]; ``masks``: bool (prefix queries -> prefix
         keys ``[B, 1, P, P]``, suffix queries -> all keys ``[B, 1, S, P + S]``); ``cond``: pi0.5's
-        time condition, or its two norms' modulations computed ahead (inference). With ``prefix_kv`` (an earlier call's prefix keys / values: the prefix never
-        attends to the suffix, so they are the same at every denoising step) only the suffix runs.
+        time condition, or its two norms' modulations computed ahead (inference). With ``prefix_kv`` (an
+        earlier call's prefix keys / values: the prefix never attends to the suffix, so they are the same at
+        every denoising step) only the suffix runs.
         Returns ``(prefix or None, suffix, (k, v) of the prefix)``."""
         apply_rotary = self._apply_rotary
         cos, sin = rotary
