@@ -9,6 +9,7 @@
 #             client, and the kernels of each
 #   train     python -m slurmvla.profile at micro-batch 16: phases, MFU, start-up, kernels
 #   compile   the same with trainer.compile=true
+#   efficient the compiled step with the memory-efficient attention kernel first (policy.attention_kernels)
 #   sac       selective checkpointing (policy.checkpoint_saves=matmuls) at micro-batch 8 x 2
 #   batch     the largest micro-batch that fits (benchmarks/max_micro_batch.py)
 #   inference_tests  the GPU tests of inference (graphs, server) and of the step's host synchronisation
@@ -42,6 +43,8 @@ section() {
             profile.kernels=15 ;;
         compile) run compile "${SUITE_LIMIT_COMPILE:-200}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
             trainer.compile=true profile.kernels=15 ;;
+        efficient) run efficient "${SUITE_LIMIT_EFFICIENT:-200}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
+            trainer.compile=true "policy.attention_kernels=[efficient,math]" profile.kernels=15 ;;
         sac) run sac "${SUITE_LIMIT_SAC:-150}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
             trainer.grad_accum_steps=2 --compare policy.checkpoint_saves=inputs policy.checkpoint_saves=matmuls ;;
         batch) run batch "${SUITE_LIMIT_BATCH:-150}" python3 benchmarks/max_micro_batch.py --start 24 --limit 64 \
@@ -50,7 +53,7 @@ section() {
             --device cuda --lerobot-python benchmarks/lerobot_python.sh --side-timeout 200 ;;
         inference_tests) run inference_tests "${SUITE_LIMIT_INFERENCE_TESTS:-90}" python3 -m pytest -q -p no:cacheprovider \
             tests/test_gpu.py -k "graph or server or never_waits" ;;
-        *) echo "unknown section $1; choose from tests latency train compile sac batch inference_tests lerobot" >&2; exit 2 ;;
+        *) echo "unknown section $1; choose from tests latency train compile efficient sac batch inference_tests lerobot" >&2; exit 2 ;;
     esac
 }
 

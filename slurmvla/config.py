@@ -270,10 +270,12 @@ class Pi0Config(TransformerPolicyConfig):
     lora: LoraConfig = field(default_factory=lambda: LoraConfig(targets=list(GEMMA_LORA_TARGETS)))
     # The training forward on a GPU (and its recomputation): torch's fused attention kernels in the order
     # they are tried (flash, efficient, cudnn, math; one that cannot take a call's inputs is skipped);
-    # null: torch's own order. Default: the memory-efficient kernel first. torch 2.11 picks cuDNN's, which
-    # builds a plan per input shape, and a training batch's prompt length changes the shape: on an H100 the
-    # GPU then idled 28% of a compiled pi0.5 step, and this order made the step 771 -> 663 ms.
-    attention_kernels: list[str] | None = field(default_factory=lambda: ["efficient", "math"])
+    # null: torch's own order (torch 2.11: cuDNN's). cuDNN builds a plan for each new input shape, and a
+    # batch's prompt length sets the shape: until every length has been seen, a compiled pi0.5 step on an
+    # H100 idled the GPU 28% of the time (771 ms; [efficient, math]: 663 ms). Once planned, cuDNN's
+    # attention is the faster (forward + backward 54 ms per step against 148), so short jobs gain from
+    # [efficient, math] and long ones keep torch's order.
+    attention_kernels: list[str] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
