@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from slurmvla.config import PolicyConfig
 from slurmvla.data.spec import DataFeatures, Draw, SampleSpec
@@ -57,6 +58,9 @@ from slurmvla.policy.recompute import Recompute
 from slurmvla.weights import parameter_generator
 
 log = logging.getLogger(__name__)
+# policy.attention_kernels' names (slurmvla.config.ATTENTION_KERNELS) for torch's kernels.
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 # A batch made by Pi0Policy.prepare_inference carries its prompt under these keys, cut to a multiple of
 # PROMPT_BUCKET columns.
 PROMPT_IDS, PROMPT_MASK, PROMPT_BUCKET = "prompt_ids", "prompt_mask", 32
@@ -260,11 +264,10 @@ class PrefixCache:
 
 @dataclass
 class StepCondition:
-    """pi0.5, one denoising step: the time condition and every adaptive norm's modulation at that step's
-    time, computed with every other step's before the loop (they depend on the time alone, so each norm's
-    weights are read once per call, not once per step)."""
+    """pi0.5, one denoising step: every adaptive norm's modulation at that step's time, computed with every
+    other step's before the loop (they depend on the time alone, so each norm's weights are read once per
+    call, not once per step; the time condition itself is then read by nothing)."""
 
-    cond: torch.Tensor
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     final: torch.Tensor
 
@@ -470,9 +473,10 @@ class Pi0Policy(Policy):
         return [None] * len(times)
 
     def _suffix(self, batch: dict, x_t: torch.Tensor, t: torch.Tensor,
-                cond: torch.Tensor | None = None) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+                with_cond: bool = True) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         """Expert-stream tokens, how many leading ones form their own attention block (pi0's state
-        token), and the time condition (pi0.5; ``cond``: already computed for ``t``)."""
+        token), and the time condition (pi0.5; none with ``with_cond=False``: its modulations were
+        computed ahead)."""
         state = self._state_token(batch)
         a = self.action_in_proj(x_t)
         time = sinusoidal_time(t, a.shape[-1])[:, None, :].expand_as(a).to(a.dtype)
@@ -500,7 +504,7 @@ class Pi0Policy(Policy):
         """The expert's velocity at ``(x_t, t)``: one training forward, or one denoising step. With a
         ``cache`` (inference), the first call fills it and later calls skip the prefix stream, reading
         each layer's prefix keys / values from it; ``step``: pi0.5's condition at ``t``, computed ahead."""
-        suffix, lead, cond = self._suffix(batch, x_t, t, None if step is None else step.cond)
+        suffix, lead, cond = self._suffix(batch, x_t, t, with_cond=step is None)
         filled = cache is not None and bool(cache.kv)
         if filled:
             rotary, masks = cache.rotary, cache.masks
@@ -526,11 +530,7 @@ class Pi0Policy(Policy):
         names = self.cfg.attention_kernels
         if not names or not self.action_in_proj.weight.is_cuda:
             return contextlib.nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                    "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
-        return sdpa_kernel([backends[n] for n in names], set_priority=True)
+        return sdpa_kernel([SDPA_BACKENDS[n] for n in names], set_priority=True)
 
     def forward(self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None) -> dict:
         with self._kernels():
@@ -649,9 +649,9 @@ class Pi05Policy(Pi0Policy):
         return [*parts, state], [*keep, torch.ones(state.shape[0], 1, dtype=torch.bool, device=state.device)]
 
     def _suffix(self, batch: dict, x_t: torch.Tensor, t: torch.Tensor,
-                cond: torch.Tensor | None = None) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+                with_cond: bool = True) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         a = self.action_in_proj(x_t)
-        return a, 0, self._time_condition(t, a.dtype) if cond is None else cond
+        return a, 0, self._time_condition(t, a.dtype) if with_cond else None
 
     def _time_condition(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         time = sinusoidal_time(t, self.cfg.expert_width).to(dtype)
@@ -670,8 +670,8 @@ class Pi05Policy(Pi0Policy):
 
         layers = [(per_step(layer.expert.input_layernorm), per_step(layer.expert.post_attention_layernorm))
                   for layer in self.layers]
-        final, cond = per_step(self.expert_norm), cond.unflatten(0, (steps, b))
-        return [StepCondition(cond[i], [(a[i], p[i]) for a, p in layers], final[i]) for i in range(steps)]
+        final = per_step(self.expert_norm)
+        return [StepCondition([(a[i], p[i]) for a, p in layers], final[i]) for i in range(steps)]
 
 
 def describe(cfg: PolicyConfig) -> dict[str, Any]:
