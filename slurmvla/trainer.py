@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from slurmvla.checkpoint import CheckpointManager
-from slurmvla.collectives import agree, check_same_fields
+from slurmvla.collectives import agree, check_same_fields, gather_objects
 from slurmvla.config import Config
 from slurmvla.data.loader import TrainData, build_validation_loader, to_device
 from slurmvla.data.mixture import Mixture
@@ -406,18 +406,24 @@ class Trainer:
         stop = agree({"stop": self.preempt.is_set()})["stop"]
         if stop:
             self.stopped_for_requeue = True
+            self.preempt.adopt(gather_objects(self.preempt.report()))  # once per run, at the stop
             if self.env.is_main:
-                where = (f"here ({self.preempt.signal_name}, {time.monotonic() - self.preempt.received_at:.1f} s ago)"
-                         if self.preempt.is_set() else "on another rank")
-                log.warning("preemption signal %s at step %d: all ranks checkpoint for requeue", where, self.step)
+                log.warning("preemption signal %s at step %d: all ranks checkpoint for requeue",
+                            self._signal_said("ago"), self.step)
         return stop
+
+    def _signal_said(self, how: str) -> str:
+        """``here (SIGUSR2, 0.3 s ago)`` / ``0.3 s after SIGUSR2 on another rank``: which signal, where, when."""
+        age = time.monotonic() - self.preempt.received_at
+        where = "on another rank" if self.preempt.elsewhere else "here"
+        if how == "ago":
+            return f"{where} ({self.preempt.signal_name}, {age:.1f} s ago)"
+        return f"{age:.1f} s after {self.preempt.signal_name}" + (" on another rank" if self.preempt.elsewhere else "")
 
     def _say_stopped(self) -> None:
         latest = self.checkpoints.latest()
-        since = (f"{time.monotonic() - self.preempt.received_at:.1f} s after {self.preempt.signal_name}"
-                 if self.preempt.received_at is not None else "for a signal on another rank")
         saved = f"checkpoint {latest} complete" if latest is not None else "no checkpoint (nothing trained yet)"
-        log.warning("stopped at step %d, %s: %s; exiting for requeue", self.step, since, saved)
+        log.warning("stopped at step %d, %s: %s; exiting for requeue", self.step, self._signal_said("after"), saved)
 
     def _record(self, window: dict, lrs: dict[str, float], elapsed: float) -> dict[str, float]:
         steps = window["steps"]

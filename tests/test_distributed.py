@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -410,7 +411,9 @@ def test_preemption_signal_on_one_rank_checkpoints_all_and_resumes_exactly(matri
     rank1[0].send_signal(signal.SIGUSR2)
     log, _ = job.communicate(timeout=120)
     assert job.returncode != 0, "a preempted run must not look finished to the launcher"
-    assert "preemption signal on another rank" in log, log[-5000:]
+    # rank 0 had no signal of its own: it counts from rank 1's and names it
+    assert "preemption signal on another rank (SIGUSR2, " in log, log[-5000:]
+    assert re.search(r"stopped at step \d+, [\d.]+ s after SIGUSR2 on another rank: checkpoint", log), log[-5000:]
     stopped = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")]
     stopped_at = max(int(n.split("_")[1]) for n in stopped)
     assert 10 <= stopped_at < 40 and not (run / "FINISHED").exists()

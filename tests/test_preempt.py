@@ -74,6 +74,42 @@ def test_hand_over_gives_sigterm_to_submitits_requeue_handler_not_its_bypass(res
     assert calls == [("requeue", signal.SIGTERM)]
 
 
+def test_a_rank_without_its_own_signal_adopts_the_earliest_and_hands_it_over_once(restore_signals):
+    """SLURM signals every task, but rank 0 may agree to stop before its own signal arrives: it takes
+    the earliest rank's signal and age, and hands that signal to submitit's requeue handler (which
+    requeues from rank 0) instead of exiting without a requeue; its own signal, arriving late during
+    the exit, must not reach the handler a second time."""
+    calls = []
+
+    class Submitit:
+        def bypass(self, signum, frame):
+            calls.append(("bypass", signum))
+
+        def checkpoint_and_try_requeue(self, signum, frame):
+            calls.append(("requeue", signum))
+
+    handler = Submitit()
+    signal.signal(signal.SIGTERM, handler.bypass)
+    signal.signal(signal.SIGUSR2, handler.checkpoint_and_try_requeue)
+    flag = PreemptionFlag()
+    flag.install()
+    assert flag.report() is None
+    flag.adopt([None, ("SIGUSR2", 0.25), ("SIGUSR2", 4.0), None])
+    assert flag.is_set() and flag.elsewhere and flag.signal_name == "SIGUSR2"
+    assert 4.0 <= flag.report()[1] < 5.0  # the earliest signal's age, counted on from here
+    flag.hand_over()
+    assert calls == [("requeue", signal.SIGUSR2)]
+    os.kill(os.getpid(), signal.SIGUSR2)  # its own, late
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert calls == [("requeue", signal.SIGUSR2)]
+
+    own = PreemptionFlag()
+    own.install()
+    os.kill(os.getpid(), signal.SIGUSR2)
+    own.adopt([("SIGTERM", 9.0)])  # a rank with its own signal keeps it
+    assert own.signal_name == "SIGUSR2" and not own.elsewhere and own.report()[1] < 1.0
+
+
 def test_a_data_worker_outlives_the_stop_signals(restore_signals):
     """SLURM signals every process of a step; torch's workers die of any SIGTERM (and of USR2 by
     default), which would fail the step before its checkpoint."""

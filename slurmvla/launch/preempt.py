@@ -83,6 +83,7 @@ class PreemptionFlag:
         self._event = threading.Event()
         self.signal_name: str | None = None
         self.received_at: float | None = None  # time.monotonic() of the first signal
+        self.elsewhere = False  # the signal was another rank's (``adopt``): this rank's own had not come
         self._previous: dict[int, object] = {}
 
     def install(self, signals: tuple[str, ...] | None = None) -> None:
@@ -117,17 +118,40 @@ class PreemptionFlag:
         """After the checkpoint: give the signal to the launcher's requeue handler, if one was there
         before ours — submitit's (``checkpoint_and_try_requeue``: it requeues the job from global rank
         0 and exits there). submitit only bypasses SIGTERM, which preemption sends where the site
-        does not send the user's signal: its requeue handler gets that signal too."""
+        does not send the user's signal: its requeue handler gets that signal too. A rank that stopped
+        for another rank's signal (``adopt``) hands that one over: the requeue does not wait on its own.
+        The process exits next: the stop signals that still come (its own, late; SLURM's second
+        SIGTERM) are ignored from here, so the handler does not requeue twice."""
         if self.signal_name is None:
             return
-        came = getattr(signal, self.signal_name)
+        came = getattr(signal, self.signal_name, None)  # None for a stop asked without a signal
         requeue_sig = getattr(signal, signal_name(os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")))
         for sig in (came, requeue_sig):
-            previous = self._previous.get(sig)
+            previous = self._previous.get(sig) if sig is not None else None
             if callable(previous) and getattr(previous, "__name__", "") != "bypass":
+                if threading.current_thread() is threading.main_thread():
+                    for name in stop_signals():
+                        signal.signal(getattr(signal, name), signal.SIG_IGN)
                 log.info("handing %s over to %s", self.signal_name, getattr(previous, "__qualname__", previous))
-                previous(came, None)
+                previous(came if came is not None else requeue_sig, None)
                 return
+
+    def report(self) -> tuple[str, float] | None:
+        """``(signal name, seconds since it came)`` on this rank, None before any: what ``adopt`` takes."""
+        if self.received_at is None or self.signal_name is None:
+            return None
+        return self.signal_name, time.monotonic() - self.received_at
+
+    def adopt(self, reports: list[tuple[str, float] | None]) -> None:
+        """Take the earliest of the ranks' ``report``s when this rank has none of its own. SLURM signals
+        every task at once, but a rank may reach the agreement before its own signal arrives; it then
+        stops, says how long ago, and hands over (``hand_over``) the other rank's signal."""
+        seen = [r for r in reports if r is not None]
+        if self.received_at is not None or not seen:
+            return
+        name, age = max(seen, key=lambda r: r[1])
+        self.signal_name, self.received_at, self.elsewhere = name, time.monotonic() - age, True
+        self._event.set()
 
     def _handle(self, signum: int, frame) -> None:  # noqa: ANN001 - signal's signature
         if self.signal_name is None:
