@@ -10,6 +10,8 @@
 #   train     python -m slurmvla.profile at micro-batch 16: phases, MFU, start-up, kernels
 #   compile   the same with trainer.compile=true
 #   efficient the compiled step with the memory-efficient attention kernel first (policy.attention_kernels)
+#   bucket    the compiled step with the training prompt cut to each batch's exact length against the default
+#             multiple of 32 tokens (policy.prompt_bucket): how much of cuDNN's per-shape planning it saves
 #   sac       selective checkpointing (policy.checkpoint_saves=matmuls) at micro-batch 8 x 2
 #   batch     the largest micro-batch that fits (benchmarks/max_micro_batch.py)
 #   inference_tests  the GPU tests of inference (graphs, server) and of the step's host synchronisation
@@ -45,6 +47,8 @@ section() {
             trainer.compile=true profile.kernels=15 ;;
         efficient) run efficient "${SUITE_LIMIT_EFFICIENT:-200}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
             trainer.compile=true "policy.attention_kernels=[efficient,math]" profile.kernels=15 ;;
+        bucket) run bucket "${SUITE_LIMIT_BUCKET:-300}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
+            trainer.compile=true --compare policy.prompt_bucket=1 policy.prompt_bucket=32 ;;
         sac) run sac "${SUITE_LIMIT_SAC:-150}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
             trainer.grad_accum_steps=2 --compare policy.checkpoint_saves=inputs policy.checkpoint_saves=matmuls ;;
         batch) run batch "${SUITE_LIMIT_BATCH:-150}" python3 benchmarks/max_micro_batch.py --start 24 --limit 64 \
@@ -53,7 +57,7 @@ section() {
             --device cuda --lerobot-python benchmarks/lerobot_python.sh --side-timeout 200 ;;
         inference_tests) run inference_tests "${SUITE_LIMIT_INFERENCE_TESTS:-90}" python3 -m pytest -q -p no:cacheprovider \
             tests/test_gpu.py -k "graph or server or never_waits" ;;
-        *) echo "unknown section $1; choose from tests latency train compile efficient sac batch inference_tests lerobot" >&2; exit 2 ;;
+        *) echo "unknown section $1; choose from tests latency train compile efficient bucket sac batch inference_tests lerobot" >&2; exit 2 ;;
     esac
 }
 

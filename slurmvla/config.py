@@ -271,14 +271,23 @@ class Pi0Config(TransformerPolicyConfig):
     # The training forward on a GPU (and its recomputation): torch's fused attention kernels in the order
     # they are tried (flash, efficient, cudnn, math; one that cannot take a call's inputs is skipped);
     # null: torch's own order (torch 2.11: cuDNN's). cuDNN builds a plan for each new input shape, and a
-    # batch's prompt length sets the shape: until every length has been seen, a compiled pi0.5 step on an
-    # H100 idled the GPU 28% of the time (771 ms; [efficient, math]: 663 ms). Once planned, cuDNN's
+    # batch's prompt length sets the shape: until every length had been seen, a compiled pi0.5 step on an
+    # H100 idled the GPU 28% of the time (771 ms; [efficient, math]: 663 ms; measured with the prompt cut
+    # to each batch's exact length, before policy.prompt_bucket below). Once planned, cuDNN's
     # attention is the faster (forward + backward 54 ms per step against 148), so short jobs gain from
     # [efficient, math] and long ones keep torch's order.
     attention_kernels: list[str] | None = None
+    # The training batch's prompt is cut to the smallest multiple of this many columns that holds every
+    # sample's tokens (padding is masked: the loss is the same). null: 32 when the policy is on a GPU,
+    # where each new prompt length is a new shape for cuDNN's attention to plan and for a compiled layer
+    # to recompile (a pi0.5 prompt takes ~60 lengths; 32 leaves 7 of 200), and 1 on the CPU, where a
+    # shape costs nothing and padding only work.
+    prompt_bucket: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.prompt_bucket is not None:
+            _positive("policy.prompt_bucket", self.prompt_bucket)
         for kernel in self.attention_kernels or []:
             _choice("policy.attention_kernels", kernel, ATTENTION_KERNELS)
         if self.attention_kernels is not None and "math" not in self.attention_kernels:

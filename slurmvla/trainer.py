@@ -234,10 +234,10 @@ class Trainer:
             return batch
 
     def _host_part(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """The policy's host-side work on the batch before it moves (``prepare_inference``: pi0.5 writes its
+        """The policy's host-side work on the batch before it moves (``prepare_training``: pi0.5 writes its
         prompt from the state), so the forward never waits on the device for values it needs on the host."""
-        prepare = getattr(self.policy, "prepare_inference", None)
-        return prepare(batch, bucket=1) if callable(prepare) else batch
+        prepare = getattr(self.policy, "prepare_training", None)
+        return prepare(batch) if callable(prepare) else batch
 
     # -- one optimizer step -----------------------------------------------------------------------
 

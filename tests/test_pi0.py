@@ -210,10 +210,10 @@ def test_a_checkpoint_without_a_tokenizer_asks_for_one(tmp_path):
 # -- the policy itself -------------------------------------------------------------------------------
 
 
-def perturbed_policy(name: str):
+def perturbed_policy(name: str, **over):
     """``(cfg, policy)``: the toy-size policy in eval mode, its initial weights moved off their exact zeros
     and ones (zero-initialised projections would make every path agree trivially)."""
-    cfg = policy_cfg(name)
+    cfg = policy_cfg(name, **over)
     torch.manual_seed(0)
     policy = build_policy(cfg).eval()
     with torch.no_grad():
@@ -258,6 +258,36 @@ def test_a_batch_prepared_for_inference_gives_the_same_chunk(name):
     with torch.no_grad():
         torch.testing.assert_close(policy.sample_actions(prepared, noise=noise), policy.sample_actions(batch, noise=noise),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
+def test_a_training_batch_cut_to_the_prompt_bucket_has_the_same_loss_and_gradients(name):
+    """prepare_training (the trainer's host part) cuts the prompt to a multiple of policy.prompt_bucket
+    columns, so a GPU's attention kernels and compiled layers see a few prompt lengths, not one per batch:
+    the loss and every gradient are those of the batch cut to its exact longest prompt (1 column), as the
+    forward trims a batch that comes unprepared. On the CPU the default is that exact cut."""
+    from slurmvla.policy.pi0 import PROMPT_IDS
+
+    cfg, exact = perturbed_policy(name)
+    assert exact.prepare_training(batch_for(cfg))[PROMPT_IDS].shape[1] == \
+        exact.prepare_inference(batch_for(cfg), bucket=1)[PROMPT_IDS].shape[1]
+    cfg, bucketed = perturbed_policy(name, prompt_bucket=20)
+    batch = batch_for(cfg)
+    prepared = bucketed.prepare_training(batch)
+    width = prepared[PROMPT_IDS].shape[1]
+    assert width % 20 == 0 or width == cfg.max_text_len
+    assert width > exact.prepare_inference(batch, bucket=1)[PROMPT_IDS].shape[1]  # padding added, and masked
+    exact.load_state_dict(bucketed.state_dict())
+    results = []
+    for policy, b in ((exact, batch), (bucketed, prepared)):
+        policy.zero_grad()
+        loss = policy(b)["loss"]
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    assert results[1][1].keys() == results[0][1].keys()
+    for n, g in results[0][1].items():
+        torch.testing.assert_close(results[1][1][n], g, rtol=1e-4, atol=1e-6, msg=n)
 
 
 @pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])

@@ -447,6 +447,13 @@ class Pi0Policy(Policy):
             out[PROMPT_IDS], out[PROMPT_MASK] = _trim_padding(*text, bucket=bucket)
         return out
 
+    def prepare_training(self, batch: dict) -> dict:
+        """The trainer's host part of a training batch: :meth:`prepare_inference` with the prompt cut to a
+        multiple of ``policy.prompt_bucket`` columns (default: 32 on a GPU, where each prompt length is a
+        shape its attention kernels plan and its compiled layers compile for; 1 on the CPU)."""
+        bucket = self.cfg.prompt_bucket or (PROMPT_BUCKET if self.action_in_proj.weight.is_cuda else 1)
+        return self.prepare_inference(batch, bucket=bucket)
+
     def _prefix(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         images = batch["images"]
         b, cams = images.shape[:2]
