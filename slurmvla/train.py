@@ -71,6 +71,8 @@ def main(cfg: DictConfig) -> float | None:
     except BaseException:
         trainer.close(failed=True)
         raise
+    if trainer.stopped_for_requeue:
+        trainer.preempt.ignore_further()  # before close gives the signals back: a late one would take the exit
     trainer.close()
     if trainer.stopped_for_requeue:
         # Checkpoint written. Under submitit its handler requeues now (and exits on rank 0); on the

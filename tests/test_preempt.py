@@ -97,10 +97,14 @@ def test_a_rank_without_its_own_signal_adopts_the_earliest_and_hands_it_over_onc
     flag.adopt([None, ("SIGUSR2", 0.25), ("SIGUSR2", 4.0), None])
     assert flag.is_set() and flag.elsewhere and flag.signal_name == "SIGUSR2"
     assert 4.0 <= flag.report()[1] < 5.0  # the earliest signal's age, counted on from here
+    flag.ignore_further()  # slurmvla.train's order: ignore, close the trainer (uninstall), hand over
+    flag.uninstall()
+    os.kill(os.getpid(), signal.SIGUSR2)  # its own, late: neither submitit's handler nor the default action
+    assert calls == []
     flag.hand_over()
     assert calls == [("requeue", signal.SIGUSR2)]
-    os.kill(os.getpid(), signal.SIGUSR2)  # its own, late
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGUSR2)
+    os.kill(os.getpid(), signal.SIGTERM)  # SLURM's second SIGTERM: would kill the exit by default
     assert calls == [("requeue", signal.SIGUSR2)]
 
     own = PreemptionFlag()

@@ -120,8 +120,7 @@ class PreemptionFlag:
         0 and exits there). submitit only bypasses SIGTERM, which preemption sends where the site
         does not send the user's signal: its requeue handler gets that signal too. A rank that stopped
         for another rank's signal (``adopt``) hands that one over: the requeue does not wait on its own.
-        The process exits next: the stop signals that still come (its own, late; SLURM's second
-        SIGTERM) are ignored from here, so the handler does not requeue twice."""
+        The process exits next: the stop signals that still come are ignored (``ignore_further``)."""
         if self.signal_name is None:
             return
         came = getattr(signal, self.signal_name, None)  # None for a stop asked without a signal
@@ -129,12 +128,21 @@ class PreemptionFlag:
         for sig in (came, requeue_sig):
             previous = self._previous.get(sig) if sig is not None else None
             if callable(previous) and getattr(previous, "__name__", "") != "bypass":
-                if threading.current_thread() is threading.main_thread():
-                    for name in stop_signals():
-                        signal.signal(getattr(signal, name), signal.SIG_IGN)
+                self.ignore_further()
                 log.info("handing %s over to %s", self.signal_name, getattr(previous, "__qualname__", previous))
                 previous(came if came is not None else requeue_sig, None)
                 return
+
+    def ignore_further(self) -> None:
+        """The run stops for this signal and its process exits next: from here the stop signals are ignored.
+        SLURM's later ones (a rank's own, arriving after the agreement; the second SIGTERM at the end of
+        the grace time) must neither kill the exit (a SIGTERM would turn ``REQUEUE_EXIT_CODE`` into 143)
+        nor, once ``uninstall`` gave them back, reach the requeue handler before or after ``hand_over``
+        does (submitit's would requeue and exit twice). ``uninstall`` leaves them ignored."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in stop_signals():
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
 
     def report(self) -> tuple[str, float] | None:
         """``(signal name, seconds since it came)`` on this rank, None before any: what ``adopt`` takes."""
