@@ -7,6 +7,8 @@
 #   tests     python -m pytest tests/test_gpu.py
 #   latency   sample_actions at batch 1 (eager, CUDA graph, compiled + graph), the server through openpi's
 #             client, and the kernels of each
+#   unfused   the graphed modes with serve.fused_projections=false (latency runs them fused, the default)
+#   denoise   the graphed modes with policy.denoise_attention=matmul (latency runs sdpa, the default)
 #   train     python -m slurmvla.profile at micro-batch 16: phases, MFU, start-up, kernels
 #   compile   the same with trainer.compile=true
 #   efficient the compiled step with the memory-efficient attention kernel first (policy.attention_kernels)
@@ -41,6 +43,10 @@ section() {
         tests) run tests "${SUITE_LIMIT_TESTS:-180}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rs --durations=10 ;;
         latency) run latency "${SUITE_LIMIT_LATENCY:-240}" python3 benchmarks/sample_latency.py "${PI05[@]}" \
             --modes eager,graph,compile_graph --iters 30 --server --kernels 12 ;;
+        unfused) run unfused "${SUITE_LIMIT_UNFUSED:-200}" python3 benchmarks/sample_latency.py "${PI05[@]}" \
+            serve.fused_projections=false --modes eager,graph,compile_graph --iters 30 --kernels 12 ;;
+        denoise) run denoise "${SUITE_LIMIT_DENOISE:-200}" python3 benchmarks/sample_latency.py "${PI05[@]}" \
+            policy.denoise_attention=matmul --modes eager,graph,compile_graph --iters 30 --kernels 12 ;;
         train) run train "${SUITE_LIMIT_TRAIN:-150}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
             profile.kernels=15 ;;
         compile) run compile "${SUITE_LIMIT_COMPILE:-200}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
@@ -57,7 +63,7 @@ section() {
             --device cuda --lerobot-python benchmarks/lerobot_python.sh --side-timeout 200 ;;
         inference_tests) run inference_tests "${SUITE_LIMIT_INFERENCE_TESTS:-90}" python3 -m pytest -q -p no:cacheprovider \
             tests/test_gpu.py -k "graph or server or never_waits" ;;
-        *) echo "unknown section $1; choose from tests latency train compile efficient bucket sac batch inference_tests lerobot" >&2; exit 2 ;;
+        *) echo "unknown section $1; choose from tests latency unfused denoise train compile efficient bucket sac batch inference_tests lerobot" >&2; exit 2 ;;
     esac
 }
 

@@ -18,7 +18,8 @@ Each prints p50 / p99 / min over ``--iters`` calls (after warm-up; a GPU is sync
 call), and the largest difference of its actions from ``eager``'s (same weights, same noise).
 ``--server``: the server (openpi's ``WebsocketClientPolicy``, this machine) against the runner alone,
 both through CUDA graphs (of the compiled layers when ``compile_graph`` ran): p50 of both and their
-difference. On a CPU only the eager modes run.
+difference. On a CPU only the eager modes run. Every mode runs with pi0 / pi0.5's projections fused as the server
+runs them (``serve.fused_projections``; ``serve.fused_projections=false`` times them unfused).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from slurmvla.engine.materialize import place
 from slurmvla.export import Loaded
 from slurmvla.policy import build_policy
 from slurmvla.policy.base import seeded_sample_actions
-from slurmvla.policy.graphed import GraphedSampler, lower_weights
+from slurmvla.policy.graphed import GraphedSampler, fuse_projections, lower_weights
 from slurmvla.profile import kernel_table
 from slurmvla.serve import PolicyRunner, PolicyServer, serving_in_thread
 
@@ -76,6 +77,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     cfg = compose([*args.overrides, f"serve.cameras=[{','.join(CAMERAS)}]"])
+    args.fused = cfg.serve.fused_projections  # serve.fused_projections=false: as the server would run
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     t0 = time.perf_counter()
@@ -134,6 +136,8 @@ def run_mode(mode: str, policy, spec, batch: dict, ctx, autocast: bool, cuda: bo
     if mode.endswith("graph") and not cuda:
         print(f"{mode}: skipped (no GPU)")
         return None
+    if args.fused:  # after any change of dtype, which leaves a fused weight behind
+        fuse_projections(policy)
     sampler = policy if mode.startswith("eager") else GraphedSampler(policy, compile=mode == "compile_graph")
 
     def call():

@@ -34,6 +34,8 @@ DEVICES = ("auto", "cpu", "cuda")
 
 # torch's scaled-dot-product attention kernels by the names policy.attention_kernels takes.
 ATTENTION_KERNELS = ("flash", "efficient", "cudnn", "math")
+# pi0 / pi0.5's attention in the cached denoising steps (policy.denoise_attention).
+DENOISE_ATTENTION = ("sdpa", "matmul")
 # What a checkpointed layer keeps besides its inputs (slurmvla/policy/recompute.py).
 CHECKPOINT_SAVES = ("inputs", "matmuls")
 
@@ -283,9 +285,17 @@ class Pi0Config(TransformerPolicyConfig):
     # to recompile (a pi0.5 prompt takes ~60 lengths; 32 leaves 7 of 200), and 1 on the CPU, where a
     # shape costs nothing and padding only work.
     prompt_bucket: int | None = None
+    # Inference: the attention of the denoising steps that reuse the prefix's keys and values. sdpa: torch's
+    # fused kernels (policy.attention_implementation's); matmul: two matrix products around a float32 softmax
+    # with the query heads folded onto their shared key / value head (slurmvla.policy.flow_vla.
+    # grouped_matmul_attention). At batch 1 each such call is 50 queries over ~900 keys: an H100 profile
+    # found cuDNN's fused kernel at ~68 us a call, 13.4 ms of a 38.8 ms compiled sample_actions, latency
+    # bound on 8 query tiles; benchmarks/gpu_suite.sh's denoise section times both.
+    denoise_attention: str = "sdpa"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _choice("policy.denoise_attention", self.denoise_attention, DENOISE_ATTENTION)
         if self.prompt_bucket is not None:
             _positive("policy.prompt_bucket", self.prompt_bucket)
         for kernel in self.attention_kernels or []:
@@ -645,6 +655,9 @@ class ServeConfig:
     # request of each shape; fused kernels).
     cuda_graph: bool = False
     compile: bool = False
+    # pi0 / pi0.5: each layer's query / key / value projections, and its MLP's gate / up projections, run
+    # as one matrix product each (the same weights, not copied; slurmvla.policy.pi0.fuse_linears).
+    fused_projections: bool = True
     # The largest request (one msgpack frame) accepted, in MiB; a larger one is refused as its header
     # arrives (close code 1009), before any of it is buffered. null: derived from the policy (see
     # slurmvla.serve.default_max_request_bytes): 4 x one observation, each camera counted at the

@@ -574,7 +574,8 @@ def build_server(source: str, overrides: list[str], device: str | None = None,
         # The weights in bf16, as training's forward holds them (under autocast): no cast of every weight
         # at every request.
         lower_weights(loaded.policy, torch.bfloat16)
-    sampler = inference_sampler(loaded.policy, cfg.serve.cuda_graph, cfg.serve.compile, "serve.cuda_graph=true")
+    sampler = inference_sampler(loaded.policy, cfg.serve.cuda_graph, cfg.serve.compile, "serve.cuda_graph=true",
+                                fused=cfg.serve.fused_projections)
     api_key = read_api_key(cfg.serve, environ)
     runner = PolicyRunner(loaded, sampler)
     if loaded.cfg.serve.max_request_mb is not None and runner.max_request_bytes < runner.observation_bytes():

@@ -198,10 +198,11 @@ def test_the_server_runs_the_policy_on_the_gpu_in_bf16_close_to_the_cpu(trained_
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["graph", "compiled_graph"])
 def test_cuda_graph_inference_equals_eager(compiled):
-    """serve.cuda_graph (and serve.compile): sample_actions replayed from a CUDA graph gives eager mode's
-    actions, in bf16 to its resolution; a second prompt length captures a second graph, and each input
-    shape replays its own. Without a GPU the option is refused with the reason."""
-    from slurmvla.policy.graphed import GraphedSampler, lower_weights
+    """serve.cuda_graph (and serve.compile), with the server's fused projections: sample_actions replayed
+    from a CUDA graph gives eager mode's actions (unfused), in bf16 to its resolution; a second prompt length
+    captures a second graph, and each input shape replays its own. Without a GPU the option is refused with
+    the reason."""
+    from slurmvla.policy.graphed import GraphedSampler, fuse_projections, lower_weights
 
     from .test_pi0 import B, batch_for, perturbed_policy
 
@@ -212,13 +213,15 @@ def test_cuda_graph_inference_equals_eager(compiled):
         return
     policy.to(DEVICE)
     lower_weights(policy, torch.bfloat16)
+    plain = copy.deepcopy(policy)
+    fuse_projections(policy)
     sampler = GraphedSampler(policy, compile=compiled)
     batch = {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in batch_for(cfg).items()}
     longer = {**batch, "instruction": [t + " and then" + " again" * 40 for t in batch["instruction"]]}
     for b in (batch, longer, batch):
         noise = torch.randn(B, cfg.action_horizon, cfg.max_action_dim, device=DEVICE)
         with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
-            eager = policy.sample_actions(b, noise=noise)
+            eager = plain.sample_actions(b, noise=noise)
             graphed = sampler.sample_actions(b, noise=noise)
         scale = eager.abs().max()
         assert (graphed - eager).abs().max() <= 0.02 * scale, (graphed - eager).abs().max()

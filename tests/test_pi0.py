@@ -261,6 +261,99 @@ def test_a_batch_prepared_for_inference_gives_the_same_chunk(name):
 
 
 @pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
+def test_fused_projections_give_the_same_actions_and_loss_and_change_no_weight(name):
+    """fuse_projections (the server's and evaluator's default: q/k/v and gate/up as one product each) against
+    the same policy unfused: the same chunk and loss, the same state_dict (names, values; no tensor added),
+    no copy of a fused weight (the parameters are views of it), and an in-place update of a parameter is
+    what the fused product reads."""
+    cfg, plain = perturbed_policy(name)
+    _, fused = perturbed_policy(name)
+    assert fused.fuse_projections() == 2 * cfg.depth * 2 - 1  # the last backbone layer has no MLP
+    batch = batch_for(cfg)
+    noise = torch.randn(B, cfg.action_horizon, cfg.max_action_dim)
+    with torch.no_grad():
+        torch.testing.assert_close(fused.sample_actions(batch, noise=noise), plain.sample_actions(batch, noise=noise),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fused(batch)["loss"], plain(batch)["loss"], rtol=1e-5, atol=1e-6)
+    a, b = plain.state_dict(), fused.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    attn = fused.layers[0].expert.self_attn
+    assert attn.q_proj.weight.data_ptr() == attn.fused_qkv.data_ptr()
+    assert attn.v_proj.weight.untyped_storage().data_ptr() == attn.fused_qkv.untyped_storage().data_ptr()
+    with torch.no_grad():
+        for policy in (plain, fused):
+            policy.layers[0].expert.mlp.up_proj.weight.mul_(1.5)
+            policy.layers[1].expert.self_attn.v_proj.weight.add_(0.01)
+        # a copied fused weight would still hold the old values
+        torch.testing.assert_close(fused.sample_actions(batch, noise=noise), plain.sample_actions(batch, noise=noise),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_grouped_matmul_attention_equals_torchs_attention_with_the_heads_repeated(kv_heads):
+    """The folded form (query heads that share a key / value head as extra rows) against
+    F.scaled_dot_product_attention with each key / value head copied to its query heads: the same output,
+    with a mask that differs per sample and per query."""
+    from slurmvla.policy.flow_vla import grouped_matmul_attention, repeat_heads
+
+    g = torch.Generator().manual_seed(0)
+    b, heads, n, keys, d = 2, 8, 5, 13, 16
+    q = torch.randn(b, heads, n, d, generator=g)
+    k, v = (torch.randn(b, kv_heads, keys, d, generator=g) for _ in range(2))
+    mask = torch.rand(b, 1, n, keys, generator=g) > 0.4
+    mask[..., 0] = True  # every query sees a key
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, repeat_heads(k, heads // kv_heads), repeat_heads(v, heads // kv_heads), attn_mask=mask)
+    torch.testing.assert_close(grouped_matmul_attention(q, k, v, mask), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
+def test_denoise_attention_as_matrix_products_gives_the_same_chunk(name, monkeypatch):
+    """policy.denoise_attention=matmul changes how the cached denoising steps attend (every layer of every
+    step after the first), not the actions."""
+    from slurmvla.policy import pi0
+
+    calls = []
+    folded = pi0.grouped_matmul_attention
+    monkeypatch.setattr(pi0, "grouped_matmul_attention", lambda *a: calls.append(1) or folded(*a))
+    cfg, sdpa = perturbed_policy(name)
+    _, matmul = perturbed_policy(name, denoise_attention="matmul")
+    batch = batch_for(cfg)
+    noise = torch.randn(B, cfg.action_horizon, cfg.max_action_dim)
+    with torch.no_grad():
+        want = sdpa.sample_actions(batch, noise=noise)
+        assert calls == []
+        torch.testing.assert_close(matmul.sample_actions(batch, noise=noise), want, rtol=1e-5, atol=1e-5)
+    assert len(calls) == (cfg.num_inference_steps - 1) * cfg.depth
+    with pytest.raises(ValueError, match=r"policy.denoise_attention='flash' is not valid; choose one of \['sdpa', 'matmul'\]"):
+        policy_cfg(name, denoise_attention="flash")
+    with pytest.raises(ValueError, match=r"policy.prompt_bucket=0 is not valid; it must be > 0"):
+        policy_cfg(name, prompt_bucket=0)
+
+
+def test_projections_wrapped_by_lora_stay_unfused():
+    """A LoRA-adapted projection's output is its base product plus the adapter's: fusing its base weight
+    with the others would drop the adapter, so those groups are left alone (and the rest still fuse)."""
+    pytest.importorskip("peft")
+    from slurmvla.compose import compose
+
+    cfg = compose(["policy=pi0_tiny", "policy.lora.enabled=true", "policy.lora.parts=[expert]"]).policy
+    torch.manual_seed(0)
+    policy = build_policy(cfg).eval()
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)  # adapters that change the output
+    batch = batch_for(cfg)
+    noise = torch.randn(B, cfg.action_horizon, cfg.max_action_dim)
+    with torch.no_grad():
+        before = policy.sample_actions(batch, noise=noise)
+        assert policy.fuse_projections() == cfg.depth * 2 - 1  # the backbone's groups only
+        torch.testing.assert_close(policy.sample_actions(batch, noise=noise), before, rtol=1e-5, atol=1e-5)
+    assert getattr(policy.layers[0].expert.self_attn, "fused_qkv", None) is None
+
+
+@pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
 def test_a_training_batch_cut_to_the_prompt_bucket_has_the_same_loss_and_gradients(name):
     """prepare_training (the trainer's host part) cuts the prompt to a multiple of policy.prompt_bucket
     columns, so a GPU's attention kernels and compiled layers see a few prompt lengths, not one per batch:

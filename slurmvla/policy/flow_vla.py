@@ -81,6 +81,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
+def grouped_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`attention` as two matrix products around a float32 softmax (scores in the inputs' dtype, as
+    transformers' eager attention and openpi's PyTorch model compute them), with the query heads that share a
+    key / value head folded into its rows: ``[B, kv_heads, groups * L, head_dim]`` against the keys once, no
+    head copied. For few queries over many keys (pi0's denoising steps at batch 1: 50 queries, ~900 keys,
+    8 heads on one key / value head) a fused kernel has a handful of query tiles to spread over the GPU;
+    here the 400 folded rows are one product that the GEMM library tiles over the keys as well. ``mask``:
+    bool ``[B, 1, L, L']``, True where a query may attend (every query must see at least one key)."""
+    b, heads, n, d = q.shape
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    scores = (q.reshape(b, kv_heads, groups * n, d) @ k.transpose(-1, -2)) * (d ** -0.5)
+    scores = scores.view(b, kv_heads, groups, n, -1).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(b, kv_heads, groups * n, -1)
+    return (probs @ v).view(b, heads, n, d)
+
+
 class MLP(nn.Module):
     def __init__(self, dim: int, ratio: float):
         super().__init__()

@@ -71,10 +71,24 @@ def lower_weights(policy: nn.Module, dtype: torch.dtype) -> None:
             p.data = p.data.to(dtype)
 
 
-def inference_sampler(policy: nn.Module, cuda_graph: bool, compile: bool, option: str = "cuda_graph"):
+def fuse_projections(policy: nn.Module) -> None:
+    """The policy's projections that read one input as one matrix product each, where it has them (pi0 /
+    pi0.5: ``fuse_projections``; same weights, same parameters). Call it with the policy on its device and
+    in its dtype, before compiling or capturing."""
+    fuse = getattr(policy, "fuse_projections", None)
+    if callable(fuse):
+        log.info("fused %d groups of projections for inference", fuse())
+
+
+def inference_sampler(policy: nn.Module, cuda_graph: bool, compile: bool, option: str = "cuda_graph",
+                      fused: bool = True):
     """What the server or the evaluator calls ``sample_actions`` on: the policy itself (its layers compiled
     with ``compile``), or a :class:`GraphedSampler` with ``cuda_graph`` (``option``: that switch's name
-    as the user wrote it, for errors)."""
+    as the user wrote it, for errors); its projections fused first with ``fused`` (:func:`fuse_projections`)."""
+    if cuda_graph:
+        check_graphable(policy, next(policy.parameters()).device, option)
+    if fused:
+        fuse_projections(policy)
     if cuda_graph:
         return GraphedSampler(policy, compile=compile, what=option)
     if compile:

@@ -53,7 +53,7 @@ from slurmvla.config import PolicyConfig
 from slurmvla.data.spec import DataFeatures, Draw, SampleSpec
 from slurmvla.policy.base import Policy
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
-from slurmvla.policy.flow_vla import attention, resolve_attention
+from slurmvla.policy.flow_vla import attention, grouped_matmul_attention, resolve_attention
 from slurmvla.policy.recompute import Recompute
 from slurmvla.weights import parameter_generator
 
@@ -168,13 +168,54 @@ def _residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None) -> to
     return x + y if gate is None else x + y * gate
 
 
+def fuse_linears(owner: nn.Module, name: str, linears: list[nn.Module]) -> bool:
+    """Store ``linears``' weights as one tensor, ``owner.<name>`` (rows in their order), each module's
+    weight becoming a view of its rows: one matrix product where there were several on the same input, with
+    no copy kept (the parameters, their names and ``state_dict`` are unchanged; an update to either is seen
+    by both). Only plain bias-free ``nn.Linear`` layers on one device and dtype (not LoRA's wrappers, whose
+    adapters would be left out): False, and nothing changed, otherwise. For inference on a policy already on
+    its device and dtype: moving or casting its parameters afterwards leaves the fused tensor behind (then
+    the product fails on its device or dtype, it is never silently stale)."""
+    if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
+        return False
+    weights = [m.weight for m in linears]
+    if len({(w.device, w.dtype, w.shape[1]) for w in weights}) != 1:
+        return False
+    fused = torch.cat([w.detach() for w in weights])
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight.data = fused[start:start + rows]
+        start += rows
+    object.__setattr__(owner, name, fused)  # a plain attribute: never a parameter, buffer or saved tensor
+    return True
+
+
+def _linears(x: torch.Tensor, owner: nn.Module, name: str, linears: list[nn.Module]) -> list[torch.Tensor]:
+    """Each of ``linears`` applied to ``x``: one product with the fused weight when ``fuse_linears`` made one."""
+    fused = getattr(owner, name, None)
+    if fused is None:
+        return [m(x) for m in linears]
+    return list(F.linear(x, fused).split([m.weight.shape[0] for m in linears], dim=-1))
+
+
+def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated MLP, ``down(act(gate(x)) * up(x))``, with gate and up as one product once fused."""
+    if getattr(mlp, "fused_gate_up", None) is None:
+        return mlp(x)
+    gate, up = _linears(x, mlp, "fused_gate_up", [mlp.gate_proj, mlp.up_proj])
+    return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
 class JointLayer(nn.Module):
     """Gemma layer ``i`` of the backbone and of the action expert, attending jointly: the unit a
     sharding engine wraps (its ``forward`` touches both layers' weights, nothing outside)."""
 
-    def __init__(self, backbone: nn.Module, expert: nn.Module, last: bool, impl: str = "sdpa"):
+    def __init__(self, backbone: nn.Module, expert: nn.Module, last: bool, impl: str = "sdpa",
+                 denoise_attention: str = "sdpa"):
         super().__init__()
         self.backbone, self.expert, self.last, self.impl = backbone, expert, last, impl
+        self.denoise_attention = denoise_attention  # the cached denoising steps' (policy.denoise_attention)
         self._apply_rotary = _transformers().apply_rotary_pos_emb  # looked up once, not per forward
         if last:  # the prefix's output of the last layer is never read: no parameters for it
             backbone.self_attn.q_proj = None
@@ -187,17 +228,16 @@ class JointLayer(nn.Module):
         h, gate = _norm(layer.input_layernorm, x, cond, 0)
         attn = layer.self_attn
         shape = (*h.shape[:2], -1, attn.head_dim)
-        q = attn.q_proj(h).view(shape).transpose(1, 2) if queries else None
-        k = attn.k_proj(h).view(shape).transpose(1, 2)
-        v = attn.v_proj(h).view(shape).transpose(1, 2)
-        return q, k, v, gate
+        parts = [attn.q_proj, attn.k_proj, attn.v_proj] if queries else [attn.k_proj, attn.v_proj]
+        out = [y.view(shape).transpose(1, 2) for y in _linears(h, attn, "fused_qkv", parts)]
+        return (*out, gate) if queries else (None, *out, gate)
 
     @staticmethod
     def _finish(layer: nn.Module, x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None,
                 cond: torch.Tensor | tuple | None) -> torch.Tensor:
         x = _residual(x, layer.self_attn.o_proj(y.transpose(1, 2).flatten(2)), gate)
         h, gate = _norm(layer.post_attention_layernorm, x, cond, 1)
-        return _residual(x, layer.mlp(h), gate)
+        return _residual(x, _mlp(layer.mlp, h), gate)
 
     def forward(self, prefix: torch.Tensor | None, suffix: torch.Tensor, rotary: tuple, masks: tuple,
                 cond: torch.Tensor | tuple | None = None, prefix_kv: tuple | None = None) -> tuple:
@@ -221,7 +261,10 @@ class JointLayer(nn.Module):
         else:
             kp, vp = prefix_kv
         k, v = torch.cat([kp, ks], dim=2), torch.cat([vp, vs], dim=2)
-        ys = attention(qs, k, v, masks[1], self.impl)
+        if prefix_kv is not None and self.denoise_attention == "matmul":
+            ys = grouped_matmul_attention(qs, k, v, masks[1])
+        else:
+            ys = attention(qs, k, v, masks[1], self.impl)
         suffix = self._finish(self.expert, suffix, ys, gate_s, cond)
         if prefix_kv is not None or self.last:
             return None, suffix, (kp, vp)
@@ -303,7 +346,7 @@ class Pi0Policy(Policy):
         expert = gemma_config(cfg.expert_width, cfg.depth, cfg.expert_mlp_dim, cfg, attn)
         self.layers = nn.ModuleList(
             JointLayer(GemmaDecoderLayer(backbone, i), self._expert_layer(GemmaDecoderLayer(expert, i)),
-                       last=i == cfg.depth - 1, impl=attn)
+                       last=i == cfg.depth - 1, impl=attn, denoise_attention=cfg.denoise_attention)
             for i in range(cfg.depth))
         w = cfg.expert_width
         self.expert_norm = AdaptiveRMSNorm(w, w) if self.ADAPTIVE_TIME else type(self.layers[0].expert.input_layernorm)(w)
@@ -553,6 +596,22 @@ class Pi0Policy(Policy):
         d = self.cfg.action_dim
         every = torch.ones_like(batch["action_mask"], dtype=torch.bool)
         return flow_matching_loss(pred[..., :d], noise[..., :d], actions[..., :d], every)
+
+    def fuse_projections(self) -> int:
+        """For inference: each Gemma layer's query / key / value projections, and its MLP's gate / up
+        projections, as one matrix product each (:func:`fuse_linears`; nothing copied, names and weights
+        unchanged). At batch 1 the action expert's products have 50 rows, and its key / value products
+        256 columns: too small to keep the GPU's memory system busy, so one wider product reads the same
+        weights in less time. Returns how many groups were fused (a LoRA-wrapped group stays as it is)."""
+        fused = 0
+        for layer in self.layers:
+            for part in (layer.backbone, layer.expert):
+                attn = part.self_attn
+                qkv = [m for m in (attn.q_proj, attn.k_proj, attn.v_proj) if m is not None]
+                fused += fuse_linears(attn, "fused_qkv", qkv)
+                if part.mlp is not None:
+                    fused += fuse_linears(part.mlp, "fused_gate_up", [part.mlp.gate_proj, part.mlp.up_proj])
+        return fused
 
     @torch.no_grad()
     def sample_actions(self, batch: dict, noise: torch.Tensor | None = None, num_steps: int | None = None) -> torch.Tensor:
