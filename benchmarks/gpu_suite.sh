@@ -16,6 +16,8 @@
 #             multiple of 32 tokens (policy.prompt_bucket): how much of cuDNN's per-shape planning it saves
 #   sac       selective checkpointing (policy.checkpoint_saves=matmuls) at micro-batch 8 x 2
 #   batch     the largest micro-batch that fits (benchmarks/max_micro_batch.py)
+#   load      a pi0.5 checkpoint (weights, fp32 optimizer state) loaded by --resume against reading its files
+#             (benchmarks/checkpoint_load.py; ~38 GB written to the disk first)
 #   inference_tests  the GPU tests of inference (graphs, server) and of the step's host synchronisation
 #   lerobot   benchmarks/vs_lerobot.py --parts model --device cuda (LeRobot's side: benchmarks/lerobot_python.sh;
 #             the wheels of both sides: bash benchmarks/gpu_wheels.sh, here, before the call)
@@ -59,11 +61,13 @@ section() {
             trainer.grad_accum_steps=2 --compare policy.checkpoint_saves=inputs policy.checkpoint_saves=matmuls ;;
         batch) run batch "${SUITE_LIMIT_BATCH:-150}" python3 benchmarks/max_micro_batch.py --start 24 --limit 64 \
             --steps 1 "${PI05[@]}" data.num_workers=0 ;;
+        load) run load "${SUITE_LIMIT_LOAD:-300}" python3 benchmarks/checkpoint_load.py --repeats 2 "${PI05[@]}" \
+            data.num_workers=0 ;;
         lerobot) run lerobot "${SUITE_LIMIT_LEROBOT:-300}" python3 benchmarks/vs_lerobot.py --parts model \
             --device cuda --lerobot-python benchmarks/lerobot_python.sh --side-timeout 200 ;;
         inference_tests) run inference_tests "${SUITE_LIMIT_INFERENCE_TESTS:-90}" python3 -m pytest -q -p no:cacheprovider \
             tests/test_gpu.py -k "graph or server or never_waits" ;;
-        *) echo "unknown section $1; choose from tests latency unfused denoise train compile efficient bucket sac batch inference_tests lerobot" >&2; exit 2 ;;
+        *) echo "unknown section $1; choose from tests latency unfused denoise train compile efficient bucket sac batch load inference_tests lerobot" >&2; exit 2 ;;
     esac
 }
 
