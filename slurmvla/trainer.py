@@ -408,22 +408,20 @@ class Trainer:
             self.stopped_for_requeue = True
             self.preempt.adopt(gather_objects(self.preempt.report()))  # once per run, at the stop
             if self.env.is_main:
-                log.warning("preemption signal %s at step %d: all ranks checkpoint for requeue",
-                            self._signal_said("ago"), self.step)
+                log.warning("preemption signal %s (%s, %.1f s ago) at step %d: all ranks checkpoint for requeue",
+                            "on another rank" if self.preempt.elsewhere else "here", self.preempt.signal_name,
+                            self._signal_age(), self.step)
         return stop
 
-    def _signal_said(self, how: str) -> str:
-        """``here (SIGUSR2, 0.3 s ago)`` / ``0.3 s after SIGUSR2 on another rank``: which signal, where, when."""
-        age = time.monotonic() - self.preempt.received_at
-        where = "on another rank" if self.preempt.elsewhere else "here"
-        if how == "ago":
-            return f"{where} ({self.preempt.signal_name}, {age:.1f} s ago)"
-        return f"{age:.1f} s after {self.preempt.signal_name}" + (" on another rank" if self.preempt.elsewhere else "")
+    def _signal_age(self) -> float:
+        """Seconds since the stop signal came: this rank's own, or the earliest rank's (``PreemptionFlag.adopt``)."""
+        return time.monotonic() - self.preempt.received_at
 
     def _say_stopped(self) -> None:
         latest = self.checkpoints.latest()
         saved = f"checkpoint {latest} complete" if latest is not None else "no checkpoint (nothing trained yet)"
-        log.warning("stopped at step %d, %s: %s; exiting for requeue", self.step, self._signal_said("after"), saved)
+        log.warning("stopped at step %d, %.1f s after %s%s: %s; exiting for requeue", self.step, self._signal_age(),
+                    self.preempt.signal_name, " on another rank" if self.preempt.elsewhere else "", saved)
 
     def _record(self, window: dict, lrs: dict[str, float], elapsed: float) -> dict[str, float]:
         steps = window["steps"]
