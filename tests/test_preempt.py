@@ -53,32 +53,10 @@ def test_stop_signals_follow_submitit_and_the_environment():
         stop_signals({"SLURMVLA_STOP_SIGNALS": "USR9"})
 
 
-def test_hand_over_gives_sigterm_to_submitits_requeue_handler_not_its_bypass(restore_signals):
-    calls = []
-
-    class Submitit:  # the shape of submitit's SignalHandler: bypass for TERM, requeue for USR2
-        def bypass(self, signum, frame):
-            calls.append(("bypass", signum))
-
-        def checkpoint_and_try_requeue(self, signum, frame):
-            calls.append(("requeue", signum))
-
-    handler = Submitit()
-    signal.signal(signal.SIGTERM, handler.bypass)
-    signal.signal(signal.SIGUSR2, handler.checkpoint_and_try_requeue)
-    flag = PreemptionFlag()
-    flag.install()
-    os.kill(os.getpid(), signal.SIGTERM)
-    assert calls == []  # ours caught it; submitit's bypass did not run
-    flag.hand_over()
-    assert calls == [("requeue", signal.SIGTERM)]
-
-
-def test_a_rank_without_its_own_signal_adopts_the_earliest_and_hands_it_over_once(restore_signals):
-    """SLURM signals every task, but rank 0 may agree to stop before its own signal arrives: it takes
-    the earliest rank's signal and age, and hands that signal to submitit's requeue handler (which
-    requeues from rank 0) instead of exiting without a requeue; its own signal, arriving late during
-    the exit, must not reach the handler a second time."""
+@pytest.fixture
+def submitit_handlers(restore_signals):
+    """Handlers of the shape of submitit's SignalHandler installed (bypass for TERM, requeue for USR2), as its
+    job runner installs them before the trainer's; returns the list of the calls they get."""
     calls = []
 
     class Submitit:
@@ -91,6 +69,25 @@ def test_a_rank_without_its_own_signal_adopts_the_earliest_and_hands_it_over_onc
     handler = Submitit()
     signal.signal(signal.SIGTERM, handler.bypass)
     signal.signal(signal.SIGUSR2, handler.checkpoint_and_try_requeue)
+    return calls
+
+
+def test_hand_over_gives_sigterm_to_submitits_requeue_handler_not_its_bypass(submitit_handlers):
+    calls = submitit_handlers
+    flag = PreemptionFlag()
+    flag.install()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert calls == []  # ours caught it; submitit's bypass did not run
+    flag.hand_over()
+    assert calls == [("requeue", signal.SIGTERM)]
+
+
+def test_a_rank_without_its_own_signal_adopts_the_earliest_and_hands_it_over_once(submitit_handlers):
+    """SLURM signals every task, but rank 0 may agree to stop before its own signal arrives: it takes
+    the earliest rank's signal and age, and hands that signal to submitit's requeue handler (which
+    requeues from rank 0) instead of exiting without a requeue; its own signal, arriving late during
+    the exit, must not reach the handler a second time."""
+    calls = submitit_handlers
     flag = PreemptionFlag()
     flag.install()
     assert flag.report() is None
