@@ -23,6 +23,7 @@ over ``profile.peak_tflops``.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import shlex
@@ -127,9 +128,9 @@ def kernel_table(fn, device: torch.device, top: int = 15, calls: int = 1) -> str
         row[0] += us
         row[1] += 1
     busy = sum(us for us, _ in totals.values()) / calls / 1e3
-    kinds: dict[str, float] = {}
+    kinds: dict[str, float] = collections.defaultdict(float)
     for name, (us, _) in totals.items():
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us / calls / 1e3
+        kinds[kernel_kind(name)] += us / calls / 1e3
     what = "kernels (device time)" if cuda else "operators (self CPU time)"
     lines = [f"{what} per call: {busy:.2f} ms busy in {wall * 1e3:.2f} ms of wall clock ({100 * busy / (wall * 1e3):.0f}%)",
              f"{'kind':20s} {'ms':>9s} {'share':>6s}"]

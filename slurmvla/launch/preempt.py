@@ -120,7 +120,7 @@ class PreemptionFlag:
         0 and exits there). submitit only bypasses SIGTERM, which preemption sends where the site
         does not send the user's signal: its requeue handler gets that signal too. A rank that stopped
         for another rank's signal (``adopt``) hands that one over: the requeue does not wait on its own.
-        The process exits next: the stop signals that still come are ignored (``ignore_further``)."""
+        The entry point has called ``ignore_further`` already (before the trainer closed)."""
         if self.signal_name is None:
             return
         came = getattr(signal, self.signal_name, None)  # None for a stop asked without a signal
@@ -128,7 +128,6 @@ class PreemptionFlag:
         for sig in (came, requeue_sig):
             previous = self._previous.get(sig) if sig is not None else None
             if callable(previous) and getattr(previous, "__name__", "") != "bypass":
-                self.ignore_further()
                 log.info("handing %s over to %s", self.signal_name, getattr(previous, "__qualname__", previous))
                 previous(came if came is not None else requeue_sig, None)
                 return

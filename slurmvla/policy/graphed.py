@@ -85,10 +85,8 @@ def inference_sampler(policy: nn.Module, cuda_graph: bool, compile: bool, option
     """What the server or the evaluator calls ``sample_actions`` on: the policy itself (its layers compiled
     with ``compile``), or a :class:`GraphedSampler` with ``cuda_graph`` (``option``: that switch's name
     as the user wrote it, for errors); its projections fused first with ``fused`` (:func:`fuse_projections`)."""
-    if cuda_graph:
-        check_graphable(policy, next(policy.parameters()).device, option)
     if fused:
-        fuse_projections(policy)
+        fuse_projections(policy)  # changes no output: a request refused below loses nothing
     if cuda_graph:
         return GraphedSampler(policy, compile=compile, what=option)
     if compile:

@@ -25,8 +25,6 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from slurmvla.config import CHECKPOINT_SAVES
-
 
 def _kept_ops() -> frozenset:
     aten = torch.ops.aten
@@ -43,17 +41,10 @@ def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 _KEPT = _kept_ops()
 
 
-class _Both(contextlib.AbstractContextManager):
-    def __init__(self, first, second):
-        self.stack, self.first, self.second = contextlib.ExitStack(), first, second
-
-    def __enter__(self):
-        self.stack.enter_context(self.first)
-        self.stack.enter_context(self.second)
-        return self
-
-    def __exit__(self, *exc):
-        return self.stack.__exit__(*exc)
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
 
 
 class Recompute:
@@ -62,15 +53,12 @@ class Recompute:
     of attention kernels), which its recomputation in the backward pass then runs under too."""
 
     def __init__(self, every: int = 1, saves: str = "inputs", context: Callable[[], Any] | None = None):
-        if saves not in CHECKPOINT_SAVES:
-            raise ValueError(f"policy.checkpoint_saves={saves!r} is not an option; choose one of {list(CHECKPOINT_SAVES)}")
-        if every < 1:
-            raise ValueError(f"policy.checkpoint_every={every!r} must be a positive integer (1: every layer)")
+        # every >= 1, saves one of slurmvla.config.CHECKPOINT_SAVES: PolicyConfig checks them at composition
         self.every, self.saves, self.context = every, saves, context
 
     @classmethod
     def from_config(cls, cfg, context: Callable[[], Any] | None = None) -> Recompute:
-        return cls(getattr(cfg, "checkpoint_every", 1), getattr(cfg, "checkpoint_saves", "inputs"), context)
+        return cls(cfg.checkpoint_every, cfg.checkpoint_saves, context)
 
     def _contexts(self) -> tuple:
         """(the forward's context, the recomputation's), as torch.utils.checkpoint's ``context_fn`` gives them."""
@@ -80,7 +68,7 @@ class Recompute:
             forward, again = contextlib.nullcontext(), contextlib.nullcontext()
         if self.context is None:
             return forward, again
-        return _Both(forward, self.context()), _Both(again, self.context())
+        return _both(forward, self.context()), _both(again, self.context())
 
     def __call__(self, layer: Callable, index: int, *args):
         if index % self.every:
