@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from slurmvla.compose import ArgumentParser
+from slurmvla.errors import FAILED, USAGE, Failure, exit_with
 from slurmvla.policy.check import (
     CHECKS,
     FSDP_SAFETY,
@@ -226,11 +227,9 @@ def main(argv: list[str] | None = None) -> None:
         subject = Subject(compose(overrides), overrides)
         subject.build()  # a policy that cannot be built is said once, not as a failure of every check
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_with(e, USAGE)
     except Exception as e:  # the policy's own constructor failed: its error, once
-        print(f"error: building the policy raised {type(e).__name__}: {e}", file=sys.stderr)
-        sys.exit(1)
+        exit_with(Failure(f"building the policy raised {type(e).__name__}: {e}"), FAILED)
     print(f"checking {subject.cls.__module__}.{subject.cls.__qualname__} on {len(subject.batch['actions'])} samples of "
           f"{subject.cfg.data.resolved_root}", flush=True)
     results = run_checks(subject, args.only, args.deadline_s, report=lambda r: print(r.line(), flush=True))

@@ -64,6 +64,7 @@ from safetensors.torch import load_file, save_file
 from slurmvla.collectives import gather_objects
 from slurmvla.engine.base import BackgroundSave
 from slurmvla.engine.ema import EMA_FILE
+from slurmvla.errors import Failure
 from slurmvla.registry import ENGINES
 from slurmvla.weights import has_adapters
 
@@ -79,7 +80,7 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _MB = 1 << 20
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(Failure):
     """A checkpoint could not be written or read; the message names the path and what to do."""
 
 

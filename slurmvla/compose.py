@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from slurmvla.config import POLICY_SCHEMAS, Config, policy_options, policy_schema
+from slurmvla.errors import one_line
 
 SCHEMA_NAME = "slurmvla_schema"
 
@@ -118,7 +119,7 @@ def explain_config_error(error: BaseException) -> str | None:
         group = group.replace("/", ".")
         return f"{group}={name} is not an option of {group}; choose one of {sorted(error.options)}"
     if isinstance(error, OverrideParseException):
-        return f"cannot parse the override {error.override!r}: {_one_line(error.message)}"
+        return f"cannot parse the override {error.override!r}: {one_line(error.message)}"
     cause = error if isinstance(error, OmegaConfBaseException) else (error.__cause__ or error.__context__)
     if not isinstance(cause, OmegaConfBaseException) or not getattr(cause, "full_key", None):
         return None
@@ -133,17 +134,10 @@ def explain_config_error(error: BaseException) -> str | None:
             return group_message(key, declared, cause.value)
         if declared is not None:
             return f"{key}={_value(cause.value)} is not valid; it must be {_expected(declared)}"
-    outer = _one_line(str(error)) if error is not cause else ""
+    outer = one_line(str(error)) if error is not cause else ""
     if outer and not outer.startswith("Error merging override"):  # Hydra's own words say more (e.g. use +key=)
         return outer
-    return f"{key}: {_one_line(str(cause.msg))}"
-
-
-def _one_line(text: str) -> str:
-    """A Hydra / OmegaConf message as one line, without OmegaConf's context lines (full_key, types)."""
-    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
-    context = ("full_key:", "reference_type=", "object_type=", "Set the environment variable HYDRA_FULL_ERROR")
-    return "; ".join(ln.rstrip(".") for ln in lines if not ln.startswith(context)) or str(text).strip()
+    return f"{key}: {one_line(str(cause.msg))}"
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -176,7 +170,7 @@ def compose(overrides: list[str]) -> Config:
         try:
             composed = _hydra_compose(overrides)
         except HydraException as e:  # e.g. sweep syntax outside a multirun: Hydra's lines, as one
-            raise ValueError(_one_line(str(e))) from None
+            raise ValueError(one_line(str(e))) from None
         return to_config(composed)
 
 
@@ -238,7 +232,7 @@ def to_config(cfg: DictConfig) -> Config:
     try:
         container = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as e:  # an interpolation that does not resolve (${oc.env:UNSET})
-        raise ValueError(f"{getattr(e, 'full_key', '') or 'the config'}: {_one_line(str(getattr(e, 'msg', e)))}") from None
+        raise ValueError(f"{getattr(e, 'full_key', '') or 'the config'}: {one_line(str(getattr(e, 'msg', e)))}") from None
     container.pop("hydra", None)
     typed = OmegaConf.structured(Config)
     # The policy node takes the schema of the policy it names (a saved config re-validates the same way).
@@ -250,7 +244,7 @@ def to_config(cfg: DictConfig) -> Config:
     try:
         return OmegaConf.to_object(OmegaConf.merge(typed, container))
     except OmegaConfBaseException as e:  # a saved config of another version: an unknown key, a wrong type
-        raise ValueError(explain_config_error(e) or _one_line(str(e))) from None
+        raise ValueError(explain_config_error(e) or one_line(str(e))) from None
 
 
 def check_policy_keys(name: str, keys) -> None:

@@ -20,6 +20,7 @@ from slurmvla.config import Config
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.source import LeRobotSource, dataset_specs
 from slurmvla.data.synthetic import ensure_sample_dataset
+from slurmvla.errors import boundary
 from slurmvla.policy import sample_spec
 
 
@@ -57,11 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     if any(a in ("-h", "--help") for a in args):
         print(__doc__)
         return
-    try:
+    with boundary():
         summary = summarize(compose(args))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     print(json.dumps(summary, indent=2, default=str))
 
 

@@ -27,7 +27,6 @@ import collections
 import json
 import logging
 import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ import torch
 from slurmvla.collectives import gather_dict
 from slurmvla.compose import ArgumentParser, compose
 from slurmvla.config import Config
+from slurmvla.errors import USAGE, exit_with
 from slurmvla.registry import ENGINES
 
 log = logging.getLogger("slurmvla")
@@ -345,8 +345,7 @@ def main(argv: list[str] | None = None) -> None:
                 reports.append(report)
                 labels.append(variant or " ".join(args.overrides) or "defaults")
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_with(e, USAGE)
     finally:
         shutdown_process_group()
     if not reports:

@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from slurmvla.compose import check_overrides, config_dir, to_config
+from slurmvla.errors import FAILED, USAGE, Failure, boundary, exit_with
 from slurmvla.launch.grace import SIGNAL_DELAY_ENV
 from slurmvla.launch.preempt import REQUEUE_EXIT_CODE, PreemptionFlag
 
@@ -24,15 +25,15 @@ __all__ = ["cli", "config_dir", "main"]
 @hydra.main(version_base=None, config_path=str(config_dir()), config_name="config")
 def main(cfg: DictConfig) -> float | None:
     # After Hydra has parsed the command line: --help stays fast.
-    from slurmvla.checkpoint import CheckpointError
-    from slurmvla.engine.liveness import CollectiveFailure
     from slurmvla.trainer import Trainer
 
     # The submitit path's signal lead, for the check that a checkpoint fits in it (slurmvla.launch.grace).
     delay = HydraConfig.get().launcher.get("signal_delay_s")
     if delay and SIGNAL_DELAY_ENV not in os.environ:
         os.environ[SIGNAL_DELAY_ENV] = str(delay)
-    try:
+    # A user's mistake found at start-up (a bad value, a policy class that cannot be imported, data that does not
+    # fit the policy) is one line; every rank finds the same one.
+    with boundary():
         config = to_config(cfg)
         closed_loop = None
         if config.trainer.rollout_every_steps:
@@ -41,36 +42,17 @@ def main(cfg: DictConfig) -> float | None:
             require_sim()  # at start-up, not after the first N steps
             closed_loop = in_training
         trainer = Trainer(config, HydraConfig.get().runtime.output_dir, closed_loop=closed_loop)
-    except ValueError as e:
-        # A user's mistake found at start-up (a bad value, a policy class that cannot be imported, data
-        # that does not fit the policy): one message, not a traceback. Every rank finds the same one.
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     try:
         metrics = trainer.fit()
-    except (CheckpointError, CollectiveFailure) as e:
-        # The disk filled or a file could not be written (the previous complete checkpoint is
-        # untouched), or a peer stopped answering (the message names it): one line, not a traceback.
+    except BaseException as e:
         trainer.close(failed=True)
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except ValueError as e:
-        trainer.close(failed=True)
-        from slurmvla.data import DataError
-
-        if not isinstance(e, DataError):
+        if not isinstance(e, Failure):
             raise
-        # A dataset file that cannot be read (missing, truncated: found when first read, perhaps in a
-        # dataloader worker): one line naming it. Checkpoints written so far are kept.
-        print(f"error: {e.line()}", file=sys.stderr)
-        # Its frames hold the data loader's iterator: let it go now, so that its workers (which outlive stop
-        # signals) are shut down by it, not left for the exit to wait on.
-        e.__traceback__ = None
+        # The disk filled, a peer stopped answering or a dataset file turned out damaged: one line naming it
+        # (checkpoints written so far are kept). The trainer holds the data loader, whose workers outlive stop
+        # signals: let it go before exiting, not at exit.
         del trainer
-        sys.exit(1)
-    except BaseException:
-        trainer.close(failed=True)
-        raise
+        exit_with(e, FAILED)
     if trainer.stopped_for_requeue:
         trainer.preempt.ignore_further()  # before close gives the signals back: a late one would take the exit
     trainer.close()
@@ -162,8 +144,7 @@ def cli() -> None:
             dry_run(overrides)
             return
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_with(e, USAGE)
     main()
 
 

@@ -179,6 +179,7 @@ def test_inspect_names_a_corrupted_metadata_file(damaged, capsys):
     fails(capsys, lambda: inspect.main([f"data.root={damaged}", *NO_DATA]), str(meta), "cannot be read as parquet")
 
 
+@pytest.mark.filterwarnings("ignore:'slurmvla.inspect' found in sys.modules")  # the old path runs it by name
 def test_data_inspect_names_a_data_root_that_is_a_file(sample_root, capsys, monkeypatch):
     info = sample_root / "meta" / "info.json"
     fails(capsys, lambda: run_module(monkeypatch, "slurmvla.data.inspect", f"data.root={info}", *NO_DATA),
@@ -208,6 +209,7 @@ def test_check_names_a_wrong_type(capsys):
 
 
 @pytest.mark.filterwarnings("ignore:'slurmvla.policy.check' found in sys.modules")  # imported by slurmvla.check
+@pytest.mark.filterwarnings("ignore:'slurmvla.check' found in sys.modules")  # the old path runs it by name
 def test_policy_check_names_an_unknown_engine(capsys, monkeypatch):
     fails(capsys, lambda: run_module(monkeypatch, "slurmvla.policy.check", "engine=fsdp3"), "engine=fsdp3", "'ddp'")
 

@@ -1,8 +1,10 @@
 """Data layer: LeRobot-format readers, the DROID dataset, the sample-data writer. Imports only the layers below it
 (the configuration and the foundation; docs/architecture.md)."""
 
+from slurmvla.errors import Failure
 
-class DataError(ValueError):
+
+class DataError(ValueError, Failure):
     """A dataset file that cannot be read as its metadata says (missing, truncated, not parquet / video): the
     user's data, not a bug. The message names the file. Found while reading (start-up opens no video), so
     possibly in a dataloader worker: torch re-raises it in the trainer as a DataError whose message is the

@@ -2,6 +2,6 @@
 configuration and asks the policy what its samples need, both above the data layer."""
 
 if __name__ == "__main__":
-    from slurmvla.inspect import main
+    import runpy
 
-    main()
+    runpy.run_module("slurmvla.inspect", run_name="__main__", alter_sys=True)

@@ -20,6 +20,7 @@ import time
 
 import torch.distributed as dist
 
+from slurmvla.errors import Failure
 from slurmvla.launch import DistEnv
 
 log = logging.getLogger("slurmvla")
@@ -27,7 +28,7 @@ log = logging.getLogger("slurmvla")
 PREFIX = "slurmvla/alive/"
 
 
-class CollectiveFailure(RuntimeError):
+class CollectiveFailure(Failure):
     """A collective failed (timed out, or a peer went away); the message names the ranks to blame."""
 
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from slurmvla.errors import USAGE, one_line
 from slurmvla.launch.distenv import SlurmJob
 from slurmvla.launch.preempt import FINISHED_MARKER
 
@@ -63,8 +64,8 @@ def main(argv: list[str]) -> int:
     try:
         return _main(argv)
     except ValueError as e:  # a value the caller (a wrapper script, its environment) gave wrongly
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return USAGE
 
 
 def _main(argv: list[str]) -> int:

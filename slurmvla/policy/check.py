@@ -280,7 +280,8 @@ SINGLE_PROCESS: dict[str, Callable[[Subject], Result]] = {
 
 
 if __name__ == "__main__":
-    # The command users learnt before the checker's program moved up to slurmvla.check.
-    from slurmvla.check import main
+    # The command users learnt before the checker's program moved up: run it as `python -m slurmvla.check` would
+    # (by name, as a program, so the library never imports the program above it).
+    import runpy
 
-    main()
+    runpy.run_module("slurmvla.check", run_name="__main__", alter_sys=True)
