@@ -100,10 +100,8 @@ class EpisodeWindow(Episode):
     non-decreasing order of their earliest frame (a sample's history, then the next sample's):
     memory is the history window plus one block, whatever the episode's length."""
 
-    # Frames decoded at a time (every camera in parallel). Each open piece holds up to two blocks, and a
-    # worker interleaves data.interleave_episodes pieces: 4 frames keep a worker's private memory at
-    # LeRobot's per-sample decoding (benchmarks/vs_lerobot.py: 1.09-1.12x its USS; 8 frames: 1.26-1.63x)
-    # at the same samples/s; 2 frames saved no more memory and lost ~15 % of one worker's samples/s.
+    # Frames decoded at a time (every camera in parallel). Each open piece holds up to two blocks, and a worker
+    # interleaves data.interleave_episodes pieces: the smallest block that keeps the samples/s (docs/data.md).
     BLOCK = 4
 
     def __init__(self, pos: int, state: np.ndarray, action: np.ndarray, instructions: list[list[str]],

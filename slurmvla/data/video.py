@@ -139,8 +139,7 @@ def _before_fork() -> None:
     """Garbage collected, then every object still alive frozen (``gc.freeze``: later collections, in this
     process and in the child, never visit it). A collection writes into each object it visits; after a
     fork that write copies the page in whichever process makes it, and the child's copy of every page the
-    parent's next full collection visits becomes the child's alone. Without the freeze, the first data
-    worker of a run held ~40 MiB more private memory than the others, all of it the parent's objects.
+    parent's next full collection visits becomes the child's alone (docs/data.md measures it).
     Frozen objects are still freed when their count drops to zero; only cycles among objects alive at a
     fork (a loader's start, once per run) are never collected."""
     gc.collect()
