@@ -35,10 +35,10 @@ from slurmvla.data.mixture import Mixture
 from slurmvla.data.prepare import inference_fields
 from slurmvla.data.readers import SPLITS
 from slurmvla.eval.validate import bucket, per_sample
-from slurmvla.export import Loaded, load_exported
-from slurmvla.lerobot_checkpoint import lerobot_type
+from slurmvla.inference.graphs import inference_sampler
+from slurmvla.inference.lerobot import lerobot_type
+from slurmvla.inference.load import Loaded, load_exported
 from slurmvla.policy.base import seeded_sample_actions
-from slurmvla.policy.graphed import inference_sampler
 from slurmvla.policy.stats import resolve_stats
 
 METRICS_FILE = "metrics.json"
@@ -49,7 +49,7 @@ def evaluate(loaded: Loaded, split: str = "val", seed: int = 0, batch_size: int 
              device: str | torch.device = "cpu", cuda_graph: bool = False, compile: bool = False) -> tuple[dict, dict]:
     """``(metrics, per_sample)``: the JSON-ready metrics and, per sample, its provenance, predicted and
     recorded chunk (for plots). ``cuda_graph`` / ``compile``: the predictions through
-    :func:`slurmvla.policy.graphed.inference_sampler` (as the server's options)."""
+    :func:`slurmvla.inference.graphs.inference_sampler` (as the server's options)."""
     cfg, policy = loaded.cfg, loaded.policy.to(device).eval()
     sampler = inference_sampler(policy, cuda_graph, compile, "--cuda-graph")
     spec = type(policy).sample_spec(cfg.policy)
