@@ -63,6 +63,8 @@ class PolicyServer:
     def __init__(self, policy: InferencePolicy, host: str, port: int, workers: int = 4, api_key: ApiKey | None = None,
                  metadata: dict | None = None, max_request_bytes: int | None = None,
                  api_key_env: str | None = DEFAULT_KEY_ENV):
+        if not callable(getattr(policy, "infer", None)):
+            raise TypeError(f"a PolicyServer serves an object with infer(obs) -> dict; {type(policy).__name__} has none")
         self.policy, self.host, self.port = policy, host, port
         self.api_key, self.api_key_env = api_key, api_key_env
         self._metadata = metadata
