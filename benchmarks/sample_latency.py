@@ -35,12 +35,15 @@ import torch
 from slurmvla.compose import compose
 from slurmvla.data.prepare import observation_batch, prepare_image
 from slurmvla.engine.materialize import place
-from slurmvla.export import Loaded
+from slurmvla.inference.graphs import GraphedSampler
+from slurmvla.inference.harness import serving_in_thread
+from slurmvla.inference.load import Loaded
+from slurmvla.inference.optimize import fuse_projections, lower_weights
+from slurmvla.inference.runner import PolicyRunner
+from slurmvla.inference.server import PolicyServer
 from slurmvla.policy import build_policy
 from slurmvla.policy.base import seeded_sample_actions
-from slurmvla.policy.graphed import GraphedSampler, fuse_projections, lower_weights
 from slurmvla.profile import kernel_table
-from slurmvla.serve import PolicyRunner, PolicyServer, serving_in_thread
 
 CAMERAS = ["observation/exterior_image_1_left", "observation/exterior_image_2_left", "observation/wrist_image_left"]
 
@@ -165,7 +168,7 @@ def server_overhead(loaded: Loaded, cfg, iters: int, cuda: bool) -> dict:
     runner = PolicyRunner(loaded, GraphedSampler(loaded.policy) if cuda else None)
     obs = observation()
     batch = runner.batch(collections.deque([runner.read(obs)], maxlen=1))
-    alone = timed(lambda: runner.infer(batch), iters, cuda)
+    alone = timed(lambda: runner.act(batch), iters, cuda)
     server = PolicyServer(runner, "127.0.0.1", 0)
     with serving_in_thread(server) as port:
         client = WebsocketClientPolicy("127.0.0.1", port)

@@ -33,8 +33,8 @@ from safetensors.torch import save_file
 
 from slurmvla.compose import compose
 from slurmvla.engine.materialize import place
+from slurmvla.inference.build import build_runner
 from slurmvla.policy import build_policy
-from slurmvla.serve import build_server
 
 
 def observation(seed: int) -> dict:
@@ -102,13 +102,13 @@ def main() -> None:
     del policy
     # The reference: the policy alone on the batch the server would build, in this process, loaded as the
     # server loads it (its device, bf16 weights under precision=bf16 on a GPU).
-    runner = build_server(str(source), [], device=device).runner
+    runner = build_runner(str(source), [], device=device)
     past = collections.deque([runner.read(observation(0))], maxlen=1)
     batch = runner.batch(past)
     alone = []
     for i in range(min(args.requests, 100) + 5):
         t0 = time.perf_counter()
-        runner.infer(batch)
+        runner.act(batch)
         if device == "cuda":
             torch.cuda.synchronize()
         if i >= 5:

@@ -649,18 +649,18 @@ class ServeConfig:
     seed: int | None = 0
     # auto: the GPU when there is one.
     device: str = "auto"
-    # Real-time inference on a GPU (slurmvla/policy/graphed.py). cuda_graph: each request replays one
+    # Real-time inference on a GPU (slurmvla/inference/graphs.py). cuda_graph: each request replays one
     # CUDA graph of the whole sample_actions (captured per input shape on first use; pi0 / pi0.5).
     # compile: torch.compile the policy's repeated layers first (a one-time compilation at the first
     # request of each shape; fused kernels).
     cuda_graph: bool = False
     compile: bool = False
     # pi0 / pi0.5: each layer's query / key / value projections, and its MLP's gate / up projections, run
-    # as one matrix product each (the same weights, not copied; slurmvla.policy.pi0.fuse_linears).
+    # as one matrix product each (the same weights, not copied; slurmvla.inference.optimize.fuse_linears).
     fused_projections: bool = True
     # The largest request (one msgpack frame) accepted, in MiB; a larger one is refused as its header
     # arrives (close code 1009), before any of it is buffered. null: derived from the policy (see
-    # slurmvla.serve.default_max_request_bytes): 4 x one observation, each camera counted at the
+    # slurmvla.inference.runner.default_max_request_bytes): 4 x one observation, each camera counted at the
     # policy's image size or 1280 x 720 RGB, whichever is larger, plus 16 MiB.
     max_request_mb: float | None = None
     # API key (clients send "Authorization: Api-Key <key>", openpi's WebsocketClientPolicy(..., api_key=...)).

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -29,16 +28,16 @@ import numpy as np
 import torch
 
 from slurmvla.compose import ArgumentParser
-from slurmvla.data import DataError
 from slurmvla.data.loader import build_validation_loader, to_device
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.prepare import inference_fields
 from slurmvla.data.readers import SPLITS
+from slurmvla.errors import boundary
 from slurmvla.eval.validate import bucket, per_sample
-from slurmvla.export import Loaded, load_exported
-from slurmvla.lerobot_checkpoint import lerobot_type
+from slurmvla.inference.graphs import inference_sampler
+from slurmvla.inference.lerobot import lerobot_type
+from slurmvla.inference.load import Loaded, load_exported
 from slurmvla.policy.base import seeded_sample_actions
-from slurmvla.policy.graphed import inference_sampler
 from slurmvla.policy.stats import resolve_stats
 
 METRICS_FILE = "metrics.json"
@@ -49,7 +48,7 @@ def evaluate(loaded: Loaded, split: str = "val", seed: int = 0, batch_size: int 
              device: str | torch.device = "cpu", cuda_graph: bool = False, compile: bool = False) -> tuple[dict, dict]:
     """``(metrics, per_sample)``: the JSON-ready metrics and, per sample, its provenance, predicted and
     recorded chunk (for plots). ``cuda_graph`` / ``compile``: the predictions through
-    :func:`slurmvla.policy.graphed.inference_sampler` (as the server's options)."""
+    :func:`slurmvla.inference.graphs.inference_sampler` (as the server's options)."""
     cfg, policy = loaded.cfg, loaded.policy.to(device).eval()
     sampler = inference_sampler(policy, cuda_graph, compile, "--cuda-graph")
     spec = type(policy).sample_spec(cfg.policy)
@@ -200,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the policy's repeated layers first")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. data.root=/data/other")
     args = parser.parse_intermixed_args(argv)
-    try:
+    # A DataError may come from a dataloader worker (its traceback as its message): one line all the same.
+    with boundary():
         if args.split not in SPLITS:
             raise ValueError(f"--split={args.split!r} is not valid; choose one of {list(SPLITS)}")
         if args.batch_size < 1:
@@ -213,11 +213,6 @@ def main(argv: list[str] | None = None) -> None:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
         loaded = load_exported(args.source, args.overrides)
         metrics, values = evaluate(loaded, args.split, args.seed, args.batch_size, device, args.cuda_graph, args.compile)
-    except ValueError as e:  # a DataError may come from a dataloader worker, its traceback as its message
-        print(f"error: {e.line() if isinstance(e, DataError) else e}", file=sys.stderr)
-        # Its frames hold the data loader: let it go now, so that it stops its worker (the exit would wait on it).
-        e.__traceback__ = None
-        sys.exit(2)
     out = Path(args.out) if args.out else default_out(args.source, loaded, args.split)
     out.mkdir(parents=True, exist_ok=True)
     (out / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")

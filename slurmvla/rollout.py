@@ -27,198 +27,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import socket
-import sys
 import time
 from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 from slurmvla.compose import ArgumentParser
 from slurmvla.config import RolloutConfig
-
-log = logging.getLogger("slurmvla.rollout")
-
-INSTALL = "pip install -e '.[sim]' (bash scripts/install.sh sim)"
-# The state the simulator sends, under openpi's DROID keys.
-STATE_KEYS = ("observation/joint_position", "observation/gripper_position")
-
-
-def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """The 95 % Wilson score interval of a success rate (sound at 0 and n, unlike the normal one)."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def summarize(episodes: list[dict], wall_s: float) -> dict:
-    """The metrics of a set of episodes (``rollout/*``) with the episodes themselves."""
-    n = len(episodes)
-    wins = sum(e["success"] for e in episodes)
-    lo, hi = wilson_interval(wins, n)
-    steps = sum(e["length"] for e in episodes)
-    requests = sum(e["requests"] for e in episodes)
-    return {
-        "rollout/success_rate": wins / max(n, 1), "rollout/success_ci95_low": lo, "rollout/success_ci95_high": hi,
-        "rollout/episodes": n, "rollout/successes": wins,
-        "rollout/mean_return": float(np.mean([e["return"] for e in episodes])) if n else 0.0,
-        "rollout/mean_length": steps / max(n, 1),
-        "rollout/wall_s": wall_s, "rollout/steps_per_s": steps / max(wall_s, 1e-9),
-        "rollout/requests_per_s": requests / max(wall_s, 1e-9),
-        "episodes": sorted(episodes, key=lambda e: e["seed"]),
-    }
-
-
-def require_sim() -> None:
-    """A ValueError naming the extra when the simulator or openpi's client is not installed."""
-    _need("slurmvla.sim.env")
-    _need("openpi_client.websocket_client_policy")
-
-
-def _need(module: str):  # noqa: ANN202
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError as e:
-        raise ValueError(f"the closed loop needs {module} ({e}); {INSTALL}") from None
-
-
-def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: Path | None = None) -> list[dict]:
-    """Run one episode per seed against ``client`` (anything with openpi's ``infer(obs) -> {"actions"}``
-    and ``get_server_metadata()``); returns one dict per episode."""
-    from slurmvla.data.writer import encode_video
-    from slurmvla.sim.env import CLIENT_CAMERAS, PickCube
-    from slurmvla.sim.record import INSTRUCTIONS
-
-    metadata = client.get_server_metadata() or {}
-    wanted = [k for k in (metadata.get("cameras") or {}).values() if k]
-    unknown = [k for k in wanted if k not in CLIENT_CAMERAS]
-    if unknown or not wanted:
-        raise ValueError(f"the server asks for cameras {wanted}; the simulator sends {list(CLIENT_CAMERAS)} "
-                         "(set serve.cameras to those keys)")
-    state_keys = metadata.get("state") or list(STATE_KEYS)
-    if [k for k in state_keys if k not in STATE_KEYS]:
-        raise ValueError(f"the server asks for state keys {state_keys}; the simulator sends {list(STATE_KEYS)} "
-                         "(set serve.state to those keys)")
-    prompt_key = metadata.get("prompt") or "prompt"
-    horizon = int(metadata.get("action_horizon") or cfg.replan_steps)
-    replan = min(cfg.replan_steps, horizon)
-    if cfg.replan_steps > horizon:
-        log.warning("rollout.replan_steps=%d is more than the policy's action_horizon=%d: replanning every %d",
-                    cfg.replan_steps, horizon, horizon)
-    video_keys = ["observation/exterior_image_1_left", "observation/wrist_image_left"]
-    env = PickCube(height=cfg.height, width=cfg.width, cameras=tuple(CLIENT_CAMERAS.values()))
-    results = []
-    try:
-        for i, seed in enumerate(seeds):
-            env.reset(seed)
-            plan: list[np.ndarray] = []
-            total, requests, success, frames = 0.0, 0, False, []
-            record = video_dir is not None and i < cfg.videos
-            start = time.perf_counter()
-            for _ in range(cfg.max_steps):
-                if not plan or record:
-                    obs = env.observe(tuple(dict.fromkeys(wanted + (video_keys if record else []))))
-                    if record:
-                        frames.append(np.concatenate([obs[k] for k in video_keys], axis=1))
-                if not plan:
-                    request = {k: obs[k] for k in wanted}
-                    request.update({k: obs[k] for k in state_keys})
-                    request[prompt_key] = INSTRUCTIONS[0]
-                    actions = np.asarray(client.infer(request)["actions"], dtype=np.float64)
-                    requests += 1
-                    if actions.ndim != 2 or actions.shape[1] != 8:
-                        raise ValueError(f"the server returned actions of shape {actions.shape}; the simulator acts in "
-                                         "DROID's space: [horizon, 8] (7 joint velocities, gripper position)")
-                    plan = list(actions[:replan])
-                step = env.step(plan.pop(0))
-                total += step.reward
-                if step.success:
-                    success = True
-                    # Success is absorbing: the steps left count at the full reward, so a quick success
-                    # never returns less than a slow one or a near miss.
-                    total += float(cfg.max_steps - env.steps)
-                    break
-            result = {"seed": int(seed), "success": success, "return": total, "length": env.steps, "requests": requests,
-                      "wall_s": time.perf_counter() - start}
-            if record and frames:
-                path = video_dir / f"episode_{seed}.mp4"
-                encode_video(path, np.stack(frames), codec="h264")
-                result["video"] = path.name
-            results.append(result)
-            log.info("episode seed %d: %s in %d steps (return %.2f)", seed, "success" if success else "failure",
-                     env.steps, total)
-    finally:
-        env.close()
-    return results
-
-
-def connect(host: str, port: int, api_key: str | None = None, timeout_s: float = 120.0) -> Any:
-    """openpi's client, once the address accepts connections (openpi's own client would wait forever
-    for a wrong address)."""
-    client_module = _need("openpi_client.websocket_client_policy")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=min(5.0, timeout_s)).close()
-            break
-        except OSError as e:
-            if time.monotonic() > deadline:
-                raise ValueError(f"cannot reach ws://{host}:{port} within {timeout_s:g} s ({e}); is the server running "
-                                 "there (python -m slurmvla.serve)? rollout.connect_timeout_s waits longer") from None
-            time.sleep(0.5)
-    return client_module.WebsocketClientPolicy(host=host, port=port, api_key=api_key)
-
-
-def run_served(server: Any, cfg: RolloutConfig, seeds: list[int], video_dir: Path | None) -> list[dict]:
-    """Episodes against a :class:`slurmvla.serve.PolicyServer` run in this process (on 127.0.0.1),
-    through openpi's client as against any other server."""
-    from slurmvla.serve import serving_in_thread
-
-    with serving_in_thread(server) as port:
-        client = connect("127.0.0.1", port)
-        try:
-            return run_episodes(client, cfg, seeds, video_dir)
-        finally:
-            _close(client)
-
-
-def in_training(policy: Any, cfg: Any, step: int, run_dir: Path, rank: int, world_size: int) -> dict | None:
-    """The trainer's periodic closed loop (``trainer.rollout_every_steps``): this rank's share of the
-    episodes against its copy of ``policy``; every rank calls it. Rank 0 gets the metrics of all
-    episodes (and writes ``run_dir/rollout/step_N/``); the other ranks get None."""
-    from slurmvla.collectives import gather_objects
-    from slurmvla.export import Loaded
-    from slurmvla.serve import PolicyRunner, PolicyServer
-
-    rcfg = cfg.rollout
-    out = Path(rcfg.out) / f"step_{step:08d}" if rcfg.out else Path(run_dir) / "rollout" / f"step_{step:08d}"
-    start = time.perf_counter()
-    server = PolicyServer(PolicyRunner(Loaded(policy, cfg, step, str(run_dir))), "127.0.0.1", 0)
-    mine = run_served(server, rcfg, _seeds(rcfg, (rank, world_size)), out if rank == 0 else None)
-    everyone = gather_objects(mine)
-    if rank != 0:
-        return None
-    summary = summarize([e for part in everyone for e in part], time.perf_counter() - start)
-    summary.update({"source": str(run_dir), "step": step, "replan_steps": rcfg.replan_steps, "max_steps": rcfg.max_steps})
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "rollout.json").write_text(json.dumps(summary, indent=1))
-    return {k: float(v) for k, v in summary.items() if k.startswith("rollout/")}
-
-
-def _close(client: Any) -> None:
-    ws = getattr(client, "_ws", None)
-    if ws is not None:
-        ws.close()
-
-
-def _seeds(cfg: RolloutConfig, shard: tuple[int, int]) -> list[int]:
-    index, count = shard
-    return [cfg.first_seed + e for e in range(cfg.episodes) if e % count == index]
+from slurmvla.errors import boundary
+from slurmvla.inference.closed_loop import (
+    close_client,
+    connect,
+    require_sim,
+    run_episodes,
+    run_served,
+    shard_seeds,
+    summarize,
+)
 
 
 def _parse_shard(text: str) -> tuple[int, int]:
@@ -263,24 +87,24 @@ def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None,
             raise ValueError(f"{source!r} is not a server address; write it as ws://HOST:PORT")
         cfg = _rollout_config(overrides)
         out = Path(cfg.out or "rollout")
-        seeds = _seeds(cfg, shard)
+        seeds = shard_seeds(cfg, shard)
         start = time.perf_counter()
         client = connect(host, int(port), api_key, cfg.connect_timeout_s)
         try:
             episodes = run_episodes(client, cfg, seeds, out)
         finally:
-            _close(client)
+            close_client(client)
         step, where = None, source
     else:
-        from slurmvla.serve import build_server
+        from slurmvla.inference.build import build_server
 
         # On the loopback interface, with no API key: only this process talks to it.
         server = build_server(source, [*overrides, "serve.host=127.0.0.1", "serve.port=0"], environ={})
-        loaded = server.runner.loaded
+        loaded = server.policy.loaded
         cfg = loaded.cfg.rollout
         step, where = loaded.step, loaded.source
         out = Path(cfg.out) if cfg.out else _default_out(Path(source), step)
-        seeds = _seeds(cfg, shard)
+        seeds = shard_seeds(cfg, shard)
         start = time.perf_counter()
         episodes = run_served(server, cfg, seeds, out)
     summary = summarize(episodes, time.perf_counter() - start)
@@ -343,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     import os
 
-    try:
+    with boundary():
         if args.merge:
             summary = merge([Path(p) for p in args.merge], Path(args.out or "rollout.json"))
         else:
@@ -351,11 +175,6 @@ def main(argv: list[str] | None = None) -> None:
                 raise ValueError("give a SOURCE (run directory, checkpoint, exported file) or ws://HOST:PORT")
             shard = _parse_shard(args.shard) if args.shard else None
             summary = run(args.source, list(args.overrides), shard, os.environ.get(args.api_key_env))
-    except ValueError as e:
-        from slurmvla.serve import _one_line
-
-        print(f"error: {_one_line(e)}", file=sys.stderr)
-        sys.exit(2)
     print(_line(summary), flush=True)
 
 

@@ -37,7 +37,7 @@ def main(cfg: DictConfig) -> float | None:
         config = to_config(cfg)
         closed_loop = None
         if config.trainer.rollout_every_steps:
-            from slurmvla.rollout import in_training, require_sim
+            from slurmvla.inference.closed_loop import in_training, require_sim
 
             require_sim()  # at start-up, not after the first N steps
             closed_loop = in_training

@@ -71,11 +71,11 @@ class Trainer:
                  closed_loop: Callable[..., dict[str, float] | None] | None = None):
         """``closed_loop``: what ``trainer.rollout_every_steps`` calls, as
         ``closed_loop(policy, cfg, step, run_dir, rank, world_size)`` on every rank, returning the
-        metrics on rank 0 (``python -m slurmvla.train`` passes :func:`slurmvla.rollout.in_training`)."""
+        metrics on rank 0 (``python -m slurmvla.train`` passes :func:`slurmvla.inference.closed_loop.in_training`)."""
         if cfg.trainer.rollout_every_steps and closed_loop is None:
             raise ValueError(f"trainer.rollout_every_steps={cfg.trainer.rollout_every_steps} needs the closed loop: "
                              "python -m slurmvla.train provides it; a Trainer built in code takes "
-                             "closed_loop=slurmvla.rollout.in_training")
+                             "closed_loop=slurmvla.inference.closed_loop.in_training")
         self._closed_loop = closed_loop
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -381,7 +381,7 @@ class Trainer:
 
     def closed_loop(self) -> dict[str, float] | None:
         """``rollout.episodes`` closed-loop episodes split over the ranks, each rank's share against its own
-        copy of the policy through the server and openpi's client (slurmvla.rollout); rank 0 logs
+        copy of the policy through the server and openpi's client (slurmvla.inference.closed_loop); rank 0 logs
         ``rollout/*`` and the closed loop writes RUN_DIR/rollout/step_N/."""
         if self.env.is_main:
             log.info("step %d: %d closed-loop episodes over %d rank(s)", self.step, self.cfg.rollout.episodes,

@@ -252,8 +252,8 @@ def test_cuda_graphs_without_a_gpu_or_for_a_policy_without_them_are_one_line(tra
           "serve.cuda_graph=true replays CUDA graphs and needs the policy on a GPU (it is on cpu)")
     fails(capsys, lambda: evaluate.main([str(trained_run), "--cuda-graph", "--device", "cpu", "--plot-episodes", "0"]),
           "--cuda-graph replays CUDA graphs")
-    from slurmvla.export import load_exported
-    from slurmvla.policy.graphed import check_graphable
+    from slurmvla.inference.graphs import check_graphable
+    from slurmvla.inference.load import load_exported
 
     reference = load_exported(trained_run).policy  # the demo's policy: the reference flow-matching VLA
     with pytest.raises(ValueError, match=rf"needs a policy with prepare_inference.*{type(reference).__qualname__} has none"):

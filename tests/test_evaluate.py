@@ -16,7 +16,7 @@ from slurmvla.compose import compose
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.readers import ValidationDataset
 from slurmvla.evaluate import evaluate
-from slurmvla.export import Loaded
+from slurmvla.inference.load import Loaded
 from slurmvla.policy import build_policy
 
 REPO = Path(__file__).resolve().parents[1]

@@ -176,22 +176,20 @@ def test_a_gpu_run_exports_a_file_the_cpu_loads_and_predicts_with(make_cfg, tmp_
 def test_the_server_runs_the_policy_on_the_gpu_in_bf16_close_to_the_cpu(trained_run):
     """serve.device=cuda with precision=bf16 (autocast): the chunk the GPU serves agrees with the fp32 CPU
     chunk for the same observation and seed, to bf16's resolution over ten integration steps."""
-    import collections
-
     import numpy as np
 
-    from slurmvla.serve import build_server
+    from slurmvla.inference.build import build_runner
 
     from .test_serve import droid_obs
 
     chunks = {}
     for device, precision in (("cpu", "fp32"), (DEVICE, "bf16")):
-        runner = build_server(str(trained_run), [f"precision={precision}"], device=device).runner
+        runner = build_runner(str(trained_run), [f"precision={precision}"], device=device)
         assert runner.device.type == device
         if CUDA and precision == "bf16":
             assert runner.autocast is not None
         obs = droid_obs(9)
-        chunks[precision] = runner.infer(runner.batch(collections.deque([runner.read(obs)])))
+        chunks[precision] = runner.infer(obs)["actions"]
     scale = np.abs(chunks["fp32"]).max()
     assert np.abs(chunks["bf16"] - chunks["fp32"]).max() < 0.05 * scale
 
@@ -202,7 +200,8 @@ def test_cuda_graph_inference_equals_eager(compiled):
     from a CUDA graph gives eager mode's actions (unfused), in bf16 to its resolution; a second prompt length
     captures a second graph, and each input shape replays its own. Without a GPU the option is refused with
     the reason."""
-    from slurmvla.policy.graphed import GraphedSampler, fuse_projections, lower_weights
+    from slurmvla.inference.graphs import GraphedSampler
+    from slurmvla.inference.optimize import fuse_projections, lower_weights
 
     from .test_pi0 import B, batch_for, perturbed_policy
 

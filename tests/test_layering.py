@@ -1,6 +1,6 @@
 """Imports run one way (docs/architecture.md): a module imports its own layer or those below, never one above;
-``policy`` and ``engine`` never import each other; models never import ``torch.distributed`` or
-``slurmvla.collectives``. Read from the source with ``ast``, so an import inside a function counts as much as
+``policy`` and ``engine`` never import each other, nor ``trainer`` and ``inference``; no module imports a program;
+models never import ``torch.distributed`` or ``slurmvla.collectives``. Read from the source with ``ast``, so an import inside a function counts as much as
 one at the top; code under ``if __name__ == "__main__":`` does not (a library may hand its old ``python -m``
 path over to the program that moved up).
 """
@@ -23,13 +23,14 @@ LAYERS = (
     (2, ("slurmvla.data", "slurmvla.optim", "slurmvla.logger")),
     (3, ("slurmvla.policy", "slurmvla.engine")),
     (4, ("slurmvla.checkpoint", "slurmvla.eval", "slurmvla.sim")),
-    (5, ("slurmvla.trainer",)),
-    (6, ("slurmvla.train", "slurmvla.serve", "slurmvla.evaluate", "slurmvla.export", "slurmvla.profile",
-         "slurmvla.lerobot_checkpoint", "slurmvla.inspect", "slurmvla.check", "slurmvla.check_ranks",
-         "slurmvla.rollout", "slurmvla.plan")),
+    (5, ("slurmvla.trainer", "slurmvla.inference")),
+    (6, PROGRAMS := ("slurmvla.train", "slurmvla.serve", "slurmvla.evaluate", "slurmvla.export", "slurmvla.profile",
+                     "slurmvla.inspect", "slurmvla.check", "slurmvla.check_ranks", "slurmvla.rollout",
+                     "slurmvla.plan")),
 )
-# Siblings in one layer that must not import each other (the engine reads a policy through the contract only).
-SIBLINGS = (("slurmvla.policy", "slurmvla.engine"),)
+# Siblings in one layer that must not import each other (the engine reads a policy through the contract only;
+# the trainer gets the closed loop handed in by ``train``).
+SIBLINGS = (("slurmvla.policy", "slurmvla.engine"), ("slurmvla.trainer", "slurmvla.inference"))
 # Models are pure functions of their batch: no module of the policy package may know that ranks exist.
 MODELS = "slurmvla.policy"
 RANK_AWARE = ("torch.distributed", "slurmvla.collectives")
@@ -115,6 +116,10 @@ def violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
             for a, b in SIBLINGS:
                 if (_within(module, a) and _within(imported, b)) or (_within(module, b) and _within(imported, a)):
                     out.append(f"{module} -> {imported} (siblings: {a} and {b} never import each other)")
+            program = next((p for p in PROGRAMS if _within(imported, p)), None)
+            if program is not None and not _within(module, program):
+                out.append(f"{module} -> {imported} (a program: no module imports one; shared code goes in a "
+                           "library, e.g. slurmvla.inference)")
     return out
 
 
@@ -145,15 +150,27 @@ def test_no_library_imports_a_layer_above_it_and_models_know_nothing_of_ranks():
     ("slurmvla.policy.x", "from slurmvla.collectives import agree\n",
      "slurmvla.policy.x -> slurmvla.collectives (a model"),
     ("slurmvla.newthing", "import os\n", "slurmvla.newthing: in no layer"),
+    ("slurmvla.rollout", "def f():\n    from slurmvla.serve import build_server\n",
+     "slurmvla.rollout -> slurmvla.serve (a program"),
+    ("slurmvla.evaluate", "from slurmvla import export\n", "slurmvla.evaluate -> slurmvla.export (a program"),
+    ("slurmvla.inference.x", "from slurmvla.trainer import Trainer\n", "slurmvla.inference.x -> slurmvla.trainer (siblings"),
 ])
 def test_the_checker_fails_a_violating_source(module, source, words):
-    known = {"slurmvla.data.spec", "slurmvla.engine.base", "slurmvla.policy", "slurmvla.trainer"}
+    known = {"slurmvla.data.spec", "slurmvla.engine.base", "slurmvla.policy", "slurmvla.trainer", "slurmvla.export"}
     sources = {module: (source, False), **{k: ("", False) for k in known}}
     found = violations(sources)
     assert any(words in v for v in found), found
+
+
+def test_no_program_imports_another_program():
+    """Programs share code through libraries (``slurmvla.inference``), never through each other's modules."""
+    found = [v for v in violations(package_sources()) if "(a program" in v]
+    assert not found, "programs importing programs:\n" + "\n".join(found)
 
 
 def test_the_checker_passes_downward_imports_and_main_guards():
     source = ("from slurmvla.config import Config\nfrom slurmvla.data.spec import SampleSpec\n"
               "if __name__ == '__main__':\n    from slurmvla.check import main\n    main()\n")
     assert violations({"slurmvla.policy.x": (source, False)}) == []
+    # A program hands over to itself (its own submodules) freely; a library's __main__ block may name a program.
+    assert violations({"slurmvla.serve": ("from slurmvla.inference.build import build_server\n", False)}) == []

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from slurmvla.checkpoint import load_model_file
 from slurmvla.compose import compose
 from slurmvla.engine.materialize import materialize, parameters_on_meta
-from slurmvla.export import export, load_exported
+from slurmvla.export import export
+from slurmvla.inference.load import load_exported
 from slurmvla.policy import build_policy
 from slurmvla.policy.lora import merge_adapters, trainable_summary
 from slurmvla.seeding import seed_everything

@@ -13,6 +13,7 @@ import yaml
 from safetensors.torch import save_file
 
 from slurmvla.config import PolicyConfig, policy_schema
+from slurmvla.inference.optimize import fuse_projections
 from slurmvla.policy import build_policy, sample_spec
 from slurmvla.policy.pi0 import rope
 from slurmvla.policy.pretrained import lerobot_state_dict
@@ -268,7 +269,7 @@ def test_fused_projections_give_the_same_actions_and_loss_and_change_no_weight(n
     what the fused product reads."""
     cfg, plain = perturbed_policy(name)
     _, fused = perturbed_policy(name)
-    assert fused.fuse_projections() == 2 * cfg.depth * 2 - 1  # the last backbone layer has no MLP
+    assert fuse_projections(fused) == 2 * cfg.depth * 2 - 1  # the last backbone layer has no MLP
     batch = batch_for(cfg)
     noise = torch.randn(B, cfg.action_horizon, cfg.max_action_dim)
     with torch.no_grad():
@@ -348,7 +349,7 @@ def test_projections_wrapped_by_lora_stay_unfused():
     noise = torch.randn(B, cfg.action_horizon, cfg.max_action_dim)
     with torch.no_grad():
         before = policy.sample_actions(batch, noise=noise)
-        assert policy.fuse_projections() == cfg.depth * 2 - 1  # the backbone's groups only
+        assert fuse_projections(policy) == cfg.depth * 2 - 1  # the backbone's groups only
         torch.testing.assert_close(policy.sample_actions(batch, noise=noise), before, rtol=1e-5, atol=1e-5)
     assert getattr(policy.layers[0].expert.self_attn, "fused_qkv", None) is None
 
@@ -461,7 +462,8 @@ def test_pi0_trains_from_a_paligemma_directory_and_exports_without_it(make_cfg, 
 
     from safetensors.torch import load_file
 
-    from slurmvla.export import export, load_exported
+    from slurmvla.export import export
+    from slurmvla.inference.load import load_exported
     from slurmvla.trainer import Trainer
 
     folder = tmp_path / "paligemma"
@@ -494,7 +496,7 @@ def test_an_export_loads_into_a_meta_built_policy_with_its_values_and_frozen_par
     from omegaconf import OmegaConf
 
     from slurmvla.compose import compose
-    from slurmvla.export import load_exported
+    from slurmvla.inference.load import load_exported
 
     cfg = compose(["policy=pi05_tiny", "policy.freeze_vision_encoder=true"])
     torch.manual_seed(0)

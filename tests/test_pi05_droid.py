@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from slurmvla.compose import compose
-from slurmvla.export import load_exported
+from slurmvla.inference.load import load_exported
 from slurmvla.trainer import Trainer
 
 pytest.importorskip("transformers")

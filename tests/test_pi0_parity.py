@@ -291,7 +291,7 @@ def golden_chunk_of(policy, g: dict) -> torch.Tensor:
 
 
 def test_a_lerobot_checkpoint_directory_loads_with_its_config_statistics_and_weights(case):
-    from slurmvla.export import load_exported
+    from slurmvla.inference.load import load_exported
 
     kind, folder, g = case
     loaded = load_exported(folder, lerobot_source_overrides(kind))
@@ -304,7 +304,8 @@ def test_a_lerobot_checkpoint_directory_loads_with_its_config_statistics_and_wei
 
 def test_a_lerobot_checkpoint_directory_exports_in_both_layouts(case, tmp_path):
     # The CLI, in this process (its start-up is tested elsewhere).
-    from slurmvla.export import load_exported, main
+    from slurmvla.export import main
+    from slurmvla.inference.load import load_exported
 
     kind, folder, g = case
 
@@ -324,13 +325,13 @@ def test_a_lerobot_checkpoint_directory_serves_lerobots_actions_to_openpis_clien
     import threading
 
     wcp = pytest.importorskip("openpi_client.websocket_client_policy", reason="pip install --no-deps openpi-client")
-    from slurmvla.serve import build_server
+    from slurmvla.inference.build import build_server
 
     kind, folder, g = case
     server = build_server(str(folder), [*lerobot_source_overrides(kind), "serve.host=127.0.0.1", "serve.port=0",
                                         "serve.cameras=[observation/exterior_image_1_left,"
                                         "observation/exterior_image_2_left,null]"], device="cpu")
-    policy, sample = server.runner.policy, server.runner.policy.sample_actions
+    policy, sample = server.policy.policy, server.policy.policy.sample_actions
     ready, loop, stop = threading.Event(), asyncio.new_event_loop(), None
 
     def run() -> None:

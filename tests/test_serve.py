@@ -29,16 +29,13 @@ import torch
 
 from slurmvla.compose import compose
 from slurmvla.data.prepare import prepare_image
-from slurmvla.export import Loaded, load_exported
+from slurmvla.inference.auth import read_api_key
+from slurmvla.inference.build import build_server
+from slurmvla.inference.harness import serving_in_thread
+from slurmvla.inference.load import Loaded, load_exported
+from slurmvla.inference.runner import MiB, PolicyRunner, default_max_request_bytes
+from slurmvla.inference.server import InferencePolicy, PolicyServer
 from slurmvla.policy import build_policy
-from slurmvla.serve import (
-    MiB,
-    PolicyRunner,
-    build_server,
-    default_max_request_bytes,
-    read_api_key,
-    serving_in_thread,
-)
 
 wcp = pytest.importorskip("openpi_client.websocket_client_policy", reason="pip install --no-deps openpi-client")
 image_tools = pytest.importorskip("openpi_client.image_tools")
@@ -271,7 +268,7 @@ def test_a_plug_in_policy_is_served_through_the_same_contract(sample_root, examp
     policy = build_policy(cfg.policy).eval()
     runner = PolicyRunner(Loaded(policy, cfg, 0, "memory"))
     obs = droid_obs(30, raw=True)
-    got = runner.infer(runner.batch(collections.deque([runner.read(obs)])))
+    got = runner.infer(obs)["actions"]
     size = cfg.policy.image_size
     images = np.stack([prepare_image(obs["observation/exterior_image_1_left"], size), np.zeros((size, size, 3), np.uint8),
                        prepare_image(obs["observation/wrist_image_left"], size)])
@@ -445,7 +442,7 @@ def test_a_key_file_is_read_and_listening_beyond_localhost_without_a_key_is_warn
     with in_process_server(trained_run, "serve.host=127.0.0.1", f"serve.api_key_file={key_file}") as server:
         obs = droid_obs(6)
         actions = wcp.WebsocketClientPolicy("127.0.0.1", server.port, api_key=KEY).infer(obs)["actions"]
-        np.testing.assert_allclose(actions, reference(server.runner.loaded, obs), rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(actions, reference(server.policy.loaded, obs), rtol=RTOL, atol=ATOL)
         with pytest.raises(Exception, match="HTTP 401"):
             wcp.WebsocketClientPolicy("127.0.0.1", server.port)
     assert not [r for r in caplog.records if "without an API key" in r.getMessage()]
@@ -457,7 +454,7 @@ def test_a_key_file_is_read_and_listening_beyond_localhost_without_a_key_is_warn
     # A key file readable by others is served, with one warning.
     key_file.chmod(0o644)
     caplog.clear()
-    assert read_api_key(server.runner.cfg.serve).matches(f"Api-Key {KEY}")
+    assert read_api_key(server.policy.cfg.serve).matches(f"Api-Key {KEY}")
     assert "chmod 600" in caplog.text and KEY not in caplog.text
 
 
@@ -499,9 +496,45 @@ def test_serve_seed_null_draws_fresh_noise_per_request(trained_run):
     fixed = PolicyRunner(load_exported(trained_run, ["serve.seed=3"]))
     fresh = PolicyRunner(load_exported(trained_run, ["serve.seed=null"]))
     batch = fixed.batch(collections.deque([fixed.read(droid_obs(5))], maxlen=1))
-    a, b = fixed.infer(batch), fixed.infer(batch)
+    a, b = fixed.act(batch), fixed.act(batch)
     np.testing.assert_array_equal(a, b)
-    draws = np.stack([fresh.infer(batch) for _ in range(4)])
+    draws = np.stack([fresh.act(batch) for _ in range(4)])
     assert len({d.tobytes() for d in draws}) == 4, "serve.seed=null repeated a draw"
-    seeded = np.stack([PolicyRunner(load_exported(trained_run, [f"serve.seed={s}"])).infer(batch) for s in range(4)])
+    seeded = np.stack([PolicyRunner(load_exported(trained_run, [f"serve.seed={s}"])).act(batch) for s in range(4)])
     assert 0.3 < draws.std(0).mean() / seeded.std(0).mean() < 3.0
+
+
+class Scripted:
+    """A policy as openpi's BasePolicy has it, and nothing of slurmvla: ``infer(obs) -> {"actions"}`` and metadata."""
+
+    def __init__(self):
+        self.seen: list[dict] = []
+
+    def infer(self, obs: dict) -> dict:
+        if "joints" not in obs:
+            raise ValueError("missing key 'joints'")
+        self.seen.append(obs)
+        return {"actions": np.full((4, 2), float(obs["joints"].sum()), np.float32)}
+
+    def metadata(self) -> dict:
+        return {"action_horizon": 4, "server": "scripted"}
+
+
+def test_any_object_with_infer_is_served_to_openpis_client():
+    """The server's one-method protocol (InferencePolicy): a plain object with infer(obs) -> {"actions"} (and
+    metadata) answers openpi's own client with that object's actions, its server_timing added; its ValueError
+    is the client's error, as the runner's are."""
+    policy = Scripted()
+    assert isinstance(policy, InferencePolicy)
+    server = PolicyServer(policy, "127.0.0.1", 0)
+    with serving_in_thread(server) as port:
+        client = wcp.WebsocketClientPolicy("127.0.0.1", port)
+        assert client.get_server_metadata() == {"action_horizon": 4, "server": "scripted"}
+        for i in range(3):
+            joints = np.arange(7, dtype=np.float64) * i
+            reply = client.infer({"joints": joints, "prompt": "pick"})
+            np.testing.assert_array_equal(reply["actions"], np.full((4, 2), joints.sum(), np.float32))
+            assert set(reply["server_timing"]) == ({"infer_ms", "total_ms"} | ({"prev_total_ms"} if i else set()))
+        with pytest.raises(RuntimeError, match="bad request: missing key 'joints'"):
+            client.infer({"prompt": "pick"})
+    assert len(policy.seen) == 3 and policy.seen[1]["prompt"] == "pick"

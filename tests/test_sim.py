@@ -19,7 +19,8 @@ pytest.importorskip("openpi_client.websocket_client_policy", reason="pip install
 
 from slurmvla.compose import compose  # noqa: E402
 from slurmvla.data.prepare import prepare_image  # noqa: E402
-from slurmvla.rollout import run, wilson_interval  # noqa: E402
+from slurmvla.inference.closed_loop import wilson_interval  # noqa: E402
+from slurmvla.rollout import run  # noqa: E402
 from slurmvla.sim.env import PickCube  # noqa: E402
 from slurmvla.sim.expert import Expert  # noqa: E402
 from slurmvla.sim.record import HOLD_STEPS, expert_episode, record  # noqa: E402

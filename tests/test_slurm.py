@@ -462,7 +462,7 @@ def test_sbatch_serve_answers_a_client_on_the_host(cluster, trained_run, tmp_pat
     """sbatch/serve.sh on a test node; openpi's client connects from the host to the address the job
     log prints, and gets the policy's actions; scancel ends the server."""
     wcp = pytest.importorskip("openpi_client.websocket_client_policy")
-    from slurmvla.export import load_exported
+    from slurmvla.inference.load import load_exported
 
     from .test_serve import ATOL, RTOL, droid_obs, reference
 

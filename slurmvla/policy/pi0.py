@@ -168,31 +168,9 @@ def _residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None) -> to
     return x + y if gate is None else x + y * gate
 
 
-def fuse_linears(owner: nn.Module, name: str, linears: list[nn.Module]) -> bool:
-    """Store ``linears``' weights as one tensor, ``owner.<name>`` (rows in their order), each module's
-    weight becoming a view of its rows: one matrix product where there were several on the same input, with
-    no copy kept (the parameters, their names and ``state_dict`` are unchanged; an update to either is seen
-    by both). Only plain bias-free ``nn.Linear`` layers on one device and dtype (not LoRA's wrappers, whose
-    adapters would be left out): False, and nothing changed, otherwise. For inference on a policy already on
-    its device and dtype: moving or casting its parameters afterwards leaves the fused tensor behind (then
-    the product fails on its device or dtype, it is never silently stale)."""
-    if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
-        return False
-    weights = [m.weight for m in linears]
-    if len({(w.device, w.dtype, w.shape[1]) for w in weights}) != 1:
-        return False
-    fused = torch.cat([w.detach() for w in weights])
-    start = 0
-    for m in linears:
-        rows = m.weight.shape[0]
-        m.weight.data = fused[start:start + rows]
-        start += rows
-    object.__setattr__(owner, name, fused)  # a plain attribute: never a parameter, buffer or saved tensor
-    return True
-
-
 def _linears(x: torch.Tensor, owner: nn.Module, name: str, linears: list[nn.Module]) -> list[torch.Tensor]:
-    """Each of ``linears`` applied to ``x``: one product with the fused weight when ``fuse_linears`` made one."""
+    """Each of ``linears`` applied to ``x``: one product with the fused weight ``owner.<name>`` when inference
+    made one (:meth:`Pi0Policy.projection_groups`)."""
     fused = getattr(owner, name, None)
     if fused is None:
         return [m(x) for m in linears]
@@ -480,7 +458,7 @@ class Pi0Policy(Policy):
         (on the host batch, before it moves to the device): the prompt's ids and mask (pi0.5 writes and
         tokenizes its prompt from the state), cut to the smallest multiple of ``bucket`` columns that holds
         every sample's tokens. On the batch returned, ``sample_actions`` and ``forward`` never wait on the
-        device (``sample_actions`` can be captured in a CUDA graph: :mod:`slurmvla.policy.graphed`), its
+        device (``sample_actions`` can be captured in a CUDA graph: :mod:`slurmvla.inference.graphs`), its
         shapes take few values (one graph each), and its actions and loss are those of the batch given
         (padding is masked and shifts no position). The trainer prepares with ``bucket=1``: the prompt cut
         exactly as the forward would cut it. A batch prepared already (or a part of one) is cut again."""
@@ -597,21 +575,19 @@ class Pi0Policy(Policy):
         every = torch.ones_like(batch["action_mask"], dtype=torch.bool)
         return flow_matching_loss(pred[..., :d], noise[..., :d], actions[..., :d], every)
 
-    def fuse_projections(self) -> int:
+    def projection_groups(self):
         """For inference: each Gemma layer's query / key / value projections, and its MLP's gate / up
-        projections, as one matrix product each (:func:`fuse_linears`; nothing copied, names and weights
-        unchanged). At batch 1 the action expert's products have 50 rows, and its key / value products
-        256 columns: too small to keep the GPU's memory system busy, so one wider product reads the same
-        weights in less time. Returns how many groups were fused (a LoRA-wrapped group stays as it is)."""
-        fused = 0
+        projections, as ``(owner, name, linears)``: projections that read one input, which inference may
+        store as one weight ``owner.<name>`` (:func:`slurmvla.inference.optimize.fuse_projections`; the
+        layers read it when it is there). At batch 1 the action expert's products have 50 rows, and its
+        key / value products 256 columns: too small to keep the GPU's memory system busy, so one wider
+        product reads the same weights in less time."""
         for layer in self.layers:
             for part in (layer.backbone, layer.expert):
                 attn = part.self_attn
-                qkv = [m for m in (attn.q_proj, attn.k_proj, attn.v_proj) if m is not None]
-                fused += fuse_linears(attn, "fused_qkv", qkv)
+                yield attn, "fused_qkv", [m for m in (attn.q_proj, attn.k_proj, attn.v_proj) if m is not None]
                 if part.mlp is not None:
-                    fused += fuse_linears(part.mlp, "fused_gate_up", [part.mlp.gate_proj, part.mlp.up_proj])
-        return fused
+                    yield part.mlp, "fused_gate_up", [part.mlp.gate_proj, part.mlp.up_proj]
 
     @torch.no_grad()
     def sample_actions(self, batch: dict, noise: torch.Tensor | None = None, num_steps: int | None = None) -> torch.Tensor:

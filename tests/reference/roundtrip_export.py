@@ -29,7 +29,7 @@ def slurmvla_half(out: Path) -> None:
     sys.path.insert(0, str(HERE.parents[1]))
     from safetensors.torch import load_file, save_file
 
-    from slurmvla.export import load_exported
+    from slurmvla.inference.load import load_exported
     from tests.test_pi0_parity import META, batch_of, lerobot_checkpoint
 
     for kind, name in (("pi0", "pi0_tiny"), ("pi05", "pi05_tiny")):

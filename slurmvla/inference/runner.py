@@ -1,0 +1,191 @@
+"""A loaded policy as something that answers observations: openpi's client keys -> the policy's batch
+-> an action chunk in dataset units. :class:`PolicyRunner` is what :class:`slurmvla.inference.server.PolicyServer`
+serves (``infer(obs) -> {"actions"}``, ``metadata()``, ``session()`` per connection, ``max_request_bytes``);
+the closed loop and the benchmarks drive it too.
+
+Observations map to the policy's inputs through ``serve.*`` (:class:`slurmvla.config.ServeConfig`), and are
+prepared by the functions training uses (:mod:`slurmvla.data.prepare`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from slurmvla.data.prepare import observation_batch, prepare_image
+from slurmvla.inference.load import Loaded
+from slurmvla.policy.base import seeded_sample_actions
+
+# The default request-size limit (default_max_request_bytes): each camera counted as at least one
+# 1280 x 720 RGB uint8 frame (a raw camera frame; DROID's are 180 x 320, openpi's clients send
+# 224 x 224), 64 KiB of prompt, times MARGIN, plus HEADROOM.
+CAMERA_FRAME_BYTES = 1280 * 720 * 3
+PROMPT_BYTES = 64 * 1024
+MARGIN = 4
+HEADROOM = 16 * 2**20
+MiB = 2**20
+
+
+class PolicyRunner:
+    """The loaded policy and the mapping from client keys to its inputs. Thread-safe: requests are
+    prepared concurrently, the model runs one request at a time. ``infer(obs)`` answers one observation
+    alone; a :meth:`session` keeps one connection's past observations (a policy with observation history
+    reads them)."""
+
+    def __init__(self, loaded: Loaded, sampler: Any = None):
+        cfg = loaded.cfg
+        self.loaded, self.cfg = loaded, cfg
+        self.policy = loaded.policy
+        self.device = next(iter(self.policy.parameters()), torch.empty(0)).device
+        self.spec = type(self.policy).sample_spec(cfg.policy)
+        serve, cameras = cfg.serve, list(cfg.data.cameras)
+        if len(serve.cameras) != len(cameras):
+            raise ValueError(f"serve.cameras={list(serve.cameras)} has {len(serve.cameras)} entries but the policy "
+                             f"reads {len(cameras)} cameras (data.cameras={cameras}); give one client key (or null "
+                             "for a camera the client does not send) per camera, in that order")
+        self.camera_keys = list(serve.cameras)
+        self.history = cfg.data.history_interval * (self.spec.num_obs_history - 1) + 1
+        self.lock = threading.Lock()
+        self.fresh = np.random.default_rng()  # serve.seed=null: a new noise seed per request
+        autocast = cfg.precision == "bf16" and self.device.type == "cuda"
+        self.autocast = (lambda: torch.autocast("cuda", torch.bfloat16)) if autocast else None
+        # What sample_actions is called on: the policy, or (build_runner, under serve.cuda_graph) its graphs.
+        self.sampler = sampler if sampler is not None else self.policy
+
+    def metadata(self) -> dict:
+        pc = self.cfg.policy
+        return {
+            "server": "slurmvla", "policy": pc.target or pc.name, "step": self.loaded.step, "source": self.loaded.source,
+            "action_horizon": pc.action_horizon, "action_dim": pc.action_dim, "image_size": self.spec.image_size,
+            "cameras": {cam: key for cam, key in zip(self.cfg.data.cameras, self.camera_keys)},
+            "state": list(self.cfg.serve.state), "prompt": self.cfg.serve.prompt, "seed": self.cfg.serve.seed,
+            "max_request_bytes": self.max_request_bytes,
+        }
+
+    def observation_bytes(self, camera_bytes: int = 0) -> int:
+        """One observation's size on the wire, roughly: every camera the client sends at the policy's
+        image size (or ``camera_bytes``, whichever is larger), the state as float64, the prompt."""
+        size = self.spec.image_size or self.cfg.policy.image_size or 0
+        per_camera = max(size * size * 3, camera_bytes)
+        cameras = sum(1 for key in self.camera_keys if key)
+        return cameras * per_camera + 8 * self.cfg.policy.state_dim + PROMPT_BYTES
+
+    @property
+    def max_request_bytes(self) -> int:
+        """The largest request accepted: ``serve.max_request_mb``, else :func:`default_max_request_bytes`."""
+        mb = self.cfg.serve.max_request_mb
+        return int(mb * MiB) if mb is not None else default_max_request_bytes(self)
+
+    def read(self, obs: Any) -> tuple[list[np.ndarray], np.ndarray, str]:
+        """Prepared images (one per camera, None where padded), raw state and prompt of one request;
+        a ValueError names the key and what was expected."""
+        serve = self.cfg.serve
+        if not isinstance(obs, dict):
+            raise ValueError(f"a request must be a dict of observations, got {type(obs).__name__}")
+        needed = [k for k in self.camera_keys if k] + list(serve.state) + [serve.prompt]
+        missing = [k for k in needed if k not in obs]
+        if missing:
+            raise ValueError(f"missing key {missing[0]!r}: this server reads {needed}; the request has "
+                             f"{sorted(map(str, obs))}")
+        size = self.spec.image_size
+        mode = self.cfg.data.image_resize
+        images = [None if key is None else prepare_image(obs[key], size, name=key, mode=mode) for key in self.camera_keys]
+        parts = []
+        for key in serve.state:
+            value = np.asarray(obs[key])
+            if value.dtype.kind not in "biuf":
+                raise ValueError(f"{key}: expected numbers, got dtype {value.dtype}")
+            parts.append(value.astype(np.float32).reshape(-1))
+        state = np.concatenate(parts)
+        want = self.cfg.policy.state_dim
+        if state.shape[0] != want:
+            got = ", ".join(f"{k}: {p.shape[0]}" for k, p in zip(serve.state, parts))
+            raise ValueError(f"state keys {list(serve.state)} give {state.shape[0]} values ({got}); the policy's state "
+                             f"has {want} (policy.state_dim)")
+        if not np.isfinite(state).all():
+            raise ValueError(f"state keys {list(serve.state)} hold NaN or inf: {state.tolist()}")
+        prompt = obs[serve.prompt]
+        if isinstance(prompt, bytes):
+            prompt = prompt.decode("utf-8", errors="replace")
+        if not isinstance(prompt, str):
+            raise ValueError(f"{serve.prompt}: expected a string, got {type(prompt).__name__}")
+        return images, state, prompt
+
+    def _frame_shape(self, past: collections.deque) -> tuple[int, int, int]:
+        """One frame's shape: the policy's size, or (a policy that resizes frames itself) the size the
+        client sent, which every camera of every kept observation must share."""
+        if self.spec.image_size is not None:
+            return (self.spec.image_size,) * 2 + (3,)
+        shapes = {img.shape for cams, _, _ in past for img in cams if img is not None}
+        if len(shapes) > 1:
+            keys = [k for k in self.camera_keys if k]
+            raise ValueError(f"the images of {keys} differ in size ({sorted(shapes)}); this policy resizes them itself "
+                             "and needs one size per request: send every camera at one size (e.g. 224 x 224)")
+        return next(iter(shapes), (self.cfg.policy.image_size,) * 2 + (3,))
+
+    def batch(self, past: collections.deque) -> dict:
+        """The policy's batch of one from this connection's observations (newest last): the history
+        frames training would take, the ones before the first observation masked (as in training)."""
+        n, interval = self.spec.num_obs_history, self.cfg.data.history_interval
+        images, mask, states = [], [], []
+        shape = self._frame_shape(past)
+        for k in range(n - 1, -1, -1):
+            i = len(past) - 1 - k * interval
+            ok = i >= 0
+            cams, state, prompt = past[max(i, 0)]
+            for img in cams:
+                images.append(np.zeros(shape, np.uint8) if img is None else img)
+                mask.append(ok and img is not None)
+            states.append(state)
+        state = states[0] if n == 1 else np.stack(states)
+        return observation_batch(images, mask, state, past[-1][2], self.spec)
+
+    def infer(self, obs: Any) -> dict:
+        """``{"actions": chunk}`` for one observation with no past (openpi's ``BasePolicy.infer``)."""
+        return self.session().infer(obs)
+
+    def session(self) -> Session:
+        """One client's conversation: its observations, kept as far back as the policy's history reaches."""
+        return Session(self)
+
+    @torch.no_grad()
+    def act(self, batch: dict) -> np.ndarray:
+        """The action chunk ``[action_horizon, action_dim]`` float32 in dataset units. Noise is drawn on the
+        CPU, seeded by ``serve.seed`` for each request: the same observation always gives the same chunk,
+        on any server and device (up to the device's precision). ``serve.seed=null``: fresh noise for each
+        request (as openpi's server), from a generator seeded once from the OS."""
+        batch = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        with self.lock, (self.autocast() if self.autocast is not None else contextlib.nullcontext()):
+            seed = self.cfg.serve.seed if self.cfg.serve.seed is not None else int(self.fresh.integers(2**62))
+            actions = seeded_sample_actions(self.sampler, self.spec, batch, seed)
+        return actions[0].float().cpu().numpy()
+
+
+class Session:
+    """One connection's past observations (newest last) and the runner that answers them."""
+
+    def __init__(self, runner: PolicyRunner):
+        self.runner = runner
+        self.past: collections.deque = collections.deque(maxlen=runner.history)
+
+    def infer(self, obs: Any) -> dict:
+        """``{"actions": chunk}`` for ``obs`` after this session's earlier observations; a ValueError (the
+        observation is kept out of the history then) names the key and what was expected."""
+        self.past.append(self.runner.read(obs))
+        return {"actions": self.runner.act(self.runner.batch(self.past))}
+
+
+def default_max_request_bytes(runner: PolicyRunner) -> int:
+    """The default request-size limit: ``MARGIN`` (4) x one observation, each camera the client sends
+    counted at the policy's image size or as a raw 1280 x 720 RGB uint8 camera frame, whichever is
+    larger, plus the state (float64) and 64 KiB of prompt; plus ``HEADROOM`` (16 MiB). For openpi's
+    DROID client (2 cameras) that is about 37 MiB; ``serve.max_request_mb`` sets another limit."""
+    return MARGIN * runner.observation_bytes(CAMERA_FRAME_BYTES) + HEADROOM
+
+
+# -- API key ------------------------------------------------------------------------------------

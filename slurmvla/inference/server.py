@@ -1,0 +1,213 @@
+"""The policy server: openpi's websocket protocol in front of anything with ``infer(obs) -> dict``.
+
+The wire protocol is that of openpi's ``openpi-client`` package: on connect the server sends one
+msgpack frame of metadata; each request is a msgpack observation dict (:mod:`slurmvla.inference.wire`);
+each reply is the policy's dict (``actions``: float32 ``[action_horizon, action_dim]``) with
+``server_timing`` added. A request the server cannot use (a ValueError from decoding or from the policy)
+gets a text frame naming the key and what was expected, and that connection closes with code 1007 (as
+openpi's server does); any other failure sends the traceback and closes with 1011; other connections go
+on. ``GET /healthz`` answers 200, with or without a key.
+
+Bounded: a request larger than the limit is refused as soon as its frame header announces the size,
+before any of it is buffered: the connection closes with code 1009 (message too big), the server logs one
+line naming the limit and the option, other connections go on. At most ``MAX_QUEUE`` frames wait per
+connection while the policy runs (openpi's protocol is one request, one reply; a client that pipelines is
+held back by TCP flow control).
+
+Closed to strangers: with an :class:`slurmvla.inference.auth.ApiKey` a connection must send
+``Authorization: Api-Key <key>``; one without it, or with another key, is refused with HTTP 401 / 403
+before the websocket opens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import logging
+import signal
+import socket
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, runtime_checkable
+
+from slurmvla.inference.auth import DEFAULT_KEY_ENV, ApiKey, is_local
+from slurmvla.inference.wire import packb, unpackb
+
+log = logging.getLogger("slurmvla.serve")
+
+MiB = 2**20
+# Frames that may wait per connection before the server stops reading from it (websockets' max_queue).
+MAX_QUEUE = 2
+# The request-size limit of a policy that names none (no max_request_bytes attribute).
+DEFAULT_MAX_REQUEST_BYTES = 64 * MiB
+
+
+@runtime_checkable
+class InferencePolicy(Protocol):
+    """What the server serves, as openpi's ``BasePolicy``: one observation in, a dict with ``actions`` out.
+    A ValueError is the client's mistake (its message goes back to it). Optional, read when present:
+    ``metadata() -> dict`` (sent on connect), ``session()`` (a fresh object with ``infer(obs)`` for each
+    connection: its own history of observations) and ``max_request_bytes`` (the request-size limit)."""
+
+    def infer(self, obs: dict) -> dict: ...
+
+
+class PolicyServer:
+    """``policy`` (an :class:`InferencePolicy`) on ``host:port``. ``metadata``: what clients get on connect
+    (default: ``policy.metadata()``, or nothing); ``max_request_bytes``: the request-size limit (default:
+    ``policy.max_request_bytes``, else ``DEFAULT_MAX_REQUEST_BYTES``); ``api_key_env``: the variable the
+    warning about a server without a key names."""
+
+    def __init__(self, policy: InferencePolicy, host: str, port: int, workers: int = 4, api_key: ApiKey | None = None,
+                 metadata: dict | None = None, max_request_bytes: int | None = None,
+                 api_key_env: str | None = DEFAULT_KEY_ENV):
+        if not callable(getattr(policy, "infer", None)):
+            raise TypeError(f"a PolicyServer serves an object with infer(obs) -> dict; {type(policy).__name__} has none")
+        self.policy, self.host, self.port = policy, host, port
+        self.api_key, self.api_key_env = api_key, api_key_env
+        self._metadata = metadata
+        if max_request_bytes is None:
+            max_request_bytes = getattr(policy, "max_request_bytes", None) or DEFAULT_MAX_REQUEST_BYTES
+        self.max_size = int(max_request_bytes)
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slurmvla-serve")
+        self.requests = 0
+
+    def metadata(self) -> dict:
+        if self._metadata is not None:
+            return self._metadata
+        own = getattr(self.policy, "metadata", None)
+        return own() if callable(own) else {}
+
+    def _session(self) -> Any:
+        """What this connection's requests go to: its own session where the policy makes them, else the policy."""
+        make = getattr(self.policy, "session", None)
+        return make() if callable(make) else self.policy
+
+    def _describe(self) -> str:
+        meta = self.metadata()
+        if "source" in meta and "step" in meta:
+            return f"{meta['source']} (step {meta['step']})"
+        return type(self.policy).__name__
+
+    @staticmethod
+    def _step(raw: Any, session: Any) -> tuple[dict, float]:
+        if isinstance(raw, str):
+            raise ValueError("expected a binary msgpack frame, got a text frame")
+        obs = unpackb(raw)
+        start = time.monotonic()
+        out = session.infer(obs)
+        infer_ms = (time.monotonic() - start) * 1000
+        if not isinstance(out, dict) or "actions" not in out:
+            raise TypeError(f"the policy's infer returned {type(out).__name__}, not a dict with 'actions'")
+        return out, infer_ms
+
+    async def _handle(self, ws) -> None:
+        import websockets
+
+        loop = asyncio.get_running_loop()
+        peer = ws.remote_address
+        session = self._session()
+        await ws.send(packb(self.metadata()))
+        prev_total_ms = None
+        while True:
+            try:
+                raw = await ws.recv()
+            except websockets.ConnectionClosed as e:
+                if e.sent is not None and e.sent.code == websockets.frames.CloseCode.MESSAGE_TOO_BIG:
+                    self._log_too_big(peer, getattr(ws.protocol, "parser_exc", None) or e.sent.reason)
+                break
+            start = time.monotonic()
+            try:
+                out, infer_ms = await loop.run_in_executor(self.pool, self._step, raw, session)
+            except ValueError as e:
+                log.warning("bad request from %s: %s", peer, e)
+                await self._refuse(ws, f"bad request: {e}", websockets.frames.CloseCode.INVALID_DATA)
+                break
+            except Exception:
+                log.exception("inference failed for %s", peer)
+                await self._refuse(ws, traceback.format_exc(), websockets.frames.CloseCode.INTERNAL_ERROR)
+                break
+            timing = {"infer_ms": infer_ms, "total_ms": (time.monotonic() - start) * 1000}
+            if prev_total_ms is not None:
+                timing["prev_total_ms"] = prev_total_ms
+            try:
+                await ws.send(packb({**out, "server_timing": timing}))
+            except websockets.ConnectionClosed:
+                break
+            self.requests += 1
+            prev_total_ms = (time.monotonic() - start) * 1000
+
+    @staticmethod
+    async def _refuse(ws, message: str, code) -> None:
+        import websockets
+
+        try:
+            await ws.send(message)  # a text frame: openpi's client raises it as the server's error
+            await ws.close(code=code, reason="see the previous frame")
+        except websockets.ConnectionClosed:
+            pass
+
+    def _log_too_big(self, peer, why) -> None:
+        log.warning("refused a request from %s: %s; this server accepts requests up to %.4g MiB (%d bytes): "
+                    "serve.max_request_mb=MB (--max-request-mb MB) changes it", peer, why, self.max_size / MiB,
+                    self.max_size)
+
+    def _process_request(self, connection, request):
+        """Before the websocket opens: the health check (open to all), then the API key."""
+        if request.path == "/healthz":
+            return connection.respond(http.HTTPStatus.OK, "OK\n")
+        if self.api_key is None:
+            return None
+        header = request.headers.get("Authorization")
+        if self.api_key.matches(header):
+            return None
+        peer = connection.remote_address
+        if header is None:
+            log.warning("refused a connection from %s: no API key (no Authorization header)", peer)
+            response = connection.respond(http.HTTPStatus.UNAUTHORIZED, "this server needs an API key: send the "
+                                          "header 'Authorization: Api-Key <key>' (openpi_client: "
+                                          "WebsocketClientPolicy(host, port, api_key=...))\n")
+            response.headers["WWW-Authenticate"] = "Api-Key"
+            return response
+        log.warning("refused a connection from %s: wrong API key", peer)
+        return connection.respond(http.HTTPStatus.FORBIDDEN, "wrong API key\n")
+
+    async def run(self, ready: threading.Event | None = None, stop: asyncio.Event | None = None) -> None:
+        from websockets.asyncio.server import serve
+
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (ValueError, RuntimeError):  # not the main thread (tests run the server in a thread)
+                pass
+        async with serve(self._handle, self.host, self.port, compression=None, max_size=self.max_size,
+                         max_queue=MAX_QUEUE, process_request=self._process_request) as server:
+            self.port = server.sockets[0].getsockname()[1]
+            key = f"API key required (from {self.api_key.source})" if self.api_key is not None else "no API key"
+            print(f"serving {self._describe()} on {address(self.host, self.port)}; health check: GET /healthz; {key}; "
+                  f"requests up to {self.max_size / MiB:.4g} MiB", flush=True)
+            if self.api_key is None and not is_local(self.host):
+                log.warning("listening on %s without an API key: anyone who can reach this port can drive the policy; "
+                            "export %s (or set serve.api_key_file) and pass it to the client "
+                            "(WebsocketClientPolicy(host, port, api_key=...))", self.host or "every interface",
+                            self.api_key_env or DEFAULT_KEY_ENV)
+            if ready is not None:
+                ready.set()
+            await stop.wait()
+        self.pool.shutdown(wait=True)
+
+
+def address(host: str, port: int) -> str:
+    """The address a client connects to: this node's name and IP when listening on every interface."""
+    if host not in ("0.0.0.0", "::", ""):
+        return f"ws://{host}:{port}"
+    name = socket.gethostname()
+    try:
+        ip = socket.gethostbyname(name)
+    except OSError:
+        ip = "?"
+    return f"ws://{name}:{port} (ws://{ip}:{port})"
