@@ -51,9 +51,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from slurmvla.config import PolicyConfig
 from slurmvla.data.spec import DataFeatures, Draw, SampleSpec
+from slurmvla.policy.attention import attention, grouped_matmul_attention, resolve_attention
 from slurmvla.policy.base import Policy
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
-from slurmvla.policy.flow_vla import attention, grouped_matmul_attention, resolve_attention
 from slurmvla.policy.recompute import Recompute
 from slurmvla.weights import parameter_generator
 
