@@ -7,8 +7,8 @@ import warnings
 import pytest
 import torch
 
-from slurmvla.config import FlowVLAConfig
 from slurmvla.policy import attention, build_policy, flow_vla
+from slurmvla.policy.flow_vla_config import FlowVLAConfig
 from slurmvla.policy.tokenizer import tokenize
 
 

@@ -58,7 +58,7 @@ from slurmvla.policy.recompute import Recompute
 from slurmvla.weights import parameter_generator
 
 log = logging.getLogger(__name__)
-# policy.attention_kernels' names (slurmvla.config.ATTENTION_KERNELS) for torch's kernels.
+# policy.attention_kernels' names (slurmvla.policy.pi0_config.ATTENTION_KERNELS) for torch's kernels.
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                  "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 # A batch made by Pi0Policy.prepare_inference carries its prompt under these keys, cut to a multiple of
