@@ -321,8 +321,8 @@ class DataConfig:
     split_seed: int = 0
     num_workers: int = 2
     # Whole decoded episodes kept per dataloader worker by the map-style reader (debugging and parity
-    # checks; at DROID's episode length and 224 px one episode is ~130 MB). Validation and the stream
-    # decode through forward windows instead.
+    # checks; a DROID episode is large decoded: docs/policies.md). Validation and the stream decode through
+    # forward windows instead.
     episode_cache_size: int = 64
     # Decoded episodes a stream worker keeps across epochs (0: decode every epoch). Worth it only
     # when a worker's share of the data fits in memory (the sample dataset); DROID's does not.

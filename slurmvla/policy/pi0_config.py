@@ -54,25 +54,21 @@ class Pi0Config(TransformerPolicyConfig):
     lora: LoraConfig = field(default_factory=lambda: LoraConfig(targets=list(GEMMA_LORA_TARGETS)))
     # The training forward on a GPU (and its recomputation): torch's fused attention kernels in the order
     # they are tried (flash, efficient, cudnn, math; one that cannot take a call's inputs is skipped);
-    # null: torch's own order (torch 2.11: cuDNN's). cuDNN builds a plan for each new input shape, and a
-    # batch's prompt length sets the shape: until every length had been seen, a compiled pi0.5 step on an
-    # H100 idled the GPU 28% of the time (771 ms; [efficient, math]: 663 ms; measured with the prompt cut
-    # to each batch's exact length, before policy.prompt_bucket below). Once planned, cuDNN's
-    # attention is the faster (forward + backward 54 ms per step against 148), so short jobs gain from
-    # [efficient, math] and long ones keep torch's order.
+    # null: torch's own order (torch 2.11: cuDNN's). cuDNN plans each new input shape (a batch's prompt
+    # length sets it) and is the faster once planned: short jobs gain from [efficient, math], long ones keep
+    # torch's order (the measured figures: docs/policies.md).
     attention_kernels: list[str] | None = None
     # The training batch's prompt is cut to the smallest multiple of this many columns that holds every
     # sample's tokens (padding is masked: the loss is the same). null: 32 when the policy is on a GPU,
     # where each new prompt length is a new shape for cuDNN's attention to plan and for a compiled layer
-    # to recompile (a pi0.5 prompt takes ~60 lengths; 32 leaves 7 of 200), and 1 on the CPU, where a
-    # shape costs nothing and padding only work.
+    # to recompile (32 leaves 7 lengths of pi0.5's 200), and 1 on the CPU, where a shape costs nothing and
+    # padding only work.
     prompt_bucket: int | None = None
     # Inference: the attention of the denoising steps that reuse the prefix's keys and values. sdpa: torch's
     # fused kernels (policy.attention_implementation's); matmul: two matrix products around a float32 softmax
     # with the query heads folded onto their shared key / value head (slurmvla.policy.attention.
-    # grouped_matmul_attention). At batch 1 each such call is 50 queries over ~900 keys: an H100 profile
-    # found cuDNN's fused kernel at ~68 us a call, 13.4 ms of a 38.8 ms compiled sample_actions, latency
-    # bound on 8 query tiles; benchmarks/gpu_suite.sh's denoise section times both.
+    # grouped_matmul_attention): at batch 1 a call is few queries over many keys, where a fused kernel is
+    # latency bound (docs/policies.md); benchmarks/gpu_suite.sh's denoise section times both.
     denoise_attention: str = "sdpa"
 
     def __post_init__(self) -> None:
