@@ -30,10 +30,11 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).parent))
 from data_index import synthetic_droid  # noqa: E402
 
-from slurmvla.config import DataConfig, FlowVLAConfig, KeepRangesConfig  # noqa: E402
+from slurmvla.config import DataConfig, KeepRangesConfig  # noqa: E402
 from slurmvla.data.mixture import Mixture  # noqa: E402
 from slurmvla.droid_features import DROID_CAMERAS  # noqa: E402
 from slurmvla.policy import sample_spec  # noqa: E402
+from slurmvla.policy.flow_vla_config import FlowVLAConfig  # noqa: E402
 
 FPS = 15
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from slurmvla.config import Pi05Config
 from slurmvla.policy import build_policy
+from slurmvla.policy.pi0_config import Pi05Config
 
 REPO = Path(__file__).resolve().parents[1]
 

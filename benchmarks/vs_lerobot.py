@@ -155,10 +155,11 @@ def measure(make_loader, batches: int) -> dict:
 # -- the two sides (each runs in its own process) ---------------------------------------------------
 
 def slurmvla_loading(root: str, workers: int, batch_size: int, batches: int) -> dict:
-    from slurmvla.config import DataConfig, FlowVLAConfig
+    from slurmvla.config import DataConfig
     from slurmvla.data.loader import TrainData
     from slurmvla.data.mixture import Mixture
     from slurmvla.policy import sample_spec
+    from slurmvla.policy.flow_vla_config import FlowVLAConfig
 
     cfg = DataConfig(root=root, num_workers=workers, image_resize="pad")
     spec = sample_spec(FlowVLAConfig(image_size=IMAGE_SIZE, patch_size=16, action_horizon=HORIZON, max_text_len=48))
@@ -216,9 +217,10 @@ def _peak_rss_mib() -> float:
 
 
 def slurmvla_startup(root: str, cache: str) -> dict:
-    from slurmvla.config import DataConfig, FlowVLAConfig
+    from slurmvla.config import DataConfig
     from slurmvla.data.mixture import Mixture
     from slurmvla.policy import sample_spec
+    from slurmvla.policy.flow_vla_config import FlowVLAConfig
 
     t0 = time.perf_counter()
     cfg = DataConfig(root=root, cache_dir=cache, cameras=[CAMERA], state_keys=["observation.state"],

@@ -18,8 +18,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from slurmvla.config import POLICY_SCHEMAS, Config, policy_options, policy_schema
+from slurmvla.config import Config, policy_options, policy_schema
 from slurmvla.errors import one_line
+from slurmvla.registry import POLICIES
 
 SCHEMA_NAME = "slurmvla_schema"
 
@@ -67,6 +68,8 @@ def _check_group_option(group: str, option: str) -> None:
     if option == "null" or not re.fullmatch(r"[\w.\-/]+", option):
         return
     options = sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+    if group == "policy":  # a registered policy without a file of its own: its schema's node (register_configs)
+        options = sorted({*options, *POLICIES})
     if options and option not in options:
         raise ValueError(f"{group}={option} is not an option of {group}; choose one of {options}")
 
@@ -166,6 +169,7 @@ def compose(overrides: list[str]) -> Config:
     # A config file's option its policy lacks is translated by _hydra_compose itself: the probe that
     # learns the chosen policy is needed only for policy.* overrides given here.
     check_overrides(overrides, probe=any(o.split("=", 1)[0].startswith("policy.") for o in overrides), whole=False)
+    register_configs()
     with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
         try:
             composed = _hydra_compose(overrides)
@@ -185,6 +189,7 @@ def check_overrides(overrides: list[str], probe: bool = True, whole: bool = True
     check_override_keys(overrides, config_groups())
     if not probe:
         return
+    register_configs()
     own = [o for o in overrides if "=" in o and o.split("=", 1)[0].startswith("policy.")]
     with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
         try:
@@ -217,8 +222,8 @@ def _hydra_compose(overrides: list[str]) -> DictConfig:
         cause = e.__cause__ or e.__context__
         key = str(getattr(cause, "full_key", "") or "")
         schema = getattr(cause, "object_type", None)
-        if isinstance(cause, ConfigKeyError) and key.startswith("policy.") and schema in POLICY_SCHEMAS.values():
-            name = next(n for n, c in POLICY_SCHEMAS.items() if c is schema)
+        name = next((n for n in POLICIES if policy_schema(n) is schema), None) if key.startswith("policy.") else None
+        if isinstance(cause, ConfigKeyError) and name is not None:
             check_policy_keys(name, [key.split(".")[1]])
         message = explain_config_error(e)
         if message:
@@ -252,22 +257,39 @@ def check_policy_keys(name: str, keys) -> None:
     options = policy_options(name)
     unknown = sorted(k for k in keys if k not in options)
     if unknown:
-        owners = [n for n in POLICY_SCHEMAS if unknown[0] in policy_options(n)]
+        owners = [n for n in POLICIES if unknown[0] in policy_options(n)]
         hint = f" (an option of {', '.join(f'policy.name={o}' for o in owners)})" if owners else ""
         extra = "; a plug-in's own options go in policy.kwargs" if name == "custom" else ""
         raise ValueError(f"policy.name={name} has no option {unknown[0]!r}{hint}; its options: {options}{extra}")
 
 
-def policy_schema_nodes() -> dict[str, type]:
-    """ConfigStore names of the policy schemas: each conf/policy/*.yaml names its own in its defaults."""
-    return {f"schema_{name}": schema for name, schema in POLICY_SCHEMAS.items()}
+# ConfigStore names already stored -> the registry's schema string they were stored from.
+_stored: dict[str, str] = {}
 
 
 def register_configs() -> None:
+    """``Config`` and each registered policy's schema in Hydra's ConfigStore: ``policy/schema_<name>``, which
+    each conf/policy/*.yaml names first in its defaults, and, for a policy that has no file of its own name
+    there, ``policy/<name>`` itself, so that ``policy=<name>`` selects it at its schema's defaults (a policy
+    added in one module needs no YAML). Run on import and before each composition: a policy registered
+    later is stored then; one already stored is not stored again."""
     store = ConfigStore.instance()
-    store.store(name=SCHEMA_NAME, node=Config)
-    for name, schema in policy_schema_nodes().items():
-        store.store(group="policy", name=name, node=schema)
+    if SCHEMA_NAME not in _stored:
+        store.store(name=SCHEMA_NAME, node=Config)
+        _stored[SCHEMA_NAME] = ""
+    files = None
+    for name in POLICIES:
+        entry = POLICIES.get(name)
+        if _stored.get(name) == entry.schema:
+            continue
+        files = {p.stem for p in (config_dir() / "policy").glob("*.yaml")} if files is None else files
+        schema = entry.load_schema()
+        store.store(group="policy", name=f"schema_{name}", node=schema)
+        if name not in files:
+            node = OmegaConf.structured(schema)
+            node.name = name
+            store.store(group="policy", name=name, node=node)
+        _stored[name] = entry.schema
 
 
 register_configs()

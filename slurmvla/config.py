@@ -8,6 +8,11 @@ composed DictConfig becomes these dataclasses; they raise ``ValueError`` naming 
 valid choices. Names of engines, policies, schedules and data modes come from
 ``slurmvla.registry``. Nothing here touches the filesystem: a saved config re-validates on any
 machine, and files are checked where they are opened.
+
+What every policy has is here (``PolicyConfig``, and ``TransformerPolicyConfig`` for the built-in
+policies' shared shape); each policy's own options are its schema, a subclass beside its model
+(``slurmvla/policy/pi0_config.py``, ...) named by its registry entry and imported by that name when a
+config is validated (:func:`policy_schema`): a schema module imports no torch.
 """
 
 from __future__ import annotations
@@ -32,20 +37,16 @@ WANDB_MODES = ("offline", "online", "disabled")
 DEVICES = ("auto", "cpu", "cuda")
 
 
-# torch's scaled-dot-product attention kernels by the names policy.attention_kernels takes.
-ATTENTION_KERNELS = ("flash", "efficient", "cudnn", "math")
-# pi0 / pi0.5's attention in the cached denoising steps (policy.denoise_attention).
-DENOISE_ATTENTION = ("sdpa", "matmul")
 # What a checkpointed layer keeps besides its inputs (slurmvla/policy/recompute.py).
 CHECKPOINT_SAVES = ("inputs", "matmuls")
 
 
-def _choice(name: str, value: Any, choices: tuple) -> None:
+def check_choice(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
 
 
-def _positive(name: str, value: float, allow_zero: bool = False) -> None:
+def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name}={value!r} is not valid; it must be {bound}")
@@ -66,16 +67,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         ENGINES.check(self.name)
-        _choice("engine.backend", self.backend, ("auto", "nccl", "gloo"))
-        _choice("engine.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
-        _positive("engine.timeout_s", self.timeout_s)
-        _positive("engine.replicate_degree", self.replicate_degree, allow_zero=True)
-        _positive("engine.shard_degree", self.shard_degree, allow_zero=True)
+        check_choice("engine.backend", self.backend, ("auto", "nccl", "gloo"))
+        check_choice("engine.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
+        check_positive("engine.timeout_s", self.timeout_s)
+        check_positive("engine.replicate_degree", self.replicate_degree, allow_zero=True)
+        check_positive("engine.shard_degree", self.shard_degree, allow_zero=True)
 
 
 LORA_PARTS = ("backbone", "expert", "vision")
 LORA_INITS = ("gaussian", "peft")
-GEMMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -113,17 +113,17 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         for key in ("rank", "expert_rank"):
-            _positive(f"policy.lora.{key}", getattr(self, key))
+            check_positive(f"policy.lora.{key}", getattr(self, key))
         for key in ("alpha", "expert_alpha"):
-            _positive(f"policy.lora.{key}", getattr(self, key))
+            check_positive(f"policy.lora.{key}", getattr(self, key))
         if not 0 <= self.dropout < 1:
             raise ValueError(f"policy.lora.dropout={self.dropout!r} is not valid; it must be in [0, 1)")
         if not self.parts:
             raise ValueError("policy.lora.parts=[] adapts nothing; name at least one of "
                              f"{list(LORA_PARTS)}, or set policy.lora.enabled=false")
         for part in self.parts:
-            _choice("policy.lora.parts", part, LORA_PARTS)
-        _choice("policy.lora.init", self.init, LORA_INITS)
+            check_choice("policy.lora.parts", part, LORA_PARTS)
+        check_choice("policy.lora.init", self.init, LORA_INITS)
         if self.targets is not None and not self.targets:
             raise ValueError("policy.lora.targets=[] adapts nothing; name the nn.Linear modules (e.g. [q_proj, "
                              "v_proj]) or leave it null for every nn.Linear in policy.lora.parts")
@@ -133,8 +133,8 @@ class LoraConfig:
 class PolicyConfig:
     """What every policy has, built-in or a user's (``policy=custom``): the shapes the data is built and
     checked against, and the switches the framework reads. Each built-in policy extends it with its own
-    options (below, one schema per policy, chosen by ``policy.name``): an option the chosen policy
-    does not have is an error naming the policy and its options, never silently ignored."""
+    options (its schema, named by its registry entry and chosen by ``policy.name``): an option the
+    chosen policy does not have is an error naming the policy and its options, never silently ignored."""
 
     # A registered policy (slurmvla.registry.POLICIES), or custom: the class policy.target names.
     name: str = "custom"
@@ -168,8 +168,8 @@ class PolicyConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        _choice("policy.checkpoint_saves", self.checkpoint_saves, CHECKPOINT_SAVES)
-        _positive("policy.checkpoint_every", self.checkpoint_every)
+        check_choice("policy.checkpoint_saves", self.checkpoint_saves, CHECKPOINT_SAVES)
+        check_positive("policy.checkpoint_every", self.checkpoint_every)
         entry = POLICIES.get(self.name)
         if not entry.target and not self.target:
             raise ValueError(f"policy.name={self.name!r} needs policy.target=package.module.Class (the policy's class); "
@@ -177,15 +177,16 @@ class PolicyConfig:
         if entry.target and self.target:
             raise ValueError(f"policy.target={self.target!r} is read only with policy=custom, not with "
                              f"policy.name={self.name!r}; choose policy=custom or drop policy.target")
-        if type(self) is not POLICY_SCHEMAS.get(self.name, PolicyConfig):
-            raise ValueError(f"policy.name={self.name!r} has the schema {POLICY_SCHEMAS[self.name].__name__}, not "
+        schema = policy_schema(self.name)
+        if type(self) is not schema:
+            raise ValueError(f"policy.name={self.name!r} has the schema {schema.__name__}, not "
                              f"{type(self).__name__}: build it with slurmvla.config.policy_schema({self.name!r})")
         for key in ("image_size", "num_cameras", "max_text_len", "state_dim", "action_dim", "action_horizon",
                     "num_inference_steps", "num_obs_history"):
-            _positive(f"policy.{key}", getattr(self, key))
+            check_positive(f"policy.{key}", getattr(self, key))
         for key in ("state_normalization", "action_normalization"):
             if getattr(self, key) is not None:
-                _choice(f"policy.{key}", getattr(self, key), NORMALIZATIONS)
+                check_choice(f"policy.{key}", getattr(self, key), NORMALIZATIONS)
         if self.lora.enabled and self.train_expert_only and "backbone" in self.lora.parts:
             raise ValueError(f"policy.train_expert_only=true trains nothing in the backbone, but policy.lora.parts="
                              f"{list(self.lora.parts)} puts trained adapters there; set policy.lora.parts=[expert] "
@@ -209,11 +210,11 @@ class TransformerPolicyConfig(PolicyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _choice("policy.attention_implementation", self.attention_implementation,
+        check_choice("policy.attention_implementation", self.attention_implementation,
                 ATTENTION_IMPLEMENTATIONS + ATTENTION_FALLBACKS)
         for key in ("patch_size", "vision_width", "vision_depth", "vision_heads", "width", "depth", "num_heads",
                     "head_dim", "expert_width"):
-            _positive(f"policy.{key}", getattr(self, key))
+            check_positive(f"policy.{key}", getattr(self, key))
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"policy.image_size={self.image_size} must be a multiple of policy.patch_size={self.patch_size}"
@@ -224,119 +225,11 @@ class TransformerPolicyConfig(PolicyConfig):
             )
 
 
-@dataclass
-class FlowVLAConfig(TransformerPolicyConfig):
-    """policy=tiny|small|base: slurmvla's reference flow-matching policy (slurmvla/policy/flow_vla.py)."""
-
-    name: str = "flow_vla"
-    size: str = "tiny"
-    mlp_ratio: float = 2.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _positive("policy.mlp_ratio", self.mlp_ratio)
-
-
-@dataclass
-class Pi0Config(TransformerPolicyConfig):
-    """policy=pi0|pi0_tiny: pi0 on transformers' PaliGemma (slurmvla/policy/pi0.py)."""
-
-    name: str = "pi0"
-    size: str = "pi0_tiny"
-    # Gemma's grouped key/value heads, MLP widths of the backbone, the action expert and the vision
-    # tower, and the text vocabulary.
-    num_kv_heads: int = 1
-    mlp_dim: int = 128
-    expert_mlp_dim: int = 96
-    vision_mlp_dim: int = 128
-    vocab_size: int = 512
-    # A local Hugging Face PaliGemma directory, or a pi0 / pi0.5 checkpoint saved by LeRobot (its
-    # model.safetensors): the weights the policy starts from. Never downloaded.
-    pretrained_path: str | None = None
-    # Where the tokenizer files are (default: pretrained_path when it holds them); without either, the
-    # byte tokenizer (random-weight runs only).
-    tokenizer_path: str | None = None
-    # State and actions are zero-padded to these widths inside the model (the published heads are 32
-    # wide; noise is drawn and the flow integrated in all of them, cut to the data's dims only at the
-    # output and in the loss), as openpi and LeRobot do.
-    max_state_dim: int = 32
-    max_action_dim: int = 32
-    # Where normalization statistics come from: "data" (the configured datasets) or "checkpoint" (the
-    # pretrained_path directory's: LeRobot's saved normalizer, or openpi's norm_stats.json).
-    stats_source: str = "data"
-    # Loading pretrained weights that leave some of the policy's tensors unset (they keep their random
-    # initialisation, named in the log) is an error unless this is true.
-    allow_partial_load: bool = False
-    # openpi's LoRA targets: Gemma's attention and MLP projections (not pi0.5's adaptive-norm modulation,
-    # which openpi's LoRA leaves frozen).
-    lora: LoraConfig = field(default_factory=lambda: LoraConfig(targets=list(GEMMA_LORA_TARGETS)))
-    # The training forward on a GPU (and its recomputation): torch's fused attention kernels in the order
-    # they are tried (flash, efficient, cudnn, math; one that cannot take a call's inputs is skipped);
-    # null: torch's own order (torch 2.11: cuDNN's). cuDNN builds a plan for each new input shape, and a
-    # batch's prompt length sets the shape: until every length had been seen, a compiled pi0.5 step on an
-    # H100 idled the GPU 28% of the time (771 ms; [efficient, math]: 663 ms; measured with the prompt cut
-    # to each batch's exact length, before policy.prompt_bucket below). Once planned, cuDNN's
-    # attention is the faster (forward + backward 54 ms per step against 148), so short jobs gain from
-    # [efficient, math] and long ones keep torch's order.
-    attention_kernels: list[str] | None = None
-    # The training batch's prompt is cut to the smallest multiple of this many columns that holds every
-    # sample's tokens (padding is masked: the loss is the same). null: 32 when the policy is on a GPU,
-    # where each new prompt length is a new shape for cuDNN's attention to plan and for a compiled layer
-    # to recompile (a pi0.5 prompt takes ~60 lengths; 32 leaves 7 of 200), and 1 on the CPU, where a
-    # shape costs nothing and padding only work.
-    prompt_bucket: int | None = None
-    # Inference: the attention of the denoising steps that reuse the prefix's keys and values. sdpa: torch's
-    # fused kernels (policy.attention_implementation's); matmul: two matrix products around a float32 softmax
-    # with the query heads folded onto their shared key / value head (slurmvla.policy.flow_vla.
-    # grouped_matmul_attention). At batch 1 each such call is 50 queries over ~900 keys: an H100 profile
-    # found cuDNN's fused kernel at ~68 us a call, 13.4 ms of a 38.8 ms compiled sample_actions, latency
-    # bound on 8 query tiles; benchmarks/gpu_suite.sh's denoise section times both.
-    denoise_attention: str = "sdpa"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _choice("policy.denoise_attention", self.denoise_attention, DENOISE_ATTENTION)
-        if self.prompt_bucket is not None:
-            _positive("policy.prompt_bucket", self.prompt_bucket)
-        for kernel in self.attention_kernels or []:
-            _choice("policy.attention_kernels", kernel, ATTENTION_KERNELS)
-        if self.attention_kernels is not None and "math" not in self.attention_kernels:
-            raise ValueError(f"policy.attention_kernels={list(self.attention_kernels)} needs math last: it is the "
-                             "one kernel that takes every input (others refuse some masks, head sizes or dtypes)")
-        for key in ("num_kv_heads", "mlp_dim", "expert_mlp_dim", "vision_mlp_dim", "vocab_size", "max_state_dim",
-                    "max_action_dim"):
-            _positive(f"policy.{key}", getattr(self, key))
-        _choice("policy.stats_source", self.stats_source, STATS_SOURCES)
-        if self.stats_source == "checkpoint" and not self.pretrained_path:
-            raise ValueError("policy.stats_source=checkpoint reads the statistics saved beside policy.pretrained_path, "
-                             "which is not set; set it, or use policy.stats_source=data")
-
-
-@dataclass
-class Pi05Config(Pi0Config):
-    """policy=pi05|pi05_tiny: pi0.5 (adaptive-RMSNorm time conditioning, the state in the prompt)."""
-
-    name: str = "pi05"
-    size: str = "pi05_tiny"
-    # How the state enters: "discrete" (published: 256-bin ids of the normalized state written into the
-    # prompt, "Task: ..., State: ...;\nAction: ") or "continuous" (one projected prefix token).
-    state_input: str = "discrete"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _choice("policy.state_input", self.state_input, STATE_INPUTS)
-
-
-# policy.name -> its schema (policy=custom: the shared one; a plug-in's own options go in policy.kwargs,
-# checked against its class's constructor when it is built).
-POLICY_SCHEMAS: dict[str, type[PolicyConfig]] = {"flow_vla": FlowVLAConfig, "pi0": Pi0Config, "pi05": Pi05Config,
-                                                 "custom": PolicyConfig}
-
-
 def policy_schema(name: str) -> type[PolicyConfig]:
-    """The schema of ``policy.name=name`` (a ValueError lists the policies)."""
-    POLICIES.check(name)
-    return POLICY_SCHEMAS.get(name, PolicyConfig)
+    """The schema of ``policy.name=name``: the class its registry entry names (``PolicyEntry.schema``; a
+    plug-in, ``policy=custom``, gets ``PolicyConfig`` and keeps its own options in ``policy.kwargs``). A
+    ValueError lists the policies."""
+    return POLICIES.get(name).load_schema()
 
 
 def policy_options(name: str) -> list[str]:
@@ -358,7 +251,7 @@ class KeepRangesConfig:
     semantics: str = "frame"
 
     def __post_init__(self) -> None:
-        _choice("data.keep_ranges.semantics", self.semantics, ("frame", "window"))
+        check_choice("data.keep_ranges.semantics", self.semantics, ("frame", "window"))
 
 
 DATA_LOADERS = ("stream", "map")
@@ -366,8 +259,6 @@ DATA_LOADERS = ("stream", "map")
 # writes a new copy instead of reusing an older one.
 SAMPLE_REVISION = "v3.0_av1_r2"
 NORMALIZATIONS = ("mean_std", "min_max", "quantile", "identity")
-STATE_INPUTS = ("discrete", "continuous")
-STATS_SOURCES = ("data", "checkpoint")
 MISSING_CAMERA_CHOICES = ("fail", "pad")
 
 
@@ -430,27 +321,27 @@ class DataConfig:
     split_seed: int = 0
     num_workers: int = 2
     # Whole decoded episodes kept per dataloader worker by the map-style reader (debugging and parity
-    # checks; at DROID's episode length and 224 px one episode is ~130 MB). Validation and the stream
-    # decode through forward windows instead.
+    # checks; a DROID episode is large decoded: docs/policies.md). Validation and the stream decode through
+    # forward windows instead.
     episode_cache_size: int = 64
     # Decoded episodes a stream worker keeps across epochs (0: decode every epoch). Worth it only
     # when a worker's share of the data fits in memory (the sample dataset); DROID's does not.
     stream_cache_episodes: int = 0
 
     def __post_init__(self) -> None:
-        _positive("data.num_workers", self.num_workers, allow_zero=True)
-        _positive("data.sample_episodes", self.sample_episodes)
-        _positive("data.weight", self.weight)
-        _positive("data.num_obs_history", self.num_obs_history)
-        _positive("data.history_interval", self.history_interval)
-        _positive("data.interleave_episodes", self.interleave_episodes)
-        _positive("data.stream_cache_episodes", self.stream_cache_episodes, allow_zero=True)
-        _choice("data.loader", self.loader, DATA_LOADERS)
-        _choice("data.mode", self.mode, DATA_MODES)
-        _choice("data.missing_cameras", self.missing_cameras, MISSING_CAMERA_CHOICES)
-        _choice("data.image_resize", self.image_resize, IMAGE_RESIZE_MODES)
-        _choice("data.state_normalization", self.state_normalization, NORMALIZATIONS)
-        _choice("data.action_normalization", self.action_normalization, NORMALIZATIONS)
+        check_positive("data.num_workers", self.num_workers, allow_zero=True)
+        check_positive("data.sample_episodes", self.sample_episodes)
+        check_positive("data.weight", self.weight)
+        check_positive("data.num_obs_history", self.num_obs_history)
+        check_positive("data.history_interval", self.history_interval)
+        check_positive("data.interleave_episodes", self.interleave_episodes)
+        check_positive("data.stream_cache_episodes", self.stream_cache_episodes, allow_zero=True)
+        check_choice("data.loader", self.loader, DATA_LOADERS)
+        check_choice("data.mode", self.mode, DATA_MODES)
+        check_choice("data.missing_cameras", self.missing_cameras, MISSING_CAMERA_CHOICES)
+        check_choice("data.image_resize", self.image_resize, IMAGE_RESIZE_MODES)
+        check_choice("data.state_normalization", self.state_normalization, NORMALIZATIONS)
+        check_choice("data.action_normalization", self.action_normalization, NORMALIZATIONS)
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction={self.val_fraction!r} is not valid; it must be in [0, 1)")
         if not self.cameras:
@@ -459,7 +350,7 @@ class DataConfig:
             if not getattr(self, name):
                 raise ValueError(f"data.{name} is empty; name at least one feature, e.g. observation.state / action")
         for name, member in self.mixture.items():
-            _positive(f"data.mixture.{name}.weight", member.weight)
+            check_positive(f"data.mixture.{name}.weight", member.weight)
             if name == self.name:
                 raise ValueError(f"data.mixture.{name}: the name is the first dataset's (data.name={self.name!r}); "
                                  "mixture members need distinct names")
@@ -485,11 +376,11 @@ class OptimConfig:
     fused: str = "auto"
 
     def __post_init__(self) -> None:
-        _choice("optim.name", self.name, ("adamw",))
-        _choice("optim.fused", self.fused, ("auto", "true", "false"))
-        _positive("optim.lr", self.lr)
-        _positive("optim.backbone_lr_scale", self.backbone_lr_scale, allow_zero=True)
-        _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        check_choice("optim.name", self.name, ("adamw",))
+        check_choice("optim.fused", self.fused, ("auto", "true", "false"))
+        check_positive("optim.lr", self.lr)
+        check_positive("optim.backbone_lr_scale", self.backbone_lr_scale, allow_zero=True)
+        check_positive("optim.weight_decay", self.weight_decay, allow_zero=True)
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"optim.betas={self.betas!r} is not valid; give two values in [0, 1)")
 
@@ -506,9 +397,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         SCHEDULERS.check(self.name)
-        _positive("scheduler.warmup_steps", self.warmup_steps, allow_zero=True)
-        _positive("scheduler.frozen_backbone_steps", self.frozen_backbone_steps, allow_zero=True)
-        _positive("scheduler.decay_steps", self.decay_steps, allow_zero=True)
+        check_positive("scheduler.warmup_steps", self.warmup_steps, allow_zero=True)
+        check_positive("scheduler.frozen_backbone_steps", self.frozen_backbone_steps, allow_zero=True)
+        check_positive("scheduler.decay_steps", self.decay_steps, allow_zero=True)
         if self.decay_steps and self.decay_steps <= self.warmup_steps:
             raise ValueError(f"scheduler.decay_steps={self.decay_steps} must exceed scheduler.warmup_steps="
                              f"{self.warmup_steps} (the cosine runs between them), or be 0 for trainer.max_steps")
@@ -552,15 +443,15 @@ class TrainerConfig:
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ValueError(f"trainer.ema_decay={self.ema_decay} must lie strictly between 0 and 1 (e.g. 0.99), "
                              "or be null for no moving average")
-        _positive("trainer.max_steps", self.max_steps)
-        _positive("trainer.global_batch_size", self.global_batch_size)
-        _positive("trainer.grad_accum_steps", self.grad_accum_steps)
-        _positive("trainer.max_grad_norm", self.max_grad_norm, allow_zero=True)
-        _positive("trainer.log_every_steps", self.log_every_steps)
-        _positive("trainer.signal_check_every_steps", self.signal_check_every_steps)
-        _positive("trainer.val_every_steps", self.val_every_steps, allow_zero=True)
-        _positive("trainer.rollout_every_steps", self.rollout_every_steps, allow_zero=True)
-        _choice("trainer.device", self.device, DEVICES)
+        check_positive("trainer.max_steps", self.max_steps)
+        check_positive("trainer.global_batch_size", self.global_batch_size)
+        check_positive("trainer.grad_accum_steps", self.grad_accum_steps)
+        check_positive("trainer.max_grad_norm", self.max_grad_norm, allow_zero=True)
+        check_positive("trainer.log_every_steps", self.log_every_steps)
+        check_positive("trainer.signal_check_every_steps", self.signal_check_every_steps)
+        check_positive("trainer.val_every_steps", self.val_every_steps, allow_zero=True)
+        check_positive("trainer.rollout_every_steps", self.rollout_every_steps, allow_zero=True)
+        check_choice("trainer.device", self.device, DEVICES)
 
     def micro_batch_size(self, world_size: int) -> int:
         per_step = world_size * self.grad_accum_steps
@@ -587,8 +478,8 @@ class CheckpointConfig:
     async_save: bool = True
 
     def __post_init__(self) -> None:
-        _positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
-        _positive("checkpoint.keep", self.keep)
+        check_positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
+        check_positive("checkpoint.keep", self.keep)
 
 
 @dataclass
@@ -599,7 +490,7 @@ class WandbConfig:
     tags: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _choice("logging.wandb.mode", self.mode, WANDB_MODES)
+        check_choice("logging.wandb.mode", self.mode, WANDB_MODES)
 
 
 @dataclass
@@ -621,10 +512,10 @@ class ProfileConfig:
     kernels: int = 0
 
     def __post_init__(self) -> None:
-        _positive("profile.warmup_steps", self.warmup_steps, allow_zero=True)
-        _positive("profile.steps", self.steps)
-        _positive("profile.peak_tflops", self.peak_tflops, allow_zero=True)
-        _positive("profile.kernels", self.kernels, allow_zero=True)
+        check_positive("profile.warmup_steps", self.warmup_steps, allow_zero=True)
+        check_positive("profile.steps", self.steps)
+        check_positive("profile.peak_tflops", self.peak_tflops, allow_zero=True)
+        check_positive("profile.kernels", self.kernels, allow_zero=True)
 
 
 @dataclass
@@ -717,11 +608,11 @@ class RolloutConfig:
     out: str | None = None
 
     def __post_init__(self) -> None:
-        _positive("rollout.episodes", self.episodes)
-        _positive("rollout.replan_steps", self.replan_steps)
-        _positive("rollout.max_steps", self.max_steps)
-        _positive("rollout.videos", self.videos, allow_zero=True)
-        _positive("rollout.connect_timeout_s", self.connect_timeout_s)
+        check_positive("rollout.episodes", self.episodes)
+        check_positive("rollout.replan_steps", self.replan_steps)
+        check_positive("rollout.max_steps", self.max_steps)
+        check_positive("rollout.videos", self.videos, allow_zero=True)
+        check_positive("rollout.connect_timeout_s", self.connect_timeout_s)
         if min(self.height, self.width) < 16 or self.height % 2 or self.width % 2:
             raise ValueError(f"rollout.height={self.height} / rollout.width={self.width}: each must be an even number "
                              ">= 16 of pixels (the videos are yuv420p)")
@@ -745,7 +636,7 @@ class Config:
     name: str = "debug"
 
     def __post_init__(self) -> None:
-        _choice("precision", self.precision, PRECISIONS)
+        check_choice("precision", self.precision, PRECISIONS)
         if self.policy.gradient_checkpointing and not ENGINES.get(self.engine.name).activation_checkpointing:
             raise ValueError(
                 f"policy.gradient_checkpointing=true is refused with engine={self.engine.name!r}: torch activation "

@@ -3,7 +3,8 @@
 Config validation, the builders and the tools read these tables; nothing else lists the names.
 Adding an engine, a policy or a schedule is its own file (or function) plus one entry here. An
 entry names its implementation as ``"module:attribute"`` and imports it only when used, so
-validating a config never imports torch's distributed stack or DeepSpeed.
+validating a config never imports torch's distributed stack or DeepSpeed; a policy's entry names its
+options' schema the same way (``PolicyEntry.schema``), so it needs no other table.
 
 This module is at the bottom of the import graph: it imports no other slurmvla module.
 """
@@ -73,7 +74,18 @@ class SchedulerEntry(Entry):
 @dataclass(frozen=True)
 class PolicyEntry(Entry):
     """``target``: an ``nn.Module`` class built as ``cls(policy_cfg, stats, **policy.kwargs)``; empty:
-    the class is named by the config's ``policy.target`` (a user's own policy)."""
+    the class is named by the config's ``policy.target`` (a user's own policy).
+
+    ``schema``: ``"module:Class"`` of the policy's options, a dataclass deriving from
+    ``slurmvla.config.PolicyConfig`` whose ``name`` defaults to the entry's; the config layer imports it
+    by this name to validate ``policy.*`` and registers it in Hydra's ConfigStore (``policy=<name>``
+    selects it at its defaults where conf/policy/ has no file of that name). Its module imports no torch,
+    so validating a config never imports the model."""
+
+    schema: str = "slurmvla.config:PolicyConfig"
+
+    def load_schema(self) -> Any:
+        return import_target(self.schema)
 
 
 E = TypeVar("E", bound=Entry)
@@ -139,9 +151,10 @@ for _stage in (1, 2, 3):
 # -- policies ------------------------------------------------------------------------------------
 
 POLICIES: Registry[PolicyEntry] = Registry("policy.name")
-POLICIES.add(PolicyEntry("flow_vla", "slurmvla.policy.flow_vla:FlowMatchingVLA"))
-POLICIES.add(PolicyEntry("pi0", "slurmvla.policy.pi0:Pi0Policy"))
-POLICIES.add(PolicyEntry("pi05", "slurmvla.policy.pi0:Pi05Policy"))
+POLICIES.add(PolicyEntry("flow_vla", "slurmvla.policy.flow_vla:FlowMatchingVLA",
+                         schema="slurmvla.policy.flow_vla_config:FlowVLAConfig"))
+POLICIES.add(PolicyEntry("pi0", "slurmvla.policy.pi0:Pi0Policy", schema="slurmvla.policy.pi0_config:Pi0Config"))
+POLICIES.add(PolicyEntry("pi05", "slurmvla.policy.pi0:Pi05Policy", schema="slurmvla.policy.pi0_config:Pi05Config"))
 POLICIES.add(PolicyEntry("custom", ""))
 
 # -- learning-rate schedules ---------------------------------------------------------------------

@@ -12,10 +12,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from slurmvla.collectives import agree, check_same_fields
-from slurmvla.config import FlowVLAConfig, OptimConfig
+from slurmvla.config import OptimConfig
 from slurmvla.engine.precision import MasterWeightOptimizer, check_fp32_master_state
 from slurmvla.optim import build_adamw
 from slurmvla.policy import build_policy
+from slurmvla.policy.flow_vla_config import FlowVLAConfig
 
 pytestmark = pytest.mark.multiproc
 

@@ -3,11 +3,18 @@
 models never import ``torch.distributed`` or ``slurmvla.collectives``. Read from the source with ``ast``, so an import inside a function counts as much as
 one at the top; code under ``if __name__ == "__main__":`` does not (a library may hand its old ``python -m``
 path over to the program that moved up).
+
+A policy's schema is the one thing a lower layer reaches above itself: ``config`` and ``compose`` (layer 1)
+import it by the string its registry entry holds (``PolicyEntry.schema``, through ``registry.import_target``),
+which this reader does not see. So the schema modules are held to layer 1's rule here, and composing a
+config is checked to import no torch.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,6 +138,32 @@ def package_sources() -> dict[str, tuple[str, bool]]:
         module = ".".join(parts[:-1] if is_package else parts)
         out[module] = (path.read_text(), is_package)
     return out
+
+
+def test_a_policys_schema_module_imports_only_what_configuration_may():
+    from slurmvla.registry import POLICIES
+
+    sources = package_sources()
+    found = []
+    for name in POLICIES:
+        module = POLICIES.get(name).schema.partition(":")[0]
+        source, is_package = sources[module]
+        for imported in dict.fromkeys(imports(source, module, is_package, set(sources))):
+            heavy = any(_within(imported, m) for m in ("torch", "transformers", "numpy"))
+            if heavy or (_within(imported, "slurmvla") and (layer_of(imported) or 0) > 1):
+                found.append(f"{module} -> {imported} (the schema of policy {name}: config imports it by name)")
+    assert not found, "\n".join(found)
+
+
+def test_composing_a_config_imports_no_torch():
+    """Validating a config (a launcher's dry run, a saved config re-read) costs no torch import: every policy's
+    schema, and the policy package's ``__init__`` that importing it runs, stay light."""
+    code = ("import sys\nfrom slurmvla.compose import compose\nfrom slurmvla.registry import POLICIES\n"
+            "for option in ('tiny', 'pi0', 'pi05_tiny', 'keypoints'):\n    compose([f'policy={option}'])\n"
+            "for name in POLICIES:\n    POLICIES.get(name).load_schema()\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout[-2000:] + out.stderr[-2000:]
 
 
 def test_no_library_imports_a_layer_above_it_and_models_know_nothing_of_ranks():

@@ -295,7 +295,7 @@ def test_grouped_matmul_attention_equals_torchs_attention_with_the_heads_repeate
     """The folded form (query heads that share a key / value head as extra rows) against
     F.scaled_dot_product_attention with each key / value head copied to its query heads: the same output,
     with a mask that differs per sample and per query."""
-    from slurmvla.policy.flow_vla import grouped_matmul_attention, repeat_heads
+    from slurmvla.policy.attention import grouped_matmul_attention, repeat_heads
 
     g = torch.Generator().manual_seed(0)
     b, heads, n, keys, d = 2, 8, 5, 13, 16

@@ -7,8 +7,8 @@ import warnings
 import pytest
 import torch
 
-from slurmvla.config import FlowVLAConfig
-from slurmvla.policy import build_policy, flow_vla
+from slurmvla.policy import attention, build_policy, flow_vla
+from slurmvla.policy.flow_vla_config import FlowVLAConfig
 from slurmvla.policy.tokenizer import tokenize
 
 
@@ -106,7 +106,7 @@ def test_sdpa_and_eager_agree():
 
 
 def test_unavailable_attention_warns_once_and_falls_back():
-    flow_vla._warned.clear()
+    attention._warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         p1 = policy(attention_implementation="fa2")
@@ -263,13 +263,13 @@ def test_grouped_attention_with_a_mask_through_expanded_heads_equals_the_grouped
     k, v = torch.randn(2, 2, 7, 16, generator=g), torch.randn(2, 2, 7, 16, generator=g)
     mask = torch.rand(2, 1, 5, 7, generator=g) > 0.3
     mask[..., 0] = True  # every query sees at least one key
-    grouped = flow_vla.attention(q, k, v, mask, "sdpa")
-    expanded = flow_vla.attention(q, k, v, mask, "sdpa", expand_heads=True)
-    explicit = flow_vla.attention(q, k, v, mask, "eager")
+    grouped = attention.attention(q, k, v, mask, "sdpa")
+    expanded = attention.attention(q, k, v, mask, "sdpa", expand_heads=True)
+    explicit = attention.attention(q, k, v, mask, "eager")
     torch.testing.assert_close(expanded, grouped, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(expanded, explicit, rtol=1e-5, atol=1e-6)
     # Query head h reads key / value head h // 4: swapping the two kv heads changes the output.
-    assert not torch.allclose(flow_vla.attention(q, k.flip(1), v.flip(1), mask, "sdpa", expand_heads=True), expanded)
+    assert not torch.allclose(attention.attention(q, k.flip(1), v.flip(1), mask, "sdpa", expand_heads=True), expanded)
 
 
 def test_a_checkpointed_layer_is_recomputed_under_its_forwards_context():

@@ -1,21 +1,29 @@
 """Policies: the contract (``Policy``), the built-in ones named in ``slurmvla.registry.POLICIES``, and
-a user's own (``policy=custom policy.target=package.module.Class``)."""
+a user's own (``policy=custom policy.target=package.module.Class``).
+
+Importing the package imports no torch: each built-in policy's options (its schema, e.g.
+``slurmvla.policy.pi0_config``) live here beside its model, and validating a config imports the schema
+alone. The contract and the builders import torch when first used."""
 
 from __future__ import annotations
 
 import contextlib
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from slurmvla.config import PolicyConfig
-from slurmvla.data.spec import SampleSpec
-from slurmvla.policy.base import Policy, as_policy_class, construct, import_class
 from slurmvla.registry import POLICIES
-from slurmvla.weights import parameters_on_meta, supports_deferred_init
+
+if TYPE_CHECKING:
+    import torch
+
+    from slurmvla.data.spec import SampleSpec
+    from slurmvla.policy.base import Policy
 
 
 def policy_class(cfg: PolicyConfig) -> type[Policy]:
     """The class ``policy.name`` (or, for ``custom``, ``policy.target``) names, with the contract's defaults."""
+    from slurmvla.policy.base import as_policy_class, import_class
+
     entry = POLICIES.get(cfg.name)
     if entry.target:
         return as_policy_class(entry.load(), where=f"policy.name={cfg.name}")
@@ -32,6 +40,9 @@ def build_policy(cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None = None
     policy's own weights are in: slurmvla/policy/lora.py). ``on_meta``: a policy that can initialise
     parameter by parameter is built with its parameters on the meta device, for the caller to initialise
     or load where they will live (``slurmvla.engine.materialize``); one that cannot is built whole."""
+    from slurmvla.policy.base import construct
+    from slurmvla.weights import parameters_on_meta, supports_deferred_init
+
     cls = policy_class(cfg)
     with parameters_on_meta() if on_meta and supports_deferred_init(cls) else contextlib.nullcontext():
         policy = construct(cls, cfg, stats)
@@ -40,6 +51,15 @@ def build_policy(cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None = None
 
             apply_lora(policy, cfg)
     return policy
+
+
+def __getattr__(name: str) -> Any:
+    # slurmvla.policy.Policy, the contract's base class, imported (with torch) on first use.
+    if name == "Policy":
+        from slurmvla.policy.base import Policy
+
+        return Policy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["Policy", "build_policy", "policy_class", "sample_spec"]

@@ -51,14 +51,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from slurmvla.config import PolicyConfig
 from slurmvla.data.spec import DataFeatures, Draw, SampleSpec
+from slurmvla.policy.attention import attention, grouped_matmul_attention, resolve_attention
 from slurmvla.policy.base import Policy
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
-from slurmvla.policy.flow_vla import attention, grouped_matmul_attention, resolve_attention
 from slurmvla.policy.recompute import Recompute
 from slurmvla.weights import parameter_generator
 
 log = logging.getLogger(__name__)
-# policy.attention_kernels' names (slurmvla.config.ATTENTION_KERNELS) for torch's kernels.
+# policy.attention_kernels' names (slurmvla.policy.pi0_config.ATTENTION_KERNELS) for torch's kernels.
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                  "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 # A batch made by Pi0Policy.prepare_inference carries its prompt under these keys, cut to a multiple of
