@@ -79,7 +79,7 @@ def main() -> None:
         cuda = trainer.device.type == "cuda"
 
         def load() -> None:
-            trainer.checkpoints.load(path, trainer.engine, trainer.ema)
+            trainer.checkpoints.load(path)
             if cuda:
                 torch.cuda.synchronize(trainer.device)
 

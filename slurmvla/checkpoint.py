@@ -55,7 +55,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,14 @@ _MB = 1 << 20
 
 class CheckpointError(Failure):
     """A checkpoint could not be written or read; the message names the path and what to do."""
+
+
+class Stateful(Protocol):
+    """A checkpoint's small part: a dict ``torch.save`` writes, and the way back."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 # -- files and checksums -------------------------------------------------------------------------
@@ -204,7 +212,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: Path, keep: int, rank: int = 0, world_size: int = 1, async_save: bool = False):
+    """A run's checkpoints of what it is given once: ``engine`` (weights and optimizer state, in its own
+    files), ``state`` (written by rank 0 as ``trainer_state.pt``), ``rank_state`` (every rank's own,
+    ``rank_XXXXX.pt``) and ``ema`` (a :class:`slurmvla.engine.ema.MovingAverage`, ``ema.safetensors``)."""
+
+    def __init__(self, run_dir: Path, keep: int, engine: Any, state: Stateful, rank_state: Stateful, ema: Any = None,
+                 rank: int = 0, world_size: int = 1, async_save: bool = False):
+        self.engine, self.state, self.rank_state, self.ema = engine, state, rank_state, ema
         self.root = Path(run_dir) / "checkpoints"
         self.keep = keep
         self.rank, self.world_size = rank, world_size
@@ -219,8 +233,8 @@ class CheckpointManager:
         self._committed_seconds: float | None = None  # rank 0: set by a background commit, read by wait()
         self._background_used = False  # some save went to the background (the same on every rank)
         self._said_sync = False
-        # Whether this run's saves go to the background: async_save until the engine is known (at the
-        # first save or load), then whether that engine can.
+        # Whether this run's saves go to the background: async_save until the first save or load, then
+        # whether the engine can.
         self.background = async_save
 
     @property
@@ -250,17 +264,17 @@ class CheckpointManager:
 
     # -- saving -----------------------------------------------------------------------------------
 
-    def background_mode(self, engine: Any) -> str | None:
-        """How ``engine`` saves with ``checkpoint.async_save``: ``"replicated"`` (rank 0 writes a host
+    def background_mode(self) -> str | None:
+        """How the engine saves with ``checkpoint.async_save``: ``"replicated"`` (rank 0 writes a host
         snapshot), ``"sharded"`` (every rank writes its part) or None (synchronously: said once)."""
-        mode = self._mode(engine)
+        mode = self._mode(self.engine)
         self.background = mode is not None
         if mode is not None or not self.async_save or self._said_sync:
             return mode
         self._said_sync = True
         if self.is_main:
             log.warning("checkpoint.async_save=true, but engine=%s cannot save in the background: its checkpoints "
-                        "are written synchronously (training waits for each)", engine.name)
+                        "are written synchronously (training waits for each)", self.engine.name)
         return None
 
     def _mode(self, engine: Any) -> str | None:
@@ -274,18 +288,20 @@ class CheckpointManager:
                 return "sharded"
         return None
 
-    def save(self, step: int, engine: Any, trainer_state: dict[str, Any], rank_state: dict[str, Any],
-             ema: Any = None) -> Path:
-        """Every rank calls this; ``rank_state`` (RNG streams) is per rank, the rest is written once.
-        ``ema``: a :class:`slurmvla.engine.ema.MovingAverage`, gathered now, written as ``ema.safetensors``.
-        Returns the final path (complete on return, or once ``wait()`` returns when in background)."""
+    def save(self, step: int) -> Path:
+        """Every rank calls this. Returns the final path (complete on return, or once ``wait()`` returns
+        when in background)."""
         called = time.perf_counter()
+        # The small files' contents, taken now: every rank's own state, and rank 0's of the rest.
+        small = {RANK_FILE.format(rank=self.rank): self.rank_state.state_dict()}
+        if self.is_main:
+            small[TRAINER_FILE] = self.state.state_dict()
         self.wait()
         started = time.perf_counter()
         final = self.root / f"step_{step:08d}"
         # The same name on every rank (each writes its shards into it); never a complete checkpoint.
         tmp = self.root / f".step_{step:08d}.tmp"
-        mode = self.background_mode(engine)
+        engine, ema, mode = self.engine, self.ema, self.background_mode()
 
         def prepare() -> None:
             if self.is_main:
@@ -296,7 +312,7 @@ class CheckpointManager:
 
         self._on_every_rank(step, tmp, prepare)
         if mode == "sharded":
-            self._save_sharded(step, tmp, final, engine, trainer_state, rank_state, ema, started)
+            self._save_sharded(step, tmp, final, small, started)
             self.last_stall_seconds = time.perf_counter() - called
             return final
         writer: list[Callable[[Path], None]] = []
@@ -312,9 +328,8 @@ class CheckpointManager:
                     writer.append(write_ema)
                 else:
                     write_ema(tmp)
-            torch.save(rank_state, tmp / RANK_FILE.format(rank=self.rank))
-            if self.is_main:
-                torch.save(trainer_state, tmp / TRAINER_FILE)
+            for name, state in small.items():
+                torch.save(state, tmp / name)
 
         self._on_every_rank(step, tmp, write_parts)
         meta = _meta(step, engine)
@@ -335,25 +350,23 @@ class CheckpointManager:
         self.last_stall_seconds = time.perf_counter() - called
         return final
 
-    def _save_sharded(self, step: int, tmp: Path, final: Path, engine: Any, trainer_state: dict[str, Any],
-                      rank_state: dict[str, Any], ema: Any, started: float) -> None:
+    def _save_sharded(self, step: int, tmp: Path, final: Path, small: dict[str, Any], started: float) -> None:
         """Every rank's part in the background. The small files first (a failure there is raised on every
         rank before anything is in flight), then the engine's background write, then every rank's thread."""
         write_ema: list[Callable[[Path], None]] = []
 
         def small_parts() -> None:
-            if ema is not None:
-                write_ema.append(self._ema_writer(ema))  # gathered now (a collective), written by rank 0's thread
-            torch.save(rank_state, tmp / RANK_FILE.format(rank=self.rank))
-            if self.is_main:
-                torch.save(trainer_state, tmp / TRAINER_FILE)
+            if self.ema is not None:
+                write_ema.append(self._ema_writer(self.ema))  # gathered now (a collective), written by rank 0's thread
+            for name, state in small.items():
+                torch.save(state, tmp / name)
 
         self._on_every_rank(step, tmp, small_parts)
         part: list[BackgroundSave] = []
-        self._on_every_rank(step, tmp, lambda: part.append(engine.save_in_background(tmp)))
+        self._on_every_rank(step, tmp, lambda: part.append(self.engine.save_in_background(tmp)))
         self._background_used = True
-        self._start(self._write_part_in_background, step, tmp, final, part[0], write_ema, _meta(step, engine),
-                    started)
+        self._start(self._write_part_in_background, step, tmp, final, part[0], write_ema,
+                    _meta(step, self.engine), started)
 
     def _start(self, target: Callable[..., None], *args: Any) -> None:
         self._pending_error = None
@@ -530,8 +543,14 @@ class CheckpointManager:
 
     # -- loading ----------------------------------------------------------------------------------
 
-    def load(self, path: Path, engine: Any, ema: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
-        self.background_mode(engine)  # known from now on (``background``), and said if async_save cannot be had
+    def load(self, path: Path | None = None) -> Path | None:
+        """Restore everything from ``path``, or from the newest intact checkpoint (a collective:
+        :meth:`latest_intact`). Returns the checkpoint loaded; None when there is none."""
+        path = path or self.latest_intact()
+        if path is None:
+            return None
+        engine, ema = self.engine, self.ema
+        self.background_mode()  # known from now on (``background``), and said if async_save cannot be had
         meta = json.loads((path / META_FILE).read_text())
         if meta["engine"] != engine.name:
             raise ValueError(
@@ -555,12 +574,13 @@ class CheckpointManager:
             ema.reset()
             log.warning("checkpoint %s holds no moving average (written without trainer.ema_decay): it starts "
                         "from the resumed weights", path)
-        state = torch.load(path / TRAINER_FILE, map_location="cpu", weights_only=True)
+        self.state.load_state_dict(torch.load(path / TRAINER_FILE, map_location="cpu", weights_only=True))
         rank_file = path / RANK_FILE.format(rank=self.rank)
-        # A rank that did not exist when the checkpoint was written (resumed on more ranks) starts
+        # A rank that did not exist when the checkpoint was written (resumed on more ranks) keeps its
         # fresh RNG streams; the training noise itself comes from the data and does not depend on them.
-        rank_state = torch.load(rank_file, map_location="cpu", weights_only=True) if rank_file.is_file() else {}
-        return state, rank_state
+        if rank_file.is_file():
+            self.rank_state.load_state_dict(torch.load(rank_file, map_location="cpu", weights_only=True))
+        return path
 
 
 def load_model_file(checkpoint: Path, ema: bool = False) -> dict[str, torch.Tensor]:

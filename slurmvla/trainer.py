@@ -11,7 +11,6 @@ import dataclasses
 import gc
 import json
 import logging
-import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +48,7 @@ from slurmvla.policy import build_policy, policy_class
 from slurmvla.policy.graphed import compile_units
 from slurmvla.policy.stats import resolve_stats
 from slurmvla.registry import ENGINES
-from slurmvla.seeding import seed_everything
+from slurmvla.seeding import GlobalGenerators, seed_everything
 
 log = logging.getLogger("slurmvla")
 
@@ -206,7 +205,8 @@ class Trainer:
         seed_everything(cfg.trainer.seed + 1_000 * (self.env.rank + 1))
 
     def _open_run_dir(self) -> None:
-        self.checkpoints = CheckpointManager(self.run_dir, self.cfg.checkpoint.keep, self.env.rank,
+        self.checkpoints = CheckpointManager(self.run_dir, self.cfg.checkpoint.keep, self.engine, self,
+                                             GlobalGenerators(self.device), self.ema, self.env.rank,
                                              self.env.world_size, self.cfg.checkpoint.async_save)
         config_dict = OmegaConf.to_container(OmegaConf.structured(self.cfg))
         self.logger = MetricLogger(self.run_dir, self.cfg.logging.wandb, self.cfg.name, config_dict, self.env.is_main)
@@ -441,6 +441,8 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        """Where training stands (a checkpoint's ``trainer_state.pt``); the engine, the moving average and
+        each rank's generators are the checkpoint's other parts (``CheckpointManager``)."""
         return {
             "step": self.step,
             "epoch": self.epoch,
@@ -448,14 +450,14 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
         }
 
-    def rank_state_dict(self) -> dict[str, Any]:
-        state = {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
-        if self.device.type == "cuda":
-            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        return state
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.epoch = state["step"], state["epoch"]
+        self.batches_in_epoch = self.data.resume_position(state["data"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self._batches = None
 
     def save(self) -> Path:
-        path = self.checkpoints.save(self.step, self.engine, self.state_dict(), self.rank_state_dict(), self.ema)
+        path = self.checkpoints.save(self.step)
         if self.env.is_main and not self.checkpoints.pending:
             log.info("saved checkpoint %s", path)  # a background save says so when it is in place
         self._check_grace(self.checkpoints.last_save_seconds)
@@ -475,19 +477,9 @@ class Trainer:
             log.warning("%s", warning)
 
     def _resume(self) -> None:
-        latest = self.checkpoints.latest_intact()
+        latest = self.checkpoints.load()
         if latest is None:
             return
-        state, rank_state = self.checkpoints.load(latest, self.engine, self.ema)
-        self.step, self.epoch = state["step"], state["epoch"]
-        self.batches_in_epoch = self.data.resume_position(state["data"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if rank_state:
-            torch.set_rng_state(rank_state["torch_rng"])
-            random.setstate(rank_state["python_rng"])
-        if "cuda_rng" in rank_state and self.device.type == "cuda":
-            torch.cuda.set_rng_state(rank_state["cuda_rng"], self.device)
-        self._batches = None
         self.resumed_from = latest
         if self.env.is_main:
             log.info("resumed from %s at step %d", latest, self.step)

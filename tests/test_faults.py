@@ -177,6 +177,16 @@ def test_disk_filling_during_a_save_is_an_error_naming_the_path_and_leaves_no_pa
     assert list(where.iterdir()) == [] and not (run / "FINISHED").exists()
 
 
+class _Held:
+    """A checkpoint's small state, empty."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 def test_keep_k_pruning_never_removes_the_last_good_checkpoint_when_a_save_fails(tmp_path):
     """A save that fails after others succeeded leaves the newest complete one in place."""
     class Failing:
@@ -186,12 +196,12 @@ def test_keep_k_pruning_never_removes_the_last_good_checkpoint_when_a_save_fails
         def save(self, directory):
             raise OSError(28, "No space left on device", str(directory / "model.safetensors"))
 
-    manager = CheckpointManager(tmp_path, keep=1)
+    manager = CheckpointManager(tmp_path, keep=1, engine=Failing(), state=_Held(), rank_state=_Held())
     good = tmp_path / "checkpoints" / "step_00000002"
     good.mkdir(parents=True)
     (good / "meta.json").write_text(json.dumps({"step": 2, "files": {}}))
     with pytest.raises(RuntimeError, match="no space left on device.*step_00000002 is complete"):
-        manager.save(4, Failing(), {}, {})
+        manager.save(4)
     assert list_checkpoints(tmp_path / "checkpoints") == [good]
     assert not list((tmp_path / "checkpoints").glob(".step_*"))
 
@@ -206,9 +216,9 @@ def test_an_engine_that_cannot_save_in_the_background_says_so_once_and_times_its
         def save(self, directory):
             (directory / "weights.bin").write_bytes(b"weights")
 
-    manager = CheckpointManager(tmp_path, keep=2, async_save=True)
+    manager = CheckpointManager(tmp_path, keep=2, engine=Plain(), state=_Held(), rank_state=_Held(), async_save=True)
     for step in (1, 2):
-        manager.save(step, Plain(), {"step": step}, {})
+        manager.save(step)
     assert caplog.text.count("engine=plain cannot save in the background") == 1 and not manager.background
     meta = json.loads((tmp_path / "checkpoints" / "step_00000002" / META_FILE).read_text())
     assert meta["save_seconds"] == manager.last_save_seconds >= 0
