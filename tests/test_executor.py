@@ -64,6 +64,13 @@ EXPECTED = {
 EXPECTED.update({("rtc", d): EXPECTED[("async", d)] for d in (0, 1, 3)})
 
 
+def test_a_delay_of_replan_steps_asks_again_as_the_answer_lands():
+    # d = 4 = replan_steps: each answer starts at index 4, where the next request is due: no hold after the first.
+    actions, _, sent = run("async", 4, 20)
+    assert actions == [H_] * 4 + list(range(10, 18)) + [24, 25, 26, 27, 34, 35, 36, 37]
+    assert sent == [0, 8, 12, 16]
+
+
 @pytest.mark.parametrize("mode, d", sorted(EXPECTED))
 def test_each_mode_executes_the_hand_written_sequence(mode, d):
     actions, _, sent = run(mode, d, 16)

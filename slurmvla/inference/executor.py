@@ -105,10 +105,14 @@ class Executor:
     # -- the control tick -----------------------------------------------------------------------
     def step(self, observe: Callable[[], dict]) -> Tick:
         """The action for this tick; sends a request (with ``observe()``) when one is due."""
-        if self.pending is None and (self.chunk is None or self.pos >= min(self.replan, len(self.chunk))):
-            self._send(self._request(observe()))
         if self.pending is not None and self._arrived(self.pending):
             self._switch()
+        # Due when the chunk's index reaches replan_steps: at once after a switch that landed there (a delay
+        # of replan_steps or more), in the tick the answer of a request without delay is used.
+        if self.pending is None and (self.chunk is None or self.pos >= min(self.replan, len(self.chunk))):
+            self._send(self._request(observe()))
+            if self._arrived(self.pending):
+                self._switch()
         running = self.pending is None or self.mode != "sync"
         if running and self.chunk is not None and self.pos < len(self.chunk):
             tick = Tick(self.chunk[self.pos], self.chunk_id, self.pos)
