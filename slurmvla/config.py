@@ -606,8 +606,21 @@ class RolloutConfig:
     # Where the summary (rollout.json), per-episode results and videos go; null: beside the source
     # (RUN_DIR/rollout/step_N/) for a run, ./rollout/ for a server address.
     out: str | None = None
+    # How chunks run (docs/serving.md, "Execution modes"): sync (run replan_steps actions, ask, hold until
+    # the answer), async (keep executing while asking, then switch to the new chunk), rtc (as async, the
+    # request carrying the old chunk and the delay; the server must list "rtc" in its execution_modes).
+    execution: str = "sync"
+    # The simulator keeps time: each request's answer takes effect this many control steps after its
+    # observation, the arm executing (async, rtc) or holding (sync) meanwhile. 0: at once (the environment
+    # waits for the policy).
+    delay_steps: int = 0
+    # fixed: delay_steps; measured: each call's wall time times the control rate (15 Hz), rounded up.
+    delay: str = "fixed"
 
     def __post_init__(self) -> None:
+        check_choice("rollout.execution", self.execution, ("sync", "async", "rtc"))
+        check_choice("rollout.delay", self.delay, ("fixed", "measured"))
+        check_positive("rollout.delay_steps", self.delay_steps, allow_zero=True)
         check_positive("rollout.episodes", self.episodes)
         check_positive("rollout.replan_steps", self.replan_steps)
         check_positive("rollout.max_steps", self.max_steps)

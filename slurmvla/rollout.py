@@ -10,12 +10,16 @@ talk to it through openpi's published ``openpi_client.WebsocketClientPolicy``, a
 request is the observation under openpi's DROID keys (the cameras and state the server's metadata
 names, and the prompt), each reply an action chunk, of which ``rollout.replan_steps`` actions are
 executed before the next request (open loop in between, as openpi's clients do).
+``rollout.execution`` picks how chunks run (sync: ask and hold; async: ask while executing, then switch;
+rtc: as async, the request carrying the old chunk and the delay) and ``rollout.delay_steps`` (or
+``rollout.delay=measured``) how many control steps the environment advances while a request is outstanding.
 
 Episode ``e`` is the environment's seed ``rollout.first_seed + e`` (``rollout.episodes`` of them; the
 demonstrations use 0..N-1, the default first seed none of them). Per episode: success, return (the
 dense progress reward, in [0, 1] per step, summed over ``rollout.max_steps`` with success absorbing:
 the steps after it count 1 each), length. Overall: ``rollout/success_rate`` with its 95 % Wilson interval,
-mean return and length, wall time, control steps and requests per second. Written to
+mean return and length, wall time, control steps and requests per second, the action jumps at chunk switches
+and within chunks, the steps held. Written to
 ``rollout.out`` (default ``RUN_DIR/rollout/step_N/``): ``rollout.json`` (the summary and every
 episode) and ``episode_SEED.mp4`` for the first ``rollout.videos`` episodes (exterior and wrist
 cameras side by side). ``--shard I/N`` runs every N-th episode from the I-th (``sbatch/rollout.sh``
@@ -37,6 +41,7 @@ from slurmvla.errors import boundary
 from slurmvla.inference.closed_loop import (
     close_client,
     connect,
+    execution_of,
     require_sim,
     run_episodes,
     run_served,
@@ -109,7 +114,7 @@ def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None,
         episodes = run_served(server, cfg, seeds, out)
     summary = summarize(episodes, time.perf_counter() - start)
     summary.update({"source": where, "step": step, "replan_steps": cfg.replan_steps, "max_steps": cfg.max_steps,
-                    "shard": f"{shard[0]}/{shard[1]}", "host": socket.gethostname()})
+                    **execution_of(cfg), "shard": f"{shard[0]}/{shard[1]}", "host": socket.gethostname()})
     out.mkdir(parents=True, exist_ok=True)
     (out / name).write_text(json.dumps(summary, indent=1))
     return summary | {"out": str(out / name)}
@@ -134,7 +139,8 @@ def merge(paths: list[Path], out: Path) -> dict:
     episodes = [e for part in parts for e in part["episodes"]]
     wall = max(part["rollout/wall_s"] for part in parts)
     summary = summarize(episodes, wall)
-    summary.update({k: parts[0][k] for k in ("source", "step", "replan_steps", "max_steps") if k in parts[0]})
+    summary.update({k: parts[0][k] for k in ("source", "step", "replan_steps", "max_steps", "execution", "delay")
+                    if k in parts[0]})
     summary["shards"] = len(parts)
     summary["hosts"] = sorted({part.get("host", "?") for part in parts})
     out.write_text(json.dumps(summary, indent=1))

@@ -184,6 +184,7 @@ def test_rollout_against_a_running_server_by_address_in_shards_then_merged(repla
     (["ws://127.0.0.1:1", "policy.action_horizon=4"], "only rollout.* overrides apply"),
     (["ws://127.0.0.1:1", "rollout.episodez=4"], "rollout.episodez is not a setting; choose from"),
     (["ws://127.0.0.1:1", "rollout.episodes=0"], "rollout.episodes=0"),
+    (["ws://127.0.0.1:1", "rollout.execution=rtx"], "rollout.execution='rtx' is not valid; choose one of"),
     (["ws://127.0.0.1:1", "--shard", "2/2"], "--shard '2/2': I must be in 0..N-1"),
     (["/nonexistent/run"], "'/nonexistent/run' does not exist"),
 ])
@@ -292,3 +293,117 @@ def test_the_keypoint_policy_learns_where_a_dot_is():
     with torch.no_grad():
         mse = (policy.sample_actions(test) - test["actions"]).square().mean().item()
     assert mse < 0.1, mse
+
+
+def _before(client, cfg, seed: int) -> dict:
+    """An episode as the closed loop ran it before execution modes: replan_steps actions of each chunk, then
+    ask and wait (the environment standing still)."""
+    from slurmvla.sim.env import CLIENT_CAMERAS
+    from slurmvla.sim.record import INSTRUCTIONS
+
+    meta = client.get_server_metadata()
+    wanted = [k for k in meta["cameras"].values() if k]
+    env = PickCube(height=cfg.height, width=cfg.width, cameras=tuple(CLIENT_CAMERAS.values()))
+    env.reset(seed)
+    plan, total, requests, actions = [], 0.0, 0, []
+    for _ in range(cfg.max_steps):
+        if not plan:
+            obs = env.observe(tuple(wanted))
+            request = {k: obs[k] for k in [*wanted, *meta["state"]]} | {meta.get("prompt") or "prompt": INSTRUCTIONS[0]}
+            plan = list(np.asarray(client.infer(request)["actions"], dtype=np.float64)[: cfg.replan_steps])
+            requests += 1
+        actions.append(plan.pop(0))
+        step = env.step(actions[-1])
+        total += step.reward
+        if step.success:
+            total += float(cfg.max_steps - env.steps)
+            break
+    env.close()
+    return {"return": total, "length": env.steps, "requests": requests, "success": step.success}
+
+
+def test_sync_without_delay_is_the_loop_as_before_and_async_with_a_delay_reports_the_switches(replay_run):
+    from dataclasses import replace
+
+    from slurmvla.config import RolloutConfig
+    from slurmvla.inference.build import build_server
+    from slurmvla.inference.closed_loop import close_client, connect, run_episodes, summarize
+    from slurmvla.inference.harness import serving_in_thread
+
+    server = build_server(str(replay_run), ["serve.host=127.0.0.1", "serve.port=0"], environ={})
+    cfg = RolloutConfig(first_seed=0, episodes=2, height=HEIGHT, width=WIDTH, videos=0, max_steps=60)
+    with serving_in_thread(server) as port:
+        client = connect("127.0.0.1", port)
+        try:
+            horizon = client.get_server_metadata()["action_horizon"]
+            before = [_before(client, cfg, seed) for seed in (0, 1)]
+            now = run_episodes(client, cfg, [0, 1])
+            delayed = {mode: run_episodes(client, replace(cfg, execution=mode, delay_steps=2), [0, 1])
+                       for mode in ("async", "sync")}
+        finally:
+            close_client(client)
+    for old, new in zip(before, now):
+        assert {k: new[k] for k in old} == old
+        assert new["hold_steps"] == 0 and new["switches"] == new["requests"] - 1
+    assert horizon >= cfg.replan_steps + 2
+    for e in delayed["async"]:
+        # Held only while the first chunk was on its way; a switch per answer (hold -> chunk 1 is one), the last
+        # request perhaps unanswered when the episode ended.
+        assert e["hold_steps"] == 2 and e["requests"] - 1 <= e["switches"] <= e["requests"], e
+        assert e["switch_jump_max"] >= e["switch_jump_mean"] > 0 and e["within_steps"] > 0
+    for e in delayed["sync"]:
+        # Sync holds 2 steps per request (the last one may be cut short by the episode's end).
+        assert 2 * (e["requests"] - 1) < e["hold_steps"] <= 2 * e["requests"], e
+    summary = summarize(delayed["async"], 1.0)
+    assert summary["rollout/mean_hold_steps"] == 2.0
+    assert summary["rollout/switch_jump_max"] == max(e["switch_jump_max"] for e in delayed["async"])
+    assert summary["rollout/within_jump_mean"] > 0
+
+
+class _Recording:
+    """A policy served on the one-method protocol: chunk n is 0.01 n on every joint velocity (the gripper open),
+    every request recorded; its metadata lists the execution modes given."""
+
+    def __init__(self, modes: list[str]):
+        self.modes, self.seen = modes, []
+
+    def metadata(self) -> dict:
+        return {"action_horizon": 8, "cameras": {"exterior": "observation/exterior_image_1_left"},
+                "state": ["observation/joint_position", "observation/gripper_position"], "execution_modes": self.modes}
+
+    def infer(self, obs: dict) -> dict:
+        self.seen.append(obs)
+        chunk = np.zeros((8, 8))
+        chunk[:, :7] = 0.01 * len(self.seen) + 0.001 * np.arange(8)[:, None]
+        return {"actions": chunk}
+
+
+def test_rtc_requests_carry_the_old_chunk_and_the_delay_and_a_server_without_rtc_refuses_it():
+    from slurmvla.config import RolloutConfig
+    from slurmvla.inference.closed_loop import run_served
+    from slurmvla.inference.server import PolicyServer
+
+    cfg = RolloutConfig(first_seed=0, episodes=1, height=HEIGHT, width=WIDTH, videos=0, max_steps=12, execution="rtc",
+                        delay_steps=2)
+    policy = _Recording(["sync", "async", "rtc"])
+    [episode] = run_served(PolicyServer(policy, "127.0.0.1", 0), cfg, [0], None)
+    # Requests at steps 0, 6 (chunk 1's index 4) and 10 (chunk 2's index 4: it started at index 2).
+    assert episode["requests"] == len(policy.seen) == 3 and episode["hold_steps"] == 2
+    assert "prev_actions" not in policy.seen[0] and "delay" not in policy.seen[0]
+    for n, request in ((1, policy.seen[1]), (2, policy.seen[2])):
+        want = 0.01 * n + 0.001 * np.arange(4, 8)
+        np.testing.assert_allclose(request["prev_actions"][:, :7], np.repeat(want[:, None], 7, axis=1))
+        assert request["prev_actions"].shape == (4, 8) and request["delay"] == 2
+    with pytest.raises(ValueError, match=r"rollout.execution=rtc: the server does not offer real-time chunking "
+                                         r"\(its execution_modes: \['sync', 'async'\]\)"):
+        run_served(PolicyServer(_Recording(["sync", "async"]), "127.0.0.1", 0), cfg, [0], None)
+
+
+def test_rollout_runs_async_with_a_delay_from_the_command_line_overrides(replay_run, tmp_path):
+    summary = run(str(replay_run), ["rollout.first_seed=0", "rollout.episodes=1", "rollout.execution=async",
+                                    "rollout.delay_steps=4", "rollout.max_steps=30", f"rollout.height={HEIGHT}",
+                                    f"rollout.width={WIDTH}", "rollout.videos=0", f"rollout.out={tmp_path}"])
+    assert (summary["execution"], summary["delay"]) == ("async", 4)
+    assert summary["rollout/mean_hold_steps"] == 4.0 and summary["episodes"][0]["switches"] >= 1
+    written = json.loads((tmp_path / "rollout.json").read_text())
+    assert written["execution"] == "async" and "rollout/switch_jump_mean" in written

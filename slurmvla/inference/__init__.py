@@ -9,6 +9,8 @@ the trainer's closed loop through ``train``, the benchmarks), one job per module
 - :mod:`~slurmvla.inference.wire`, :mod:`~slurmvla.inference.auth`, :mod:`~slurmvla.inference.server`,
   :mod:`~slurmvla.inference.harness`: openpi's websocket protocol in front of anything with ``infer(obs)``.
 - :mod:`~slurmvla.inference.build`: a source and overrides -> a runner, a server.
+- :mod:`~slurmvla.inference.executor`: the robot side: which action of which chunk runs at each control tick
+  (sync, async, rtc); numpy only, so it runs on a robot without torch.
 - :mod:`~slurmvla.inference.closed_loop`: episodes of the simulated task through openpi's client.
 
 Beside the trainer (layer 5): neither imports the other; ``train`` hands the closed loop to the trainer.

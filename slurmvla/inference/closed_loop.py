@@ -3,9 +3,13 @@
 
 Each request is the observation under openpi's DROID keys (the cameras and state the server's metadata
 names, and the prompt), each reply an action chunk, of which ``rollout.replan_steps`` actions are executed
-before the next request (open loop in between, as openpi's clients do). Per episode: success, return (the
-dense progress reward, in [0, 1] per step, summed over ``rollout.max_steps`` with success absorbing: the
-steps after it count 1 each), length; :func:`summarize` gives the ``rollout/*`` metrics.
+before the next request (open loop in between, as openpi's clients do). The chunks run through
+:class:`~slurmvla.inference.executor.Executor` in ``rollout.execution``'s mode, and the simulator keeps time:
+an answer takes effect ``rollout.delay_steps`` control steps after its observation (or the call's measured
+wall time at 15 Hz), the environment advancing meanwhile. Per episode: success, return (the dense progress
+reward, in [0, 1] per step, summed over ``rollout.max_steps`` with success absorbing: the steps after it
+count 1 each), length, the action jumps at chunk switches and within chunks, the steps held;
+:func:`summarize` gives the ``rollout/*`` metrics.
 
 ``python -m slurmvla.rollout`` runs it against a source or a running server; the trainer's periodic
 rollouts (``trainer.rollout_every_steps``) call :func:`in_training`, which ``python -m slurmvla.train``
@@ -25,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from slurmvla.config import RolloutConfig
+from slurmvla.inference.executor import Executor, switch_metrics
 
 log = logging.getLogger("slurmvla.rollout")
 
@@ -57,8 +62,21 @@ def summarize(episodes: list[dict], wall_s: float) -> dict:
         "rollout/mean_length": steps / max(n, 1),
         "rollout/wall_s": wall_s, "rollout/steps_per_s": steps / max(wall_s, 1e-9),
         "rollout/requests_per_s": requests / max(wall_s, 1e-9),
+        **_jumps(episodes),
         "episodes": sorted(episodes, key=lambda e: e["seed"]),
     }
+
+
+def _jumps(episodes: list[dict]) -> dict:
+    """The action jumps at chunk switches and within chunks over every episode's steps, and the mean steps
+    held (episodes written before these were measured count as none)."""
+    out = {}
+    for part, count in (("switch", "switches"), ("within", "within_steps")):
+        n = sum(e.get(count, 0) for e in episodes)
+        out[f"rollout/{part}_jump_mean"] = sum(e.get(f"{part}_jump_mean", 0.0) * e.get(count, 0) for e in episodes) / max(n, 1)
+        out[f"rollout/{part}_jump_max"] = max((e.get(f"{part}_jump_max", 0.0) for e in episodes), default=0.0)
+    out["rollout/mean_hold_steps"] = sum(e.get("hold_steps", 0) for e in episodes) / max(len(episodes), 1)
+    return out
 
 
 def require_sim() -> None:
@@ -78,7 +96,7 @@ def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: P
     """Run one episode per seed against ``client`` (anything with openpi's ``infer(obs) -> {"actions"}``
     and ``get_server_metadata()``); returns one dict per episode."""
     from slurmvla.data.writer import encode_video
-    from slurmvla.sim.env import CLIENT_CAMERAS, PickCube
+    from slurmvla.sim.env import CLIENT_CAMERAS, FPS, PickCube
     from slurmvla.sim.record import INSTRUCTIONS
 
     metadata = client.get_server_metadata() or {}
@@ -97,32 +115,39 @@ def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: P
     if cfg.replan_steps > horizon:
         log.warning("rollout.replan_steps=%d is more than the policy's action_horizon=%d: replanning every %d",
                     cfg.replan_steps, horizon, horizon)
+    modes = metadata.get("execution_modes") or ["sync", "async"]
+    if cfg.execution == "rtc" and "rtc" not in modes:
+        raise ValueError(f"rollout.execution=rtc: the server does not offer real-time chunking (its execution_modes: "
+                         f"{modes}); serve a policy that supports it, or use rollout.execution=async")
     video_keys = ["observation/exterior_image_1_left", "observation/wrist_image_left"]
     env = PickCube(height=cfg.height, width=cfg.width, cameras=tuple(CLIENT_CAMERAS.values()))
+    executor = Executor(_Checked(client), cfg.execution, replan, "measured" if cfg.delay == "measured" else cfg.delay_steps,
+                        control_hz=FPS)
     results = []
     try:
         for i, seed in enumerate(seeds):
             env.reset(seed)
-            plan: list[np.ndarray] = []
-            total, requests, success, frames = 0.0, 0, False, []
+            # Before its first chunk the arm holds: still, the gripper where it starts.
+            executor.reset(rest=np.array([0.0] * 7 + [env.gripper_position()]))
+            total, success, frames, ticks = 0.0, False, [], []
             record = video_dir is not None and i < cfg.videos
             start = time.perf_counter()
             for _ in range(cfg.max_steps):
-                if not plan or record:
-                    obs = env.observe(tuple(dict.fromkeys(wanted + (video_keys if record else []))))
-                    if record:
-                        frames.append(np.concatenate([obs[k] for k in video_keys], axis=1))
-                if not plan:
-                    request = {k: obs[k] for k in wanted}
-                    request.update({k: obs[k] for k in state_keys})
-                    request[prompt_key] = INSTRUCTIONS[0]
-                    actions = np.asarray(client.infer(request)["actions"], dtype=np.float64)
-                    requests += 1
-                    if actions.ndim != 2 or actions.shape[1] != 8:
-                        raise ValueError(f"the server returned actions of shape {actions.shape}; the simulator acts in "
-                                         "DROID's space: [horizon, 8] (7 joint velocities, gripper position)")
-                    plan = list(actions[:replan])
-                step = env.step(plan.pop(0))
+                obs = None
+                if record:
+                    obs = env.observe(tuple(dict.fromkeys(wanted + video_keys)))
+                    frames.append(np.concatenate([obs[k] for k in video_keys], axis=1))
+
+                def request(obs: dict | None = obs) -> dict:
+                    obs = obs if obs is not None else env.observe(tuple(wanted))
+                    out = {k: obs[k] for k in wanted}
+                    out.update({k: obs[k] for k in state_keys})
+                    out[prompt_key] = INSTRUCTIONS[0]
+                    return out
+
+                tick = executor.step(request)
+                ticks.append(tick)
+                step = env.step(tick.action)
                 total += step.reward
                 if step.success:
                     success = True
@@ -130,8 +155,9 @@ def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: P
                     # never returns less than a slow one or a near miss.
                     total += float(cfg.max_steps - env.steps)
                     break
+            requests = executor.requests
             result = {"seed": int(seed), "success": success, "return": total, "length": env.steps, "requests": requests,
-                      "wall_s": time.perf_counter() - start}
+                      "wall_s": time.perf_counter() - start, **switch_metrics(ticks)}
             if record and frames:
                 path = video_dir / f"episode_{seed}.mp4"
                 encode_video(path, np.stack(frames), codec="h264")
@@ -142,6 +168,21 @@ def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: P
     finally:
         env.close()
     return results
+
+
+class _Checked:
+    """The client, its answers checked against the simulator's action space."""
+
+    def __init__(self, client: Any):
+        self.client = client
+
+    def infer(self, request: dict) -> dict:
+        answer = self.client.infer(request)
+        actions = np.asarray(answer["actions"], dtype=np.float64)
+        if actions.ndim != 2 or actions.shape[1] != 8:
+            raise ValueError(f"the server returned actions of shape {actions.shape}; the simulator acts in "
+                             "DROID's space: [horizon, 8] (7 joint velocities, gripper position)")
+        return {**answer, "actions": actions}
 
 
 def connect(host: str, port: int, api_key: str | None = None, timeout_s: float = 120.0) -> Any:
@@ -192,10 +233,16 @@ def in_training(policy: Any, cfg: Any, step: int, run_dir: Path, rank: int, worl
     if rank != 0:
         return None
     summary = summarize([e for part in everyone for e in part], time.perf_counter() - start)
-    summary.update({"source": str(run_dir), "step": step, "replan_steps": rcfg.replan_steps, "max_steps": rcfg.max_steps})
+    summary.update({"source": str(run_dir), "step": step, "replan_steps": rcfg.replan_steps, "max_steps": rcfg.max_steps,
+                    **execution_of(rcfg)})
     out.mkdir(parents=True, exist_ok=True)
     (out / "rollout.json").write_text(json.dumps(summary, indent=1))
     return {k: float(v) for k, v in summary.items() if k.startswith("rollout/")}
+
+
+def execution_of(cfg: RolloutConfig) -> dict:
+    """How the chunks ran, for a summary's header."""
+    return {"execution": cfg.execution, "delay": "measured" if cfg.delay == "measured" else cfg.delay_steps}
 
 
 def close_client(client: Any) -> None:
