@@ -22,7 +22,7 @@ LAYERS = (
     (1, ("slurmvla.config", "slurmvla.compose")),
     (2, ("slurmvla.data", "slurmvla.optim", "slurmvla.logger")),
     (3, ("slurmvla.policy", "slurmvla.engine")),
-    (4, ("slurmvla.checkpoint", "slurmvla.eval", "slurmvla.sim")),
+    (4, ("slurmvla.checkpoint", "slurmvla.eval", "slurmvla.sim", "slurmvla.planner")),
     (5, ("slurmvla.trainer",)),
     (6, ("slurmvla.train", "slurmvla.serve", "slurmvla.evaluate", "slurmvla.export", "slurmvla.profile",
          "slurmvla.lerobot_checkpoint", "slurmvla.inspect", "slurmvla.check", "slurmvla.check_ranks",
