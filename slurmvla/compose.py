@@ -65,7 +65,7 @@ def _check_group_option(group: str, option: str) -> None:
     option: ``experiment=demoo`` would train the defaults). Sweeps and Hydra's functions pass."""
     if option == "null" or not re.fullmatch(r"[\w.\-/]+", option):
         return
-    options = sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+    options = group_options(group)
     if options and option not in options:
         raise ValueError(f"{group}={option} is not an option of {group}; choose one of {options}")
 
@@ -158,6 +158,11 @@ def config_dir() -> Path:
     """conf/ inside an installed wheel, else the repository's top-level conf/ (editable install)."""
     packaged = Path(__file__).resolve().parent / "conf"
     return packaged if (packaged / "config.yaml").is_file() else Path(__file__).resolve().parents[1] / "conf"
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group: its files in conf/<group>/."""
+    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
 
 
 def config_groups() -> list[str]:
