@@ -66,7 +66,9 @@ class Tensors:
 
 @dataclass
 class States:
-    """Bytes per GPU: held for the whole run (``held``) and transient in three phases."""
+    """Bytes per GPU: held for the whole run (``held``) and transient in three phases, each a dict of what
+    -> bytes (the report prints the names). ``held`` names at least parameters, gradients, fp32 master
+    weights and AdamW state (the comparison's columns; 0 where an engine has none)."""
 
     held: dict[str, int]
     forward_backward: dict[str, int]
