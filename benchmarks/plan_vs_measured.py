@@ -19,7 +19,8 @@ import torch
 from max_micro_batch import tile, try_size  # noqa: I001 (a sibling script)
 
 from slurmvla.compose import compose
-from slurmvla.plan import GPUS, plan_engine, planner_for
+from slurmvla.planner.fit import plan_engine, planner_for
+from slurmvla.planner.gpus import GPUS
 from slurmvla.trainer import Trainer
 
 GiB = 2**30
@@ -29,7 +30,7 @@ def gpu_model(name: str, memory_bytes: int) -> str:
     """The table's entry of this device's family (in its name) with the nearest memory (A100 40 / 80 GB)."""
     family = [g for key, g in GPUS.items() if key.split("-")[0] in name.lower().replace(" ", "")]
     if not family:
-        raise SystemExit(f"no entry of slurmvla.plan's GPU table matches {name!r}; give --gpu one of {list(GPUS)}")
+        raise SystemExit(f"no entry of the planner's GPU table matches {name!r}; give --gpu one of {list(GPUS)}")
     return min(family, key=lambda g: abs(g.memory_bytes - memory_bytes)).name
 
 

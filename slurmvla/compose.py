@@ -67,9 +67,7 @@ def _check_group_option(group: str, option: str) -> None:
     option: ``experiment=demoo`` would train the defaults). Sweeps and Hydra's functions pass."""
     if option == "null" or not re.fullmatch(r"[\w.\-/]+", option):
         return
-    options = sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
-    if group == "policy":  # a registered policy without a file of its own: its schema's node (register_configs)
-        options = sorted({*options, *POLICIES})
+    options = group_options(group)
     if options and option not in options:
         raise ValueError(f"{group}={option} is not an option of {group}; choose one of {options}")
 
@@ -155,6 +153,13 @@ def config_dir() -> Path:
     """conf/ inside an installed wheel, else the repository's top-level conf/ (editable install)."""
     packaged = Path(__file__).resolve().parent / "conf"
     return packaged if (packaged / "config.yaml").is_file() else Path(__file__).resolve().parents[1] / "conf"
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group: its files in conf/<group>/, and for ``policy`` every registered policy too
+    (one without a file of its own is its schema's node: :func:`register_configs`)."""
+    options = sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+    return sorted({*options, *POLICIES}) if group == "policy" else options
 
 
 def config_groups() -> list[str]:

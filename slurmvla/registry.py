@@ -61,9 +61,20 @@ class EngineEntry(Entry):
     # Every rank holds the whole model between steps (only optimizer state, if anything, is sharded):
     # in-training closed-loop episodes (trainer.rollout_every_steps) run on each rank's copy.
     whole_model: bool = True
+    # "module:function" giving the bytes each GPU holds (python -m slurmvla.plan): called as
+    # f(engine_cfg, precision, tensors, world, gpus_per_node, **options) -> States (slurmvla/engine/memory.py),
+    # written beside the engine; None: the planner refuses to plan the engine.
+    memory_rule: str | None = None
 
     def load_full_state(self, checkpoint: Any) -> Any:
         return import_target(self.full_state_loader)(checkpoint)
+
+    def model_states(self, cfg: Any, precision: str, tensors: Any, world: int, gpus_per_node: int) -> Any:
+        """The engine's memory rule for this configuration on ``world`` ranks, ``gpus_per_node`` a node."""
+        if self.memory_rule is None:
+            raise ValueError(f"engine={self.name!r}: the planner has no memory rules for it (its registry entry "
+                             "names no memory_rule)")
+        return import_target(self.memory_rule)(cfg, precision, tensors, world, gpus_per_node, **self.options)
 
 
 @dataclass(frozen=True)
@@ -132,19 +143,21 @@ class Registry(Generic[E]):
 
 ENGINES: Registry[EngineEntry] = Registry("engine.name")
 ENGINES.add(EngineEntry("single", "slurmvla.engine.single:SingleEngine", multi_process=False, background_save=True,
-                        deferred_init=True))
-ENGINES.add(EngineEntry("ddp", "slurmvla.engine.ddp:DDPEngine", background_save=True, deferred_init=True))
+                        deferred_init=True, memory_rule="slurmvla.engine.single:model_states"))
+ENGINES.add(EngineEntry("ddp", "slurmvla.engine.ddp:DDPEngine", background_save=True, deferred_init=True,
+                        memory_rule="slurmvla.engine.ddp:model_states"))
 for _name, _options in (("fsdp_full", {"hybrid": False, "reshard_after_forward": True}),
                         ("fsdp_grad_op", {"hybrid": False, "reshard_after_forward": False}),
                         ("hsdp", {"hybrid": True, "reshard_after_forward": True})):
     ENGINES.add(EngineEntry(_name, "slurmvla.engine.fsdp:FSDPEngine", MappingProxyType(_options),
                             full_state_loader="slurmvla.engine.fsdp:load_dcp_model", deferred_init=True,
-                            background_save=True, whole_model=False))
+                            background_save=True, whole_model=False, memory_rule="slurmvla.engine.fsdp:model_states"))
 for _stage in (1, 2, 3):
     ENGINES.add(EngineEntry(
         f"zero{_stage}", "slurmvla.engine.zero:DeepSpeedEngine", MappingProxyType({"stage": _stage}),
         activation_checkpointing=_stage != 3, resumes_at_any_world_size=False, background_save=True, whole_model=_stage != 3,
         full_state_loader="slurmvla.engine.zero:load_zero_model", requires="deepspeed",
+        memory_rule="slurmvla.engine.zero:model_states",
         profile_note="under DeepSpeed the gradient reduction and part of the optimizer work run inside backward; "
                      "compare phase totals across engines only as a whole step"))
 

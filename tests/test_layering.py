@@ -29,7 +29,7 @@ LAYERS = (
     (1, ("slurmvla.config", "slurmvla.compose")),
     (2, ("slurmvla.data", "slurmvla.optim", "slurmvla.logger")),
     (3, ("slurmvla.policy", "slurmvla.engine")),
-    (4, ("slurmvla.checkpoint", "slurmvla.eval", "slurmvla.sim")),
+    (4, ("slurmvla.checkpoint", "slurmvla.eval", "slurmvla.sim", "slurmvla.planner")),
     (5, ("slurmvla.trainer", "slurmvla.inference")),
     (6, PROGRAMS := ("slurmvla.train", "slurmvla.serve", "slurmvla.evaluate", "slurmvla.export", "slurmvla.profile",
                      "slurmvla.inspect", "slurmvla.check", "slurmvla.check_ranks", "slurmvla.rollout",

@@ -22,6 +22,17 @@ import torch
 
 from slurmvla import plan
 from slurmvla.compose import compose
+from slurmvla.planner import fit
+from slurmvla.planner.activations import FakeStep, analytic_activations, backward
+from slurmvla.planner.autocast import (
+    AUTOCAST_FP32,
+    AUTOCAST_FP32_OPT_DTYPE,
+    AUTOCAST_LOWER,
+    AUTOCAST_PROMOTE,
+    CudaAutocast,
+)
+from slurmvla.planner.fit import Planner
+from slurmvla.planner.model_states import build_on_meta, count_tensors, model_states
 
 from .conftest import run_until
 
@@ -52,7 +63,7 @@ def test_model_states_are_the_bytes_a_real_run_holds(make_cfg, tmp_path, overrid
     cfg, trainer = trainer_for(make_cfg, tmp_path, *overrides)
     try:
         trainer.run_step()  # AdamW's state exists after the first step
-        planned = plan.model_states(cfg, plan.count_tensors(cfg, plan.build_on_meta(cfg)), 1, 1).held
+        planned = model_states(cfg, count_tensors(cfg, build_on_meta(cfg)), 1, 1).held
         policy, optimizer = trainer.policy, trainer.optimizer
         assert planned["parameters"] == nbytes(policy.parameters())
         assert planned["buffers"] == nbytes(policy.buffers())
@@ -89,7 +100,7 @@ def real_peak(trainer, autocast) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with autocast:
             out = trainer.model(batch)
-            plan.backward(out["loss"])  # checkpointed layers recompute under the same autocast
+            backward(out["loss"])  # checkpointed layers recompute under the same autocast
         del out
     current = peak = 0
     for _, action, _, size in MemoryProfile(prof.profiler.kineto_results).timeline:
@@ -109,15 +120,15 @@ def real_peak(trainer, autocast) -> int:
 def test_activations_are_what_a_real_step_allocates(make_cfg, tmp_path, overrides, bound):
     cfg, trainer = trainer_for(make_cfg, tmp_path, *overrides)
     try:
-        autocast = plan.CudaAutocast() if cfg.precision == "bf16" else contextlib.nullcontext()
+        autocast = CudaAutocast() if cfg.precision == "bf16" else contextlib.nullcontext()
         real = real_peak(trainer, autocast)
-        planner = plan.Planner(cfg)
-        states = plan.model_states(cfg, planner.tensors, 1, 1)
+        planner = Planner(cfg)
+        states = model_states(cfg, planner.tensors, 1, 1)
         micro = trainer.micro_batch_size
         # Byte for byte as the CPU allocates (no rounding), and as the plan reports it (CUDA's 512-byte blocks).
-        planner._fake = plan.FakeStep(cfg, planner.policy, round_to=1)
+        planner._fake = FakeStep(cfg, planner.policy, round_to=1)
         exact = planner.measure(cfg, micro, states.compute).peak_bytes
-        reported = plan.Planner(cfg).activations(cfg, micro, states.compute).at(micro)
+        reported = Planner(cfg).activations(cfg, micro, states.compute).at(micro)
         print(f"{' '.join(overrides)}: real {real} B, plan {exact} B (rel {exact / real - 1:+.2e}), "
               f"reported {reported} B (rel {reported / real - 1:+.2e})")
         assert abs(exact / real - 1) < bound
@@ -128,10 +139,10 @@ def test_activations_are_what_a_real_step_allocates(make_cfg, tmp_path, override
 
 def test_activations_grow_with_the_micro_batch_and_shrink_with_checkpointing():
     cfg = compose(["policy=small", "trainer.global_batch_size=4"])
-    states = plan.model_states(cfg, plan.Planner(cfg).tensors, 1, 1)
-    full = plan.Planner(cfg).activations(cfg, 4, states.compute)
+    states = model_states(cfg, Planner(cfg).tensors, 1, 1)
+    full = Planner(cfg).activations(cfg, 4, states.compute)
     ckpt_cfg = compose(["policy=small", "trainer.global_batch_size=4", "policy.gradient_checkpointing=true"])
-    ckpt = plan.Planner(ckpt_cfg).activations(ckpt_cfg, 4, states.compute)
+    ckpt = Planner(ckpt_cfg).activations(ckpt_cfg, 4, states.compute)
     assert full.per_sample > 0 and full.at(4) > full.at(2)
     assert ckpt.at(4) < full.at(4) / 2
     # Recomputation issues more FLOPs than the model's forward + backward; without it they are the same.
@@ -147,8 +158,8 @@ def test_model_flops_agree_with_the_profilers_count(make_cfg, tmp_path):
         theirs = count_flops_per_sample(cfg, trainer._next_batch(), trainer.policy)
     finally:
         trainer.close()
-    states = plan.model_states(cfg, plan.Planner(cfg).tensors, 1, 1)
-    ours = plan.Planner(cfg).activations(cfg, 2, states.compute).model_flops_per_sample
+    states = model_states(cfg, Planner(cfg).tensors, 1, 1)
+    ours = Planner(cfg).activations(cfg, 2, states.compute).model_flops_per_sample
     assert ours == pytest.approx(theirs, rel=1e-6)
 
 
@@ -156,21 +167,21 @@ def test_a_policy_fake_tensors_cannot_run_gets_the_analytic_estimate(monkeypatch
     def cannot(*args, **kwargs):
         raise RuntimeError("no fake kernel for this op")
 
-    monkeypatch.setattr(plan, "_LAST", [])  # no planner of an earlier test, with its measurements
-    monkeypatch.setattr(plan.FakeStep, "run", cannot)
+    monkeypatch.setattr(fit, "_LAST", [])  # no planner of an earlier test, with its measurements
+    monkeypatch.setattr(FakeStep, "run", cannot)
     plan.main(["policy=small", "--gpu", "h100-80gb"])
     out = capsys.readouterr().out
     assert "activations, micro-batch 16: analytic ESTIMATE" in out
     assert "fake tensors failed: RuntimeError: no fake kernel for this op" in out
     cfg = compose(["policy=small"])
-    assert plan.analytic_activations(cfg, 2) == 2 * plan.analytic_activations(cfg, 1) > 0
+    assert analytic_activations(cfg, 2) == 2 * analytic_activations(cfg, 1) > 0
 
 
 def test_the_autocast_lists_are_cudas():
     """Every op torch registers an AutocastCUDA kernel for is in exactly one of the plan's lists (the
     upsampling ops under their functional name, interpolate), and the lists name nothing else."""
     registered = {r.split("::")[1].split(".")[0] for r in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")}
-    lists = (plan.AUTOCAST_LOWER, plan.AUTOCAST_FP32, plan.AUTOCAST_FP32_OPT_DTYPE, plan.AUTOCAST_PROMOTE)
+    lists = (AUTOCAST_LOWER, AUTOCAST_FP32, AUTOCAST_FP32_OPT_DTYPE, AUTOCAST_PROMOTE)
     for a in range(len(lists)):
         for b in range(a + 1, len(lists)):
             assert not lists[a] & lists[b]
@@ -182,7 +193,7 @@ def test_the_autocast_lists_are_cudas():
 def test_the_autocast_emulation_casts_as_cuda_does():
     x = torch.randn(4, 8)
     w = torch.randn(8, 8, dtype=torch.bfloat16)
-    with plan.CudaAutocast():
+    with CudaAutocast():
         assert torch.nn.functional.linear(x, w).dtype == torch.bfloat16
         assert (x.bfloat16() @ x.T).dtype == torch.bfloat16
         assert torch.nn.functional.layer_norm(x.bfloat16(), (8,)).dtype == torch.float32
@@ -200,9 +211,9 @@ def test_the_autocast_emulation_casts_as_cuda_does():
 
 def test_engine_rules_follow_the_shard_counts():
     cfg = compose(["policy=small", "precision=bf16", "engine=fsdp_full", "trainer.global_batch_size=8"])
-    t = plan.count_tensors(cfg, plan.build_on_meta(cfg))
+    t = count_tensors(cfg, build_on_meta(cfg))
     nt = t.trainable
-    per = {e: plan.model_states(compose(["policy=small", "precision=bf16", f"engine={e}",
+    per = {e: model_states(compose(["policy=small", "precision=bf16", f"engine={e}",
                                          "trainer.global_batch_size=8"]), t, 8, 8)
            for e in ("ddp", "fsdp_full", "fsdp_grad_op", "zero1", "zero2", "zero3")}
     assert per["ddp"].held["parameters"] == 2 * nt and per["ddp"].held["fp32 master weights"] == 4 * nt
@@ -277,10 +288,10 @@ def test_usage_mistakes_are_one_line(capsys, argv, words):
 def test_lora_holds_the_frozen_base_in_bf16_and_trains_the_adapters():
     base = ["policy=pi05_tiny", "precision=bf16"]
     full, lora = compose(base), compose([*base, "policy.lora.enabled=true"])
-    tf = plan.count_tensors(full, plan.build_on_meta(full))
-    tl = plan.count_tensors(lora, plan.build_on_meta(lora))
+    tf = count_tensors(full, build_on_meta(full))
+    tl = count_tensors(lora, build_on_meta(lora))
     assert tl.adapters > 0 and tl.frozen > 0 and tl.trainable < tf.trainable
-    sf, sl = plan.model_states(full, tf, 1, 1).held, plan.model_states(lora, tl, 1, 1).held
+    sf, sl = model_states(full, tf, 1, 1).held, model_states(lora, tl, 1, 1).held
     assert sl["parameters"] == 2 * (tl.trainable + tl.frozen)
     assert sl["AdamW state"] < sf["AdamW state"]
 
@@ -338,7 +349,7 @@ def test_two_ranks_hold_what_the_plan_says(sample_root, tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for engine in ("fsdp_full", "zero2"):
         cfg = compose([*overrides, f"engine={engine}"])
-        planned = plan.model_states(cfg, plan.count_tensors(cfg, plan.build_on_meta(cfg)), 2, 2).held
+        planned = model_states(cfg, count_tensors(cfg, build_on_meta(cfg)), 2, 2).held
         for key in ("parameters", "fp32 master weights", "AdamW state"):
             assert planned[key] == max(r[engine][key] for r in ranks), (engine, key, planned[key], ranks)
 

@@ -9,7 +9,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from slurmvla.config import EngineConfig
+from slurmvla.engine.memory import States, Tensors
 from slurmvla.engine.single import SingleEngine
+from slurmvla.engine.single import model_states as replicated_states
+
+# DDP's default bucket_cap_mb: the gradient buckets the all-reduce works on.
+BUCKET_BYTES = 25 * 2**20
 
 # DDP's broadcast_buffers became forward_sync_buffers after torch 2.11 (2.13 deprecates the old name; 2.11
 # has only the old one): the name this torch has.
@@ -53,3 +59,12 @@ class DDPEngine(SingleEngine):
     def no_sync(self) -> Iterator[None]:
         with self._ddp.no_sync():
             yield
+
+
+def model_states(cfg: EngineConfig, precision: str, t: Tensors, world: int, gpus_per_node: int) -> States:
+    """The single engine's states; under bf16 with fp32 reduction, two buckets in flight are widened to
+    fp32 by :func:`_allreduce_in_fp32`."""
+    states = replicated_states(cfg, precision, t, world, gpus_per_node)
+    if precision == "bf16" and cfg.reduce_dtype == "fp32":
+        states.forward_backward["DDP gradient buckets widened to fp32"] = 2 * 2 * BUCKET_BYTES
+    return states

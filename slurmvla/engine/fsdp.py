@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from slurmvla.config import EngineConfig, OptimConfig
 from slurmvla.engine.base import BackgroundSave, EngineCore, StepSettings, checkpoint_group, read_param_groups
 from slurmvla.engine.materialize import has_meta_parameters, materialize
+from slurmvla.engine.memory import States, Tensors
 from slurmvla.engine.precision import lower_frozen_base
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
@@ -212,3 +213,36 @@ def load_dcp_model(directory: Path) -> dict[str, torch.Tensor]:
     }
     dcp.load({"model": model}, storage_reader=reader, no_dist=True)
     return model
+
+
+def model_states(cfg: EngineConfig, precision: str, t: Tensors, world: int, gpus_per_node: int, hybrid: bool = False,
+                 reshard_after_forward: bool = True) -> States:
+    """fp32 parameters, gradients and AdamW state sharded over the shard group (the world, or hsdp's shard
+    degree), each rank holding ceil(rows / shard) rows of every tensor; no separate master. Transient: the
+    gathered parameters in the compute dtype (the root's through backward, two wrap units: computing and
+    prefetched; without resharding after forward, every unit from its forward to its backward), and under
+    bf16 with fp32 reduction the gradients widened for the reduce-scatter."""
+    if not t.units:
+        raise ValueError(f"engine={cfg.name} shards per wrap unit, but the policy's wrap_units() is empty")
+    low = precision == "bf16"
+    c = 2 if low else 4
+    fp32_reduce = low and cfg.reduce_dtype == "fp32"
+    s = hsdp_degrees(cfg, DistEnv(world_size=world, local_world_size=gpus_per_node))[1] if hybrid else world
+    # With low-rank adapters the frozen base is held in the compute dtype (precision.lower_frozen_base).
+    frozen_bytes = 2 if (low and t.adapters > 0) else 4
+    shard_t, shard_f = t.sharded(s, True), t.sharded(s, False)
+    held = {"parameters": 4 * shard_t + frozen_bytes * shard_f, "gradients": 4 * shard_t, "fp32 master weights": 0,
+            "AdamW state": 8 * shard_t + 4 * t.trainable_tensors, "buffers": t.buffer_bytes}
+    unit_all, unit_trainable = max(t.units)
+    if not reshard_after_forward:
+        fb = {"gathered parameters (whole model, kept from forward to backward)": c * (t.root[0] + sum(u for u, _ in t.units))}
+    else:
+        fb = {"gathered parameters (root, kept through backward)": c * t.root[0],
+              "gathered parameters (largest unit, x2: computing + prefetched)": 2 * c * unit_all}
+    if fp32_reduce:
+        fb["fp32 reduce-scatter input (largest unit's gradients)"] = 4 * unit_trainable
+    end = {"gathered parameters (root)": c * t.root[0], "root's gradients": c * t.root[1]}
+    if fp32_reduce:
+        end["root's gradients widened to fp32 for the reduce-scatter"] = 4 * t.root[1]
+    dtype = torch.bfloat16 if low else torch.float32
+    return States(held, fb, {}, end, (dtype, dtype), [f"sharded over {s} rank(s)"], cast_inputs=low)

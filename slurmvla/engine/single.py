@@ -19,6 +19,7 @@ from torch import nn
 from slurmvla.config import EngineConfig, OptimConfig
 from slurmvla.engine.base import EngineCore, StepSettings, read_param_groups
 from slurmvla.engine.materialize import place
+from slurmvla.engine.memory import States, Tensors
 from slurmvla.engine.precision import MasterWeights
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
@@ -112,3 +113,20 @@ def host_copy(value: Any) -> Any:
 def load_safetensors_model(directory: Path) -> dict[str, torch.Tensor]:
     """The full fp32 model state of a single / DDP checkpoint folder."""
     return load_file(str(Path(directory) / MODEL_FILE))
+
+
+def model_states(cfg: EngineConfig, precision: str, t: Tensors, world: int, gpus_per_node: int) -> States:
+    """The whole model on every rank (the memory rule of ``single``, and of ``ddp`` before its buckets).
+    Under bf16 the trainable parameters live in bf16 with fp32 masters in the optimizer, and at the step
+    the master-weight optimizer copies the gradients to fp32; frozen parameters stay fp32, or bf16 with
+    low-rank adapters (``precision.lower_frozen_base``)."""
+    low = precision == "bf16"
+    lora = t.adapters > 0
+    c = 2 if low else 4
+    nt, nf = t.trainable, t.frozen
+    frozen_bytes = 2 if (low and lora) else 4
+    held = {"parameters": c * nt + frozen_bytes * nf, "gradients": c * nt, "fp32 master weights": 4 * nt if low else 0,
+            "AdamW state": 8 * nt + 4 * t.trainable_tensors, "buffers": t.buffer_bytes}
+    step = {"fp32 copy of the gradients (master-weight optimizer)": 4 * nt} if low else {}
+    bf16, fp32 = torch.bfloat16, torch.float32
+    return States(held, {}, step, {}, (bf16 if low else fp32, bf16 if (low and lora) else fp32))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,12 +33,19 @@ from torch import nn
 
 from slurmvla.config import EngineConfig, OptimConfig
 from slurmvla.engine.base import BackgroundSave, EngineCore, StepSettings, checkpoint_group, read_param_groups
+from slurmvla.engine.memory import States, Tensors
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
 from slurmvla.weights import has_adapters
 
 DS_DIR = "deepspeed"
 DS_TAG = "state"
+# DeepSpeed's defaults, which ds_config() leaves alone (elements): zero_optimization's reduce_bucket_size,
+# stage3_prefetch_bucket_size, stage3_param_persistence_threshold and stage3_max_live_parameters.
+REDUCE_BUCKET = 500_000_000
+ZERO3_PREFETCH = 50_000_000
+ZERO3_PERSISTENCE = 100_000
+ZERO3_MAX_LIVE = 1_000_000_000
 
 
 class DeepSpeedEngine(EngineCore):
@@ -218,3 +226,32 @@ def load_zero_model(directory: Path) -> dict[str, torch.Tensor]:
 
     state = get_fp32_state_dict_from_zero_checkpoint(str(directory / DS_DIR), tag=DS_TAG)
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+
+
+def model_states(cfg: EngineConfig, precision: str, t: Tensors, world: int, gpus_per_node: int, stage: int) -> States:
+    """The ZeRO paper's partitions as DeepSpeed lays them out: under bf16 the whole module in bf16 (frozen
+    parameters too), fp32 partitions of the trainable ones and AdamW state on them; ZeRO-1/2's flat groups
+    (one per optimizer parameter group) padded to a multiple of 2 x world. Gradients whole (stage 1) or
+    partitioned (2, 3); parameters partitioned per tensor (3), gathered per module. Transient: the gradient
+    bucket (and its fp32 copy for an fp32 reduction), at the step an fp32 copy of the gradient partition."""
+    low = precision == "bf16"
+    c = 2 if low else 4
+    nt, nf = t.trainable, t.frozen
+    part = t.partitioned(world, True) if stage == 3 else t.flat_partitions(world)
+    align = 2 * world
+    flat = sum(-(-n // align) * align for n in t.groups)
+    params = c * t.partitioned(world) if stage == 3 else c * (flat + nf)
+    grads = c * (nt if stage == 1 else part)
+    held = {"parameters": params, "gradients": grads, "fp32 master weights": 4 * part,
+            "AdamW state": 8 * part + 4 * len(t.groups),
+            "buffers": (t.buffer_bytes - 2 * t.buffer_float_elements) if low else t.buffer_bytes}
+    fb = {"DeepSpeed gradient bucket (reduce_bucket_size)": c * REDUCE_BUCKET}
+    if low and cfg.reduce_dtype == "fp32":  # communication_data_type (ds_config)
+        fb["its fp32 copy for the reduction"] = 4 * min(REDUCE_BUCKET, nt)
+    if stage == 3:
+        persistent = sum(n for n in (math.prod(s) for s, _ in t.params) if n < ZERO3_PERSISTENCE)
+        gathered = min(ZERO3_MAX_LIVE, t.largest_module + min(ZERO3_PREFETCH, nt + nf) + persistent)
+        fb["gathered parameters (largest module + prefetch bucket + persistent)"] = c * gathered
+    step = {"fp32 gradient partition": 4 * part} if low else {}
+    dtype = torch.bfloat16 if low else torch.float32
+    return States(held, fb, step, {}, (dtype, dtype))

@@ -1,0 +1,294 @@
+"""The activations of one micro-batch, MEASURED: the real policy (built on the meta device) runs one training
+forward + backward on fake tensors of the configured micro-batch while a dispatch mode adds up the bytes of
+every storage created and frees them as they die; the peak is the figure. Where a policy cannot run on fake
+tensors, an analytic ESTIMATE instead."""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from slurmvla.config import Config
+from slurmvla.planner.autocast import CudaAutocast
+from slurmvla.planner.step_time import sdpa_flop_mapping
+
+# CUDA's caching allocator rounds every block up to a multiple of 512 bytes.
+CUDA_BLOCK = 512
+
+
+# -- tracking live bytes ------------------------------------------------------------------------------
+
+
+class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Adds up the bytes of every storage an op creates and takes them off when the storage dies; keeps
+    the peak. Storages that existed before (``known``) never count."""
+
+    def __init__(self, known: Iterator[torch.Tensor] = (), round_to: int = 1):
+        super().__init__()
+        self.round_to = max(1, round_to)
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+        self._known = []
+        for t in known:
+            st = t.untyped_storage()
+            self._known.append(st)  # held: an id never comes back for a newer storage while it lives
+            self.live[id(st)] = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        from torch.utils._pytree import tree_leaves
+
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = id(st)
+                if key in self.live:
+                    continue
+                n = -(-st.nbytes() // self.round_to) * self.round_to
+                self.live[key] = n
+                self.current += n
+                self.peak = max(self.peak, self.current)
+                weakref.finalize(st, self._free, key)
+        return out
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+
+# -- the fake training step ------------------------------------------------------------------------
+
+
+INSTRUCTION = "pick up the object on the left and put it in the bowl on the right, then push the drawer closed; "
+
+
+# DROID 1.0.1's cameras (180 x 320): the frames of a policy that takes them as recorded and resizes them itself
+# (pi0 / pi0.5: SampleSpec.image_size None).
+DROID_FRAME = (180, 320)
+
+
+def fake_batch(cfg: Config, policy: nn.Module, micro: int, frame: tuple[int, int] = DROID_FRAME) -> dict[str, Any]:
+    """A micro-batch of the policy's sample spec, real CPU tensors with random values (small: uint8 images at
+    policy.image_size, or at ``frame`` for a policy that resizes frames itself); the instruction fills
+    policy.max_text_len tokens. A policy that prepares its input on the host (pi0.5 writes its prompt from the
+    state) does so here, as training does."""
+    from slurmvla.data.prepare import text_fields
+    from slurmvla.policy import policy_class
+
+    p = cfg.policy
+    spec = policy_class(p).sample_spec(p)
+    g = torch.Generator().manual_seed(0)
+    height, width = (spec.image_size, spec.image_size) if spec.image_size else frame
+    images = p.num_cameras * p.num_obs_history
+    state_shape = (micro, p.num_obs_history, p.state_dim) if p.num_obs_history > 1 else (micro, p.state_dim)
+    instruction = (INSTRUCTION * (1 + 4 * p.max_text_len // len(INSTRUCTION)))[: 4 * p.max_text_len]
+    batch: dict[str, Any] = {
+        "images": torch.randint(0, 256, (micro, images, height, width, 3), dtype=torch.uint8, generator=g),
+        "image_mask": torch.ones(micro, images, dtype=torch.bool),
+        "state": torch.randn(state_shape, generator=g) * 0.5,
+        "actions": torch.randn(micro, spec.action_horizon, p.action_dim, generator=g),
+        "action_mask": torch.ones(micro, spec.action_horizon, dtype=torch.bool),
+        "instruction": [instruction] * micro,
+    }
+    draws = [spec.draw(g) for _ in range(micro)]
+    for k in draws[0] if draws else {}:
+        batch[k] = torch.stack([d[k] for d in draws])
+    text = text_fields(spec, instruction)
+    for k, v in text.items():
+        batch[k] = v[None].expand(micro, *v.shape).clone()
+    if cfg.data.mode != "policy":
+        from slurmvla.registry import SAMPLE_MODES
+
+        mode = SAMPLE_MODES.index(cfg.data.mode) if cfg.data.mode in SAMPLE_MODES else 0
+        batch["mode"] = torch.full((micro,), mode, dtype=torch.long)
+        batch["future_states"] = torch.randn(micro, spec.action_horizon, p.state_dim, generator=g)
+        batch["future_mask"] = torch.ones(micro, spec.action_horizon, dtype=torch.bool)
+    prepare = getattr(policy, "prepare_inference", None)
+    if callable(prepare):
+        hushed = logging.getLogger("slurmvla.policy.pi0")
+        level, hushed.level = hushed.level, logging.ERROR  # "a prompt filled max_text_len": meant to here
+        try:
+            with torch.no_grad():
+                batch = prepare(batch, bucket=1)
+        finally:
+            hushed.level = level
+    return batch
+
+
+
+def failure(e: Exception) -> str:
+    """Why the fake-tensor pass could not run, in one line (the plan falls back to an analytic estimate)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+@dataclass
+class Pass:
+    micro: int
+    peak_bytes: int
+    flops: float
+    forward_flops: float
+    seconds: float
+
+
+class FakeStep:
+    """The policy on fake CPU tensors, ready for training forward + backward passes at any micro-batch and
+    in any of the engines' parameter dtypes. Built once per plan."""
+
+    def __init__(self, cfg: Config, meta_policy: nn.Module, round_to: int = CUDA_BLOCK,
+                 frame: tuple[int, int] = DROID_FRAME):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.cfg, self.round_to = cfg, round_to
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.policy = meta_policy
+        # One sample, prepared while the buffers (normalization statistics) are still real: pi0.5 writes its
+        # prompt from the state's values, which a fake tensor does not have.
+        self.sample = fake_batch(cfg, meta_policy, 1, frame)
+        self._dtypes: tuple[torch.dtype, torch.dtype] | None = None
+        with self.mode:
+            self.policy.to_empty(device="cpu")
+        self.policy.train()
+
+    def use_dtypes(self, compute: tuple[torch.dtype, torch.dtype]) -> None:
+        """Trainable / frozen parameters in these dtypes; every trainable one with a gradient already."""
+        if compute == self._dtypes:
+            return
+        with self.mode, torch.no_grad():
+            for p in self.policy.parameters():
+                want = compute[0] if p.requires_grad else compute[1]
+                if p.is_floating_point() and p.dtype != want:
+                    p.data = p.data.to(want)
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        self._dtypes = compute
+
+    @contextmanager
+    def _checkpointing(self, on: bool | None) -> Iterator[None]:
+        """``on`` False: gradient checkpointing off for this pass (the model FLOPs count); None: as configured."""
+        has = hasattr(self.policy, "gradient_checkpointing")
+        before = getattr(self.policy, "gradient_checkpointing", None)
+        if has and on is not None:
+            self.policy.gradient_checkpointing = on
+        try:
+            yield
+        finally:
+            if has:
+                self.policy.gradient_checkpointing = before
+
+    def _cast_inputs(self) -> list:
+        """Forward pre-hooks casting the floating inputs of every wrap unit and of the policy to bf16, as
+        FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) does (the engine's default)."""
+        from torch.utils._pytree import tree_map
+
+        def cast(x: Any) -> Any:
+            return x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() \
+                and x.dtype != torch.bfloat16 else x
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return tree_map(cast, args), tree_map(cast, kwargs)
+
+        wrap = getattr(self.policy, "wrap_units", None)
+        modules = [*(wrap() if callable(wrap) else []), self.policy]
+        return [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
+
+    def run(self, micro: int, compute: tuple[torch.dtype, torch.dtype], low: bool, count_flops: bool = False,
+            checkpointing: bool | None = None, cast_inputs: bool = False) -> Pass:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        t0 = time.perf_counter()
+        self.use_dtypes(compute)
+        batch = {k: (v.expand(micro, *v.shape[1:]).clone() if isinstance(v, torch.Tensor) else list(v) * micro)
+                 for k, v in self.sample.items()}
+        with self.mode:
+            batch = {k: (self.mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        known = [*self.policy.parameters(), *self.policy.buffers(),
+                 *(p.grad for p in self.policy.parameters() if p.grad is not None),
+                 *(v for v in batch.values() if isinstance(v, torch.Tensor))]
+        tracker = LiveBytes(known, self.round_to)
+        counter = FlopCounterMode(display=False, custom_mapping=sdpa_flop_mapping()) if count_flops else None
+        autocast = CudaAutocast(torch.bfloat16) if low else None
+        hooks = self._cast_inputs() if cast_inputs else []
+        try:
+            with self._checkpointing(checkpointing), self.mode, tracker:
+                with counter if counter is not None else _nothing(), autocast if autocast is not None else _nothing():
+                    out = self.policy(batch)
+                    loss = out["loss"] if isinstance(out, dict) else out
+                    forward_flops = float(counter.get_total_flops()) if counter is not None else 0.0
+                    backward(loss)
+                del out, loss
+        finally:
+            for h in hooks:
+                h.remove()
+        flops = float(counter.get_total_flops()) if counter is not None else 0.0
+        return Pass(micro, tracker.peak, flops, forward_flops, time.perf_counter() - t0)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def backward(loss: torch.Tensor) -> None:
+    """``loss.backward()`` without passing through the torch-function modes: ``Tensor.backward`` is itself a
+    torch function, and a mode that handles it is off while it runs, so the recomputation of checkpointed
+    layers inside backward would run without :class:`CudaAutocast`. The autograd engine's own entry is no
+    torch function."""
+    try:
+        from torch.autograd.graph import _engine_run_backward
+    except ImportError:  # another torch: the recomputation runs without the autocast emulation
+        loss.backward()
+        return
+    _engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True,
+                         accumulate_grad=True)
+
+
+# -- analytic fallback ---------------------------------------------------------------------------------
+
+
+def analytic_activations(cfg: Config, micro: int) -> int | None:
+    """Korthikanti et al. 2022 ("Reducing activation recomputation in large transformer models"), with a
+    fused attention kernel (no attention matrix): 34 x tokens x width bytes per layer in 16 bit (x 2 in fp32);
+    with checkpointing each layer keeps its input (2 x tokens x width) and one layer is recomputed whole.
+    None for a policy whose config has no transformer shape."""
+    p = cfg.policy
+    need = ("width", "depth", "expert_width", "vision_width", "vision_depth", "patch_size")
+    if not all(hasattr(p, k) for k in need):
+        return None
+    scale = 1 if cfg.precision == "bf16" else 2
+    patches = p.num_cameras * p.num_obs_history * (p.image_size // p.patch_size) ** 2
+    stacks = [(patches, p.vision_width, p.vision_depth), (patches + p.max_text_len + 1, p.width, p.depth),
+              (p.action_horizon, p.expert_width, p.depth)]
+    if p.gradient_checkpointing:
+        per_sample = sum(2 * s * h * d for s, h, d in stacks) + max(34 * s * h for s, h, _ in stacks)
+    else:
+        per_sample = sum(34 * s * h * d for s, h, d in stacks)
+    return scale * per_sample * micro
+
+
+
+@dataclass
+class Activations:
+    """Bytes of one micro-batch's activations: ``fixed + per_sample x B``, and measured points."""
+
+    fixed: float
+    per_sample: float
+    measured: dict[int, int]
+    method: str  # "measured (fake tensors)" or "analytic ESTIMATE"
+    model_flops_per_sample: float | None = None
+    issued_flops_per_sample: float | None = None
+    seconds: float = 0.0
+    # The parameter dtypes of the fake runs: (trainable, frozen).
+    compute: tuple[torch.dtype, torch.dtype] | None = None
+
+    def at(self, micro: int) -> int:
+        if micro in self.measured:
+            return self.measured[micro]
+        return int(self.fixed + self.per_sample * micro)
+

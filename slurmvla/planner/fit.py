@@ -1,0 +1,187 @@
+"""One configuration on a world of GPUs: the model states by the engine's rule, the activations measured, the
+peak per GPU against the budget, the largest micro-batch that fits, and the time estimate; every figure in
+one dict (what ``--json`` writes and :mod:`slurmvla.planner.report` prints)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from slurmvla.config import Config
+from slurmvla.planner import PlanError
+from slurmvla.planner.activations import Activations, FakeStep, Pass, analytic_activations, failure
+from slurmvla.planner.gpus import DEFAULT_MARGIN, GPU, RESERVED_BYTES
+from slurmvla.planner.model_states import build_on_meta, count_tensors, model_states
+from slurmvla.planner.step_time import DEFAULT_UTILIZATION, time_estimate
+from slurmvla.registry import ENGINES
+
+
+class Planner:
+    """One configuration's policy, counted and measured once; plans for any engine of it."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.policy = build_on_meta(cfg)
+        self.tensors = count_tensors(cfg, self.policy)
+        self._fake: FakeStep | None = None
+        self._fake_error: str | None = None
+        self._cache: dict[tuple, Pass] = {}
+        self._flops: tuple[float, float] | None = None
+
+    def _step(self) -> FakeStep | None:
+        if self._fake is None and self._fake_error is None:
+            try:
+                self._fake = FakeStep(self.cfg, self.policy)
+            except Exception as e:  # a policy that cannot live on fake tensors
+                self._fake_error = failure(e)
+        return self._fake
+
+    def measure(self, cfg: Config, micro: int, compute: tuple[torch.dtype, torch.dtype],
+                cast_inputs: bool = False) -> Pass | None:
+        """The peak live bytes of one training forward + backward at ``micro`` (cached)."""
+        key = (micro, compute, cfg.precision, cast_inputs)
+        if key not in self._cache:
+            step = self._step()
+            if step is None:
+                return None
+            try:
+                self._cache[key] = step.run(micro, compute, cfg.precision == "bf16", cast_inputs=cast_inputs)
+            except Exception as e:
+                self._fake_error = failure(e)
+                return None
+        return self._cache[key]
+
+    def flops(self, cfg: Config, compute: tuple[torch.dtype, torch.dtype]) -> tuple[float, float] | None:
+        """(model FLOPs, issued FLOPs) of one sample's forward + backward: counted in a pass of their own
+        without gradient checkpointing; with it, in one more pass as configured, whose backward counts what
+        it recomputes (every checkpointed layer's forward, less what ``policy.checkpoint_saves`` keeps)."""
+        if self._flops is None and self._step() is not None:
+            low = cfg.precision == "bf16"
+            try:
+                got = self._step().run(1, compute, low, count_flops=True, checkpointing=False)
+                issued = got.flops
+                if getattr(self._step().policy, "gradient_checkpointing", False):
+                    issued = self._step().run(1, compute, low, count_flops=True).flops
+            except Exception as e:
+                self._fake_error = failure(e)
+                return None
+            self._flops = (got.flops, issued)
+        return self._flops
+
+    def activations(self, cfg: Config, micro: int, compute: tuple[torch.dtype, torch.dtype],
+                    cast_inputs: bool = False) -> Activations:
+        """Measured at two micro-batches: 1 and 2, or 2 and the configured one when it is larger (a fixed
+        part, e.g. a large embedding's gradient, dominates the smallest sizes); a straight line through them."""
+        t0 = time.perf_counter()
+        if self.tensors.frozen == 0:  # nothing frozen: one arrangement serves every engine
+            compute = (compute[0], compute[0])
+        sizes = (2, micro) if micro > 2 else (1, 2)
+        points = {}
+        for b in sizes:
+            got = self.measure(cfg, b, compute, cast_inputs)
+            if got is None:
+                break
+            points[b] = got.peak_bytes
+        else:
+            (b1, m1), (b2, m2) = sorted(points.items())
+            per_sample = (m2 - m1) / (b2 - b1)
+            fixed = m1 - per_sample * b1
+            model, issued = self.flops(cfg, compute) or (None, None)
+            return Activations(fixed, per_sample, points, "measured (fake tensors)", model, issued,
+                               time.perf_counter() - t0, compute)
+        per = analytic_activations(cfg, 1)
+        if per is None:
+            return Activations(0.0, 0.0, {}, f"NOT ESTIMATED (fake tensors failed: {self._fake_error})")
+        return Activations(0.0, float(per), {}, f"analytic ESTIMATE (fake tensors failed: {self._fake_error})")
+
+
+_LAST: list[tuple[str, Planner]] = []
+
+
+def planner_for(cfg: Config) -> Planner:
+    """The planner of this configuration's policy, reused when the previous call planned the same one (the
+    engines of ``--compare``, or several plans in one process)."""
+    from omegaconf import OmegaConf
+
+    key = f"{OmegaConf.to_yaml(OmegaConf.structured(cfg.policy))}|{cfg.data.mode}|{cfg.optim}"
+    if not (_LAST and _LAST[0][0] == key):
+        _LAST[:] = [(key, Planner(cfg))]
+    return _LAST[0][1]
+
+
+def plan_engine(planner: Planner, cfg: Config, gpu: GPU, nodes: int, gpus_per_node: int,
+                margin: float = DEFAULT_MARGIN, utilization: float = DEFAULT_UTILIZATION) -> dict[str, Any]:
+    """Every figure of one configuration on ``nodes x gpus_per_node`` GPUs (a PlanError when the
+    configuration cannot run there)."""
+    world = nodes * gpus_per_node
+    entry = ENGINES.get(cfg.engine.name)
+    if not entry.multi_process and world > 1:
+        raise PlanError(f"engine={entry.name} runs one process, but {nodes} x {gpus_per_node} GPUs is a world of "
+                        f"{world}; choose one of {list(ENGINES.names(multi_process=True))}")
+    micro = cfg.trainer.micro_batch_size(world)
+    accum = cfg.trainer.grad_accum_steps
+    t = planner.tensors
+    states = model_states(cfg, t, world, gpus_per_node)
+    acts = planner.activations(cfg, micro, states.compute, states.cast_inputs)
+    budget = int((gpu.memory_bytes - RESERVED_BYTES) * (1 - margin))
+
+    def peak_at(b: int) -> tuple[int, str]:
+        phases = {"forward + backward": acts.at(b) + sum(states.forward_backward.values()),
+                  "optimizer step": sum(states.step.values()),
+                  "end of backward": sum(states.end_of_backward.values())}
+        phase = max(phases, key=phases.get)
+        return states.held_bytes + phases[phase], phase
+
+    peak, phase = peak_at(micro)
+    fits = peak <= budget
+    # The largest micro-batch under the budget, from the linear activation model (an estimate beyond the
+    # measured sizes).
+    largest = 0
+    if acts.per_sample > 0:
+        room = budget - states.held_bytes - sum(states.forward_backward.values()) - acts.fixed
+        largest = max(0, int(room // acts.per_sample))
+        if max(sum(states.step.values()), sum(states.end_of_backward.values())) + states.held_bytes > budget:
+            largest = 0
+        while largest > 0 and peak_at(largest)[0] > budget:
+            largest -= 1
+    global_batch = cfg.trainer.global_batch_size
+    suggestion = None
+    if largest > 0:
+        for a in range(1, global_batch // world + 1):
+            if global_batch % (world * a) == 0 and global_batch // (world * a) <= largest:
+                suggestion = {"grad_accum_steps": a, "micro_batch_size": global_batch // (world * a)}
+                break
+    result: dict[str, Any] = {
+        "engine": cfg.engine.name, "precision": cfg.precision, "policy": cfg.policy.size,
+        "world_size": world, "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu": gpu.name,
+        "global_batch_size": global_batch, "micro_batch_size": micro, "grad_accum_steps": accum,
+        "gradient_checkpointing": bool(getattr(cfg.policy, "gradient_checkpointing", False)),
+        "lora": cfg.policy.lora.enabled,
+        "parameters": {"total": t.trainable + t.frozen, "trainable": t.trainable, "frozen": t.frozen,
+                       "trainable_tensors": t.trainable_tensors, "adapters": t.adapters,
+                       "wrap_units": len(t.units), "largest_unit": max(t.units)[0] if t.units else 0,
+                       "root": t.root[0]},
+        "held_bytes": dict(states.held),
+        "forward_backward_bytes": dict(states.forward_backward),
+        "step_bytes": dict(states.step),
+        "end_of_backward_bytes": dict(states.end_of_backward),
+        "activations": {"method": acts.method, "bytes_at_micro_batch": acts.at(micro),
+                        "fixed_bytes": acts.fixed, "per_sample_bytes": acts.per_sample,
+                        "measured_bytes": {str(k): v for k, v in acts.measured.items()},
+                        "compute_dtypes": [str(d).removeprefix("torch.") for d in (acts.compute or states.compute)]},
+        "peak_bytes": peak, "peak_phase": phase,
+        "gpu_memory_bytes": gpu.memory_bytes, "reserved_bytes": RESERVED_BYTES, "margin": margin,
+        "budget_bytes": budget, "fits": fits, "largest_micro_batch": largest, "to_fit": suggestion,
+        "notes": list(states.notes),
+    }
+    if acts.model_flops_per_sample:
+        result["time_estimate"] = time_estimate(acts.model_flops_per_sample, acts.issued_flops_per_sample, gpu,
+                                                cfg.precision, global_batch, world, utilization)
+    return result
+
+
+def compare_engines(world: int) -> list[str]:
+    """The engines that can run on ``world`` ranks (a one-process engine only at world 1)."""
+    return [name for name in ENGINES if world == 1 or ENGINES.get(name).multi_process]
