@@ -18,6 +18,7 @@
 #   batch     the largest micro-batch that fits (benchmarks/max_micro_batch.py)
 #   load      a pi0.5 checkpoint (weights, fp32 optimizer state) loaded by --resume against reading its files
 #             (benchmarks/checkpoint_load.py; ~38 GB written to the disk first)
+#   rtc       real-time chunking's guided sample_actions against plain sampling, eager (benchmarks/rtc_cost.py)
 #   inference_tests  the GPU tests of inference (graphs, server) and of the step's host synchronisation
 #   lerobot   benchmarks/vs_lerobot.py --parts model --device cuda (LeRobot's side: benchmarks/lerobot_python.sh;
 #             the wheels of both sides: bash benchmarks/gpu_wheels.sh, here, before the call)
@@ -65,9 +66,11 @@ section() {
             data.num_workers=0 ;;
         lerobot) run lerobot "${SUITE_LIMIT_LEROBOT:-300}" python3 benchmarks/vs_lerobot.py --parts model \
             --device cuda --lerobot-python benchmarks/lerobot_python.sh --side-timeout 200 ;;
+        rtc) run rtc "${SUITE_LIMIT_RTC:-200}" python3 benchmarks/rtc_cost.py "${PI05[@]}" --reps 20 \
+            --json "$OUT/rtc_cost.json" ;;
         inference_tests) run inference_tests "${SUITE_LIMIT_INFERENCE_TESTS:-90}" python3 -m pytest -q -p no:cacheprovider \
             tests/test_gpu.py -k "graph or server or never_waits" ;;
-        *) echo "unknown section $1; choose from tests latency unfused denoise train compile efficient bucket sac batch load inference_tests lerobot" >&2; exit 2 ;;
+        *) echo "unknown section $1; choose from tests latency unfused denoise train compile efficient bucket sac batch load rtc inference_tests lerobot" >&2; exit 2 ;;
     esac
 }
 

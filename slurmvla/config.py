@@ -561,8 +561,18 @@ class ServeConfig:
     # A file whose content is the key (readable only by its owner); must be readable when set.
     # The key itself is never part of the config, so it never reaches config.resolved.yaml.
     api_key_file: str | None = None
+    # Real-time chunking (a request with prev_actions / delay; slurmvla/policy/rtc.py): the largest guidance
+    # weight (the paper's beta), and how the guidance weights decay over the overlap after the delay
+    # (exp: the paper's soft mask; linear; ones: the whole overlap as the frozen part; zeros: the frozen part only).
+    rtc_max_guidance: float = 5.0
+    rtc_schedule: str = "exp"
 
     def __post_init__(self) -> None:
+        if not 0 <= self.rtc_max_guidance < float("inf"):
+            raise ValueError(f"serve.rtc_max_guidance={self.rtc_max_guidance} must be a number >= 0 (the paper's "
+                             "5.0; 0 turns guidance off, the delay's actions still come from prev_actions)")
+        if self.rtc_schedule not in ("exp", "linear", "ones", "zeros"):
+            raise ValueError(f"serve.rtc_schedule={self.rtc_schedule!r} is not one of exp, linear, ones, zeros")
         if not 0 <= self.port < 65536:
             raise ValueError(f"serve.port={self.port} is not a TCP port (0..65535; 0 picks a free one)")
         if self.max_request_mb is not None and not (0 < self.max_request_mb < float("inf")):

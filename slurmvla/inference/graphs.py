@@ -75,13 +75,18 @@ class GraphedSampler:
         device = next(policy.parameters()).device
         check_graphable(policy, device, what)
         self.policy, self.warmup = policy, warmup
+        self.supports_rtc = bool(getattr(policy, "supports_rtc", False))
         self.graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
         if compile:
             compile_units(policy)
 
     @torch.no_grad()
-    def sample_actions(self, batch: dict, noise: torch.Tensor) -> torch.Tensor:
+    def sample_actions(self, batch: dict, noise: torch.Tensor, rtc=None) -> torch.Tensor:
         batch = self.policy.prepare_inference(batch)
+        if rtc is not None:
+            # Real-time chunking runs eagerly: its guidance differentiates through every flow step (autograd),
+            # which a captured graph does not replay. Requests without it keep their graph.
+            return self.policy.sample_actions(batch, noise=noise, rtc=rtc)
         loose = sorted(k for k, v in batch.items() if not torch.is_tensor(v))
         if loose:
             raise ValueError(f"{type(self.policy).__qualname__}.prepare_inference left non-tensor fields {loose} in the "

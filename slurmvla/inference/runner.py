@@ -19,7 +19,8 @@ import torch
 
 from slurmvla.data.prepare import observation_batch, prepare_image
 from slurmvla.inference.load import Loaded
-from slurmvla.policy.base import seeded_sample_actions
+from slurmvla.policy.base import seeded_sample_actions, supports_rtc
+from slurmvla.policy.rtc import Guidance
 
 # The default request-size limit (default_max_request_bytes): each camera counted as at least one
 # 1280 x 720 RGB uint8 frame (a raw camera frame; DROID's are 180 x 320, openpi's clients send
@@ -56,6 +57,7 @@ class PolicyRunner:
         self.autocast = (lambda: torch.autocast("cuda", torch.bfloat16)) if autocast else None
         # What sample_actions is called on: the policy, or (build_runner, under serve.cuda_graph) its graphs.
         self.sampler = sampler if sampler is not None else self.policy
+        self.rtc = supports_rtc(self.policy) and supports_rtc(self.sampler)
 
     def metadata(self) -> dict:
         pc = self.cfg.policy
@@ -65,6 +67,9 @@ class PolicyRunner:
             "cameras": {cam: key for cam, key in zip(self.cfg.data.cameras, self.camera_keys)},
             "state": list(self.cfg.serve.state), "prompt": self.cfg.serve.prompt, "seed": self.cfg.serve.seed,
             "max_request_bytes": self.max_request_bytes,
+            "execution_modes": ["sync", "async", "rtc"] if self.rtc else ["sync", "async"],
+            **({"rtc": {"max_guidance": self.cfg.serve.rtc_max_guidance, "schedule": self.cfg.serve.rtc_schedule}}
+               if self.rtc else {}),
         }
 
     def observation_bytes(self, camera_bytes: int = 0) -> int:
@@ -116,6 +121,44 @@ class PolicyRunner:
             raise ValueError(f"{serve.prompt}: expected a string, got {type(prompt).__name__}")
         return images, state, prompt
 
+    def read_rtc(self, obs: dict) -> Guidance | None:
+        """Real-time chunking's optional keys: ``prev_actions`` ``[k, action_dim]`` (the previous chunk from the
+        observation's step on, dataset units) and ``delay`` d (its first d actions execute while this request is
+        answered). None without them (or with ``delay`` 0 alone): the plain chunk. A ValueError names the key
+        and what was expected."""
+        pc = self.cfg.policy
+        horizon = pc.action_horizon
+        prev, delay = obs.get("prev_actions"), obs.get("delay", 0)
+        if isinstance(delay, np.ndarray) and delay.ndim == 0:
+            delay = delay.item()
+        if isinstance(delay, bool) or not isinstance(delay, (int, np.integer)):
+            raise ValueError(f"delay: expected an integer number of control steps >= 0, got {delay!r}")
+        delay = int(delay)
+        if prev is None:
+            if delay != 0:
+                raise ValueError(f"delay={delay} without prev_actions: send the previous chunk's remaining actions "
+                                 f"as prev_actions [k, {pc.action_dim}] with it")
+            return None
+        if not self.rtc:
+            raise ValueError(f"prev_actions: this server's policy ({pc.target or pc.name}) does not support real-time "
+                             "chunking (its metadata's execution_modes has no 'rtc'); send requests without it")
+        prev = np.asarray(prev)
+        if prev.dtype.kind not in "biuf" or prev.ndim != 2 or prev.shape[1] != pc.action_dim \
+                or not 1 <= prev.shape[0] <= horizon:
+            raise ValueError(f"prev_actions: expected numbers shaped [k, {pc.action_dim}] with 1 <= k <= {horizon} "
+                             f"(policy.action_horizon), got dtype {prev.dtype} shape {list(prev.shape)}")
+        if not np.isfinite(prev).all():
+            raise ValueError("prev_actions hold NaN or inf")
+        k = prev.shape[0]
+        if not 0 <= delay <= k or delay >= horizon:
+            raise ValueError(f"delay={delay}: expected 0 <= delay <= {k} (the rows of prev_actions) and delay < "
+                             f"{horizon} (policy.action_horizon)")
+        padded = np.zeros((1, horizon, pc.action_dim), np.float32)
+        padded[0, :k] = prev
+        serve = self.cfg.serve
+        return Guidance(torch.from_numpy(padded), torch.tensor([delay]), torch.tensor([k]),
+                        serve.rtc_max_guidance, serve.rtc_schedule)
+
     def _frame_shape(self, past: collections.deque) -> tuple[int, int, int]:
         """One frame's shape: the policy's size, or (a policy that resizes frames itself) the size the
         client sent, which every camera of every kept observation must share."""
@@ -154,15 +197,17 @@ class PolicyRunner:
         return Session(self)
 
     @torch.no_grad()
-    def act(self, batch: dict) -> np.ndarray:
+    def act(self, batch: dict, rtc: Guidance | None = None) -> np.ndarray:
         """The action chunk ``[action_horizon, action_dim]`` float32 in dataset units. Noise is drawn on the
         CPU, seeded by ``serve.seed`` for each request: the same observation always gives the same chunk,
         on any server and device (up to the device's precision). ``serve.seed=null``: fresh noise for each
-        request (as openpi's server), from a generator seeded once from the OS."""
+        request (as openpi's server), from a generator seeded once from the OS. ``rtc``: guided towards a
+        previous chunk (:meth:`read_rtc`), from the same noise."""
         batch = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        rtc = None if rtc is None else rtc.to(self.device)
         with self.lock, (self.autocast() if self.autocast is not None else contextlib.nullcontext()):
             seed = self.cfg.serve.seed if self.cfg.serve.seed is not None else int(self.fresh.integers(2**62))
-            actions = seeded_sample_actions(self.sampler, self.spec, batch, seed)
+            actions = seeded_sample_actions(self.sampler, self.spec, batch, seed, rtc)
         return actions[0].float().cpu().numpy()
 
 
@@ -176,8 +221,10 @@ class Session:
     def infer(self, obs: Any) -> dict:
         """``{"actions": chunk}`` for ``obs`` after this session's earlier observations; a ValueError (the
         observation is kept out of the history then) names the key and what was expected."""
-        self.past.append(self.runner.read(obs))
-        return {"actions": self.runner.act(self.runner.batch(self.past))}
+        observation = self.runner.read(obs)
+        rtc = self.runner.read_rtc(obs)
+        self.past.append(observation)
+        return {"actions": self.runner.act(self.runner.batch(self.past), rtc)}
 
 
 def default_max_request_bytes(runner: PolicyRunner) -> int:

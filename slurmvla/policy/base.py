@@ -11,6 +11,12 @@ A policy is a ``torch.nn.Module`` built as ``Class(policy_cfg, stats, **policy.k
   dataset's units (inference: the server and the evaluator call only this, through
   :func:`seeded_sample_actions`). A policy whose ``sample_actions`` also takes ``noise=`` (shaped as its
   spec's ``noise`` draw) gets it drawn on the CPU from the seed: the same chunk on every device.
+- Real-time chunking (optional): a flow policy that sets ``supports_rtc = True`` takes
+  ``sample_actions(batch, noise=None, rtc=None)``, ``rtc`` a :class:`slurmvla.policy.rtc.Guidance` (the
+  previous chunk in the dataset's units, the delay, the overlap); it then calls ``Guide.velocity`` in place
+  of its velocity on each flow step and ``Guide.freeze`` on the chunk (or runs
+  :func:`slurmvla.policy.rtc.integrate` over a ``velocity(x_t, t)`` of its own). Without ``rtc`` its output
+  must be unchanged. The server offers the ``rtc`` execution mode only for such a policy (:func:`supports_rtc`).
 - ``stats`` holds ``state_offset`` / ``state_scale`` / ``action_offset`` / ``action_scale``
   (``normalized = (x - offset) / scale``, from the data's statistics); keep them as buffers so they
   travel with the weights.
@@ -50,6 +56,9 @@ TEXT_FIELDS = ("text", "text_mask")
 
 class Policy(nn.Module):
     """The contract's defaults; subclasses provide ``forward`` and ``sample_actions``."""
+
+    # Whether sample_actions takes rtc= (real-time chunking's guidance; see the module docstring).
+    supports_rtc = False
 
     @classmethod
     def sample_spec(cls, cfg: PolicyConfig) -> SampleSpec:
@@ -208,19 +217,29 @@ def construct(cls: type[Policy], cfg: PolicyConfig, stats: dict[str, torch.Tenso
     return cls(cfg, stats, **kwargs)
 
 
-def seeded_sample_actions(policy: nn.Module, spec: SampleSpec, batch: dict, seed: int) -> torch.Tensor:
+def supports_rtc(policy: Any) -> bool:
+    """Whether ``policy`` declares real-time chunking (``supports_rtc = True``) and its ``sample_actions``
+    takes ``rtc=``."""
+    sample = getattr(policy, "sample_actions", None)
+    return getattr(policy, "supports_rtc", False) is True and callable(sample) \
+        and "rtc" in inspect.signature(sample).parameters
+
+
+def seeded_sample_actions(policy: nn.Module, spec: SampleSpec, batch: dict, seed: int, rtc: Any = None) -> torch.Tensor:
     """``policy.sample_actions(batch)`` with its randomness fixed by ``seed``, the same on every device.
 
     The starting noise is drawn on the CPU from a generator of its own and moved to the batch's device
     (a GPU's generator draws other numbers from the same seed: the chunk would depend on the device)
-    when the policy takes ``noise=``; otherwise the devices' generators are seeded for the call."""
+    when the policy takes ``noise=``; otherwise the devices' generators are seeded for the call. ``rtc``
+    (a :class:`slurmvla.policy.rtc.Guidance`) is passed on only when given: the same noise, guided."""
+    extra = {} if rtc is None else {"rtc": rtc}
     draw = next((d for d in spec.draws if d.name == "noise"), None)
     state = batch["state"]
     if draw is not None and "noise" in inspect.signature(policy.sample_actions).parameters:
         generator = torch.Generator().manual_seed(seed)
         noise = torch.randn((state.shape[0], *draw.shape), generator=generator).to(state.device)
-        return policy.sample_actions(batch, noise=noise)
+        return policy.sample_actions(batch, noise=noise, **extra)
     devices = [state.device] if state.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        return policy.sample_actions(batch)
+        return policy.sample_actions(batch, **extra)

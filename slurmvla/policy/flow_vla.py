@@ -28,6 +28,7 @@ from slurmvla.policy.attention import attention, resolve_attention
 from slurmvla.policy.base import Policy
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.recompute import Recompute
+from slurmvla.policy.rtc import Guidance
 from slurmvla.policy.tokenizer import VOCAB_SIZE, ByteTokenizer
 from slurmvla.registry import SAMPLE_MODES
 
@@ -179,6 +180,8 @@ class ActionTimeEmbedding(nn.Module):
 
 
 class FlowMatchingVLA(Policy):
+    supports_rtc = True  # sample_actions(..., rtc=): real-time chunking (slurmvla/policy/rtc.py)
+
     def __init__(self, cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None = None):
         super().__init__()
         self.cfg = cfg
@@ -329,15 +332,31 @@ class FlowMatchingVLA(Policy):
         return flow_matching_loss(pred, noise, actions, action_mask)
 
     @torch.no_grad()
-    def sample_actions(self, batch: dict, noise: torch.Tensor | None = None, num_steps: int | None = None) -> torch.Tensor:
-        """Integrate the learned velocity from noise (t = 1) to actions (t = 0); returns raw actions."""
+    def sample_actions(self, batch: dict, noise: torch.Tensor | None = None, num_steps: int | None = None,
+                       rtc: Guidance | None = None) -> torch.Tensor:
+        """Integrate the learned velocity from noise (t = 1) to actions (t = 0); returns raw actions. ``rtc``:
+        real-time chunking's guidance towards a previous chunk (slurmvla/policy/rtc.py)."""
         steps = num_steps or self.cfg.num_inference_steps
         b = batch["state"].shape[0]
         shape = (b, self.cfg.action_horizon, self.cfg.action_dim)
         x = torch.randn(shape, device=batch["state"].device) if noise is None else noise.float()
         prefix, keep = self._prefix(batch)
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []  # the prefix stream runs in the first step only
+        if rtc is not None:
+            return self._guided(prefix, keep, x, steps, cache, rtc)
         for i in range(steps):
             t = torch.full((b,), 1.0 - i / steps, device=x.device)
             x = x - self._velocity(prefix, keep, x, t, cache).float() / steps
         return x * self.action_scale + self.action_offset
+
+    def _guided(self, prefix: torch.Tensor, keep: torch.Tensor, x: torch.Tensor, steps: int, cache: list,
+                rtc: Guidance) -> torch.Tensor:
+        """``sample_actions``' loop with RTC's guided velocity; the prefix's keys / values filled by the first
+        step are kept without their autograd history (the guidance differentiates through ``x_t`` only)."""
+        guide = rtc.guide(self.action_offset, self.action_scale)
+        for i in range(steps):
+            time = 1.0 - i / steps
+            t = torch.full((x.shape[0],), time, device=x.device)
+            x = x - guide.velocity(lambda xt, t=t: self._velocity(prefix, keep, xt, t, cache), x, time) / steps
+            cache[:] = [tuple(v.detach() for v in kv) for kv in cache]
+        return guide.freeze(x * self.action_scale + self.action_offset)

@@ -55,6 +55,7 @@ from slurmvla.policy.attention import attention, grouped_matmul_attention, resol
 from slurmvla.policy.base import Policy
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.recompute import Recompute
+from slurmvla.policy.rtc import Guidance
 from slurmvla.weights import parameter_generator
 
 log = logging.getLogger(__name__)
@@ -297,6 +298,7 @@ class Pi0Policy(Policy):
     """pi0: state as a suffix token, time through an MLP with the noisy actions."""
 
     ADAPTIVE_TIME = False
+    supports_rtc = True  # sample_actions(..., rtc=): real-time chunking (slurmvla/policy/rtc.py)
 
     def __init__(self, cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None = None):
         super().__init__()
@@ -590,9 +592,11 @@ class Pi0Policy(Policy):
                     yield part.mlp, "fused_gate_up", [part.mlp.gate_proj, part.mlp.up_proj]
 
     @torch.no_grad()
-    def sample_actions(self, batch: dict, noise: torch.Tensor | None = None, num_steps: int | None = None) -> torch.Tensor:
+    def sample_actions(self, batch: dict, noise: torch.Tensor | None = None, num_steps: int | None = None,
+                       rtc: Guidance | None = None) -> torch.Tensor:
         """Euler integration from noise (t = 1) to actions (t = 0); the prefix runs once, later steps
-        reuse its keys / values. Returns actions in the dataset's units."""
+        reuse its keys / values. Returns actions in the dataset's units. ``rtc``: real-time chunking's
+        guidance towards a previous chunk (slurmvla/policy/rtc.py), through the same cached prefix."""
         steps = num_steps or self.cfg.num_inference_steps
         b = batch["state"].shape[0]
         x = torch.randn((b, self.cfg.action_horizon, self.cfg.max_action_dim), device=batch["state"].device) \
@@ -602,10 +606,18 @@ class Pi0Policy(Policy):
         cache = PrefixCache()
         times = [1.0 + i * dt for i in range(steps)]
         conditions = self._step_conditions(times, b, prefix.dtype, x.device)
+        guide = None if rtc is None else rtc.guide(self.action_offset, self.action_scale, self.cfg.max_action_dim)
         for i in range(steps):
             t = torch.full((b,), times[i], device=x.device)
-            x = x + dt * self._velocity(prefix, keep, batch, x.to(prefix.dtype), t, cache, conditions[i]).float()
-        return x[..., : self.cfg.action_dim] * self.action_scale + self.action_offset
+            if guide is None:
+                x = x + dt * self._velocity(prefix, keep, batch, x.to(prefix.dtype), t, cache, conditions[i]).float()
+                continue
+            x = x + dt * guide.velocity(lambda xt, t=t, c=conditions[i]: self._velocity(
+                prefix, keep, batch, xt.to(prefix.dtype), t, cache, c), x, times[i])
+            # The guidance differentiates through x_t only: the cached prefix keys / values drop their history.
+            cache.kv = [(k.detach(), v.detach()) for k, v in cache.kv]
+        actions = x[..., : self.cfg.action_dim] * self.action_scale + self.action_offset
+        return actions if guide is None else guide.freeze(actions)
 
 
 def _trim_padding(ids: torch.Tensor, mask: torch.Tensor, bucket: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

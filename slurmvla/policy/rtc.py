@@ -1,0 +1,141 @@
+"""Inference-time real-time chunking (RTC: Black, Galliker, Levine 2025, arXiv 2506.07339, Algorithm 1).
+
+The next chunk is sampled while the previous one still runs: its first ``d`` actions (the delay) execute from
+the previous chunk anyway, so they are frozen to it, and the rest of the overlap ``k`` is guided towards it with
+weights that decay over ``d <= i < k``. On every flow step the predicted clean chunk ``x_t - t * u`` is compared
+with the previous chunk ``Y``; the weighted error, pulled back through the velocity (a vector-Jacobian product
+with respect to ``x_t``), corrects the velocity, its weight clipped at ``max_guidance`` (the paper's beta).
+
+Time: slurmvla's flow runs t = 1 (noise) -> 0 (actions) with ``u = noise - actions``; the paper's runs
+tau = 0 (noise) -> 1 with ``v = actions - noise``. So ``tau = 1 - t`` and ``v = -u``; the clean estimate
+``x + (1 - tau) v`` is ``x - t u`` and the guided velocity ``v + w g`` is ``u - w g``.
+
+Shapes are static: ``Y`` is padded to the horizon and ``d`` / ``k`` are tensors, so the weights are tensor ops
+whatever the request (a compiled graph is not specialised on them). A request without a previous chunk takes
+the policy's plain path, which this module never touches.
+
+A flow policy opts in (slurmvla/policy/base.py) with ``supports_rtc = True`` and a ``sample_actions(batch,
+noise=None, rtc=None)`` that, when ``rtc`` is given, calls :meth:`Guide.velocity` instead of its velocity on
+each step and :meth:`Guide.freeze` on its result; :func:`integrate` is that loop for a policy with a
+``velocity(features, x_t, t)``-style function.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+SCHEDULES = ("exp", "linear", "ones", "zeros")
+
+
+@dataclass
+class Guidance:
+    """One request's RTC inputs, in the dataset's units: ``prev_actions`` ``[B, H, action_dim]`` (the previous
+    chunk from the observation's step on, zero-padded to the horizon ``H``), ``delay`` ``[B]`` (d) and
+    ``overlap`` ``[B]`` (k, the rows of ``prev_actions`` that are real), both integer tensors."""
+
+    prev_actions: torch.Tensor
+    delay: torch.Tensor
+    overlap: torch.Tensor
+    max_guidance: float = 5.0
+    schedule: str = "exp"
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"rtc schedule={self.schedule!r} is not one of {list(SCHEDULES)}")
+        if not self.max_guidance >= 0:
+            raise ValueError(f"rtc max_guidance={self.max_guidance} must be >= 0")
+
+    def guide(self, offset: torch.Tensor, scale: torch.Tensor, width: int | None = None) -> Guide:
+        """The per-call :class:`Guide` in the policy's action space: normalized as ``(a - offset) / scale``
+        (the policy's action statistics) and zero-padded to ``width`` action dims (pi0's ``max_action_dim``),
+        the padded dims carrying no weight."""
+        prev = self.prev_actions.to(offset.device, torch.float32)
+        target = (prev - offset) / scale
+        dims = target.shape[-1]
+        width = width or dims
+        weights = prefix_weights(self.delay.to(prev.device), self.overlap.to(prev.device), prev.shape[1],
+                                 self.schedule)[:, :, None].expand(*target.shape).contiguous()
+        if width > dims:
+            target = torch.nn.functional.pad(target, (0, width - dims))
+            weights = torch.nn.functional.pad(weights, (0, width - dims))
+        return Guide(target, weights, prev, self.delay.to(prev.device), self.max_guidance)
+
+    def to(self, device: torch.device) -> Guidance:
+        return Guidance(self.prev_actions.to(device), self.delay.to(device), self.overlap.to(device),
+                        self.max_guidance, self.schedule)
+
+
+def prefix_weights(delay: torch.Tensor, overlap: torch.Tensor, horizon: int, schedule: str = "exp") -> torch.Tensor:
+    """``[B, horizon]`` guidance weights: 1 for ``i < d``; over ``d <= i < k`` the paper's soft mask
+    ``c_i (e^{c_i} - 1) / (e - 1)`` with ``c_i = (k - i) / (k - d + 1)`` (``exp``), or ``c_i`` (``linear``),
+    1 (``ones``), 0 (``zeros``: only the frozen actions guide); 0 for ``i >= k``."""
+    i = torch.arange(horizon, device=delay.device, dtype=torch.float32)[None, :]
+    k = overlap.to(torch.float32)[:, None]
+    d = torch.minimum(delay.to(torch.float32)[:, None], k)
+    if schedule == "ones":
+        soft = torch.ones_like(i).expand(k.shape[0], horizon)
+    elif schedule == "zeros":
+        soft = torch.zeros_like(i).expand(k.shape[0], horizon)
+    else:
+        soft = ((k - i) / (k - d + 1)).clamp(0, 1)
+        if schedule == "exp":
+            soft = soft * torch.expm1(soft) / (math.e - 1)
+    w = torch.where(i < d, torch.ones_like(soft), soft)
+    return torch.where(i >= k, torch.zeros_like(w), w)
+
+
+def guidance_weight(t: float, max_guidance: float) -> float:
+    """The paper's ``min(beta, (1 - tau) / (tau r_tau^2))`` with ``r_tau^2 = (1 - tau)^2 / (tau^2 + (1 - tau)^2)``,
+    at slurmvla's time ``t = 1 - tau``: ``(t^2 + (1 - t)^2) / (t (1 - t))``, beta at either end."""
+    tau = 1.0 - t
+    if tau <= 0.0 or tau >= 1.0:
+        return float(max_guidance)
+    return min(float(max_guidance), (tau**2 + (1 - tau) ** 2) / (tau * (1 - tau)))
+
+
+class Guide:
+    """One ``sample_actions`` call's guidance: the previous chunk normalized (``target``), its per-element
+    weights, the raw chunk and the delay (for :meth:`freeze`)."""
+
+    def __init__(self, target: torch.Tensor, weights: torch.Tensor, raw: torch.Tensor, delay: torch.Tensor,
+                 max_guidance: float):
+        self.target, self.weights, self.raw, self.delay, self.max_guidance = target, weights, raw, delay, max_guidance
+
+    def velocity(self, velocity: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, t: float) -> torch.Tensor:
+        """The guided velocity at ``(x, t)`` (slurmvla's ``u``), ``velocity(x_t)`` being the model's with the
+        observation's features cached; the vector-Jacobian product goes through it with autograd."""
+        with torch.enable_grad():
+            x_in = x.detach().float().requires_grad_(True)
+            u = velocity(x_in).float()
+            clean = x_in - t * u
+            error = (self.target - clean.detach()) * self.weights
+            (pull,) = torch.autograd.grad(clean, x_in, grad_outputs=error)
+        return u.detach() - guidance_weight(t, self.max_guidance) * pull
+
+    def freeze(self, actions: torch.Tensor) -> torch.Tensor:
+        """``actions`` (dataset units) with the ``d`` frozen ones replaced by the previous chunk's, exactly: they
+        execute from it anyway. Only at the end: guidance already drives them there (weight 1), and replacing
+        ``x_t`` on every step would feed the velocity states off the path the guidance follows."""
+        i = torch.arange(actions.shape[1], device=actions.device)[None, :, None]
+        return torch.where(i < self.delay[:, None, None], self.raw.to(actions.dtype), actions)
+
+
+def integrate(velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, steps: int,
+              guide: Guide | None = None) -> torch.Tensor:
+    """Euler integration of ``velocity(x_t, t)`` (``t`` a ``[B]`` tensor) from noise ``x`` (t = 1) to actions
+    (t = 0) in the policy's normalized action space, guided by ``guide`` when given (then un-normalize and
+    call ``guide.freeze`` on the result). For a policy whose own loop is this one."""
+    b = x.shape[0]
+    for i in range(steps):
+        time = 1.0 - i / steps
+        t = torch.full((b,), time, device=x.device)
+        if guide is None:
+            u = velocity(x, t).float()
+        else:
+            u = guide.velocity(lambda xt, t=t: velocity(xt, t), x, time)
+        x = x - u / steps
+    return x

@@ -1,0 +1,250 @@
+"""Inference-time real-time chunking (slurmvla/policy/rtc.py) and its protocol keys (prev_actions, delay):
+the weights against the paper's formulas by hand, guidance off (beta = 0) against plain sampling, the frozen
+actions against the prefix, a two-mode toy flow whose analytic velocity is written here, and the server through
+openpi's own client."""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from slurmvla.compose import compose
+from slurmvla.config import FlowVLAConfig
+from slurmvla.inference.harness import serving_in_thread
+from slurmvla.inference.load import Loaded
+from slurmvla.inference.runner import PolicyRunner
+from slurmvla.inference.server import PolicyServer
+from slurmvla.policy import build_policy
+from slurmvla.policy.base import supports_rtc
+from slurmvla.policy.rtc import Guidance, guidance_weight, integrate, prefix_weights
+from tests.test_policy import make_batch
+
+
+def guidance(prev: torch.Tensor, delay: int, overlap: int, beta: float = 5.0, schedule: str = "exp") -> Guidance:
+    b = prev.shape[0]
+    return Guidance(prev, torch.full((b,), delay), torch.full((b,), overlap), beta, schedule)
+
+
+def test_prefix_weights_are_the_papers_soft_mask_by_hand():
+    d, k, h = 2, 6, 8
+    want = []
+    for i in range(h):
+        if i < d:
+            want.append(1.0)
+        elif i < k:
+            c = (k - i) / (k - d + 1)
+            want.append(c * (math.exp(c) - 1) / (math.e - 1))
+        else:
+            want.append(0.0)
+    got = prefix_weights(torch.tensor([d, 0]), torch.tensor([k, 3]), h)
+    torch.testing.assert_close(got[0], torch.tensor(want), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got[1], torch.tensor([3 / 4 * math.expm1(3 / 4) / (math.e - 1),
+                                                     2 / 4 * math.expm1(2 / 4) / (math.e - 1),
+                                                     1 / 4 * math.expm1(1 / 4) / (math.e - 1), 0, 0, 0, 0, 0]))
+    assert prefix_weights(torch.tensor([2]), torch.tensor([6]), h, "zeros")[0].tolist() == [1, 1, 0, 0, 0, 0, 0, 0]
+    assert prefix_weights(torch.tensor([2]), torch.tensor([6]), h, "ones")[0].tolist() == [1, 1, 1, 1, 1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("t", [1.0, 0.9, 0.5, 0.3, 0.1, 0.02])
+def test_guidance_weight_is_the_papers_clipped_weight_in_its_time(t):
+    tau = 1 - t  # the paper's time: 0 noise, 1 actions
+    r2 = (1 - tau) ** 2 / (tau**2 + (1 - tau) ** 2)
+    want = 5.0 if tau == 0 else min(5.0, (1 - tau) / (tau * r2))
+    assert guidance_weight(t, 5.0) == pytest.approx(want, rel=1e-12)
+    assert guidance_weight(t, 0.0) == 0.0
+
+
+# -- a toy flow with two modes: every chunk is all +1 or all -1, half and half -------------------------------
+
+class TwoModes(nn.Module):
+    """The exact velocity of the target {+1, -1} (whole chunk, equal odds) under x_t = t noise + (1 - t) a:
+    the posterior of a given x_t weighs exp(-|x_t - (1 - t) a|^2 / (2 t^2)), and u = (x_t - E[a | x_t]) / t."""
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        t = t[:, None, None]
+        modes = torch.tensor([1.0, -1.0])
+        logits = torch.stack([-(x - (1 - t) * a).square().sum(dim=(1, 2)) for a in modes], dim=1) / (2 * t[:, 0] ** 2)
+        mean = (logits.softmax(dim=1) @ modes)[:, None, None]
+        return (x - mean) / t
+
+
+def test_plain_sampling_picks_either_mode_and_rtc_follows_the_previous_chunks():
+    flow, h, seeds = TwoModes(), 8, 24
+    noise = torch.randn(seeds, h, 1, generator=torch.Generator().manual_seed(0))
+    plain = integrate(flow, noise, 10)
+    signs = plain.mean(dim=(1, 2)).sign()
+    assert (signs > 0).any() and (signs < 0).any()
+    torch.testing.assert_close(plain.abs(), torch.ones_like(plain), rtol=0, atol=0.05)
+    zero, one = torch.zeros(1), torch.ones(1)
+    for mode in (1.0, -1.0):
+        prev = torch.full((seeds, h, 1), mode)
+        prev[:, 5:] = 0  # k = 5 rows of the previous chunk, padded
+        guide = guidance(prev, 2, 5).guide(zero, one)
+        chunk = guide.freeze(integrate(flow, noise, 10, guide))
+        assert (chunk.mean(dim=(1, 2)).sign() == mode).all(), chunk.mean(dim=(1, 2))
+        torch.testing.assert_close(chunk, torch.full_like(chunk, mode), rtol=0, atol=0.05)
+    # Without guidance (beta = 0) the same loop is plain sampling, frozen rows aside.
+    guide = guidance(torch.ones(seeds, h, 1), 0, h, beta=0.0).guide(zero, one)
+    assert torch.equal(integrate(flow, noise, 10, guide), plain)
+
+
+# -- the built-in policies ------------------------------------------------------------------------------
+
+def flow_vla_case():
+    torch.manual_seed(0)
+    cfg = FlowVLAConfig()
+    policy = build_policy(cfg).eval()
+    policy.action_offset.uniform_(-1, 1)
+    policy.action_scale.uniform_(0.5, 2)
+    batch = make_batch(b=2, cfg=cfg)
+    return policy, batch, (2, cfg.action_horizon, cfg.action_dim)
+
+
+def pi0_case(name):
+    from tests.test_pi0 import batch_for, perturbed_policy
+
+    cfg, policy = perturbed_policy(name)
+    policy.action_offset.uniform_(-1, 1)
+    policy.action_scale.uniform_(0.5, 2)
+    batch = batch_for(cfg)
+    del batch["noise"]
+    return policy, batch, (batch["state"].shape[0], cfg.action_horizon, cfg.max_action_dim)
+
+
+CASES = {"flow_vla": flow_vla_case, "pi0_tiny": lambda: pi0_case("pi0_tiny"), "pi05_tiny": lambda: pi0_case("pi05_tiny")}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_without_guidance_rtc_is_plain_sampling_and_the_frozen_actions_are_the_prefix(name):
+    if name != "flow_vla":
+        pytest.importorskip("transformers")
+    policy, batch, shape = CASES[name]()
+    assert supports_rtc(policy)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    plain = policy.sample_actions(batch, noise=noise)
+    b, h, dims = plain.shape
+    prev = torch.randn(b, h, dims, generator=torch.Generator().manual_seed(2)) * 3
+    # beta = 0 and no delay: guidance computed and weighted by zero, the same chunk.
+    off = policy.sample_actions(batch, noise=noise, rtc=guidance(prev, 0, h, beta=0.0))
+    torch.testing.assert_close(off, plain, rtol=1e-6, atol=1e-6)
+    d = 3
+    frozen = policy.sample_actions(batch, noise=noise, rtc=guidance(prev, d, 5, beta=0.0))
+    assert torch.equal(frozen[:, :d], prev[:, :d])
+    torch.testing.assert_close(frozen[:, d:], plain[:, d:], rtol=1e-6, atol=1e-6)
+    guided = policy.sample_actions(batch, noise=noise, rtc=guidance(prev, d, 5))
+    assert torch.equal(guided[:, :d], prev[:, :d]) and torch.isfinite(guided).all()
+    # The guided overlap is pulled towards the previous chunk.
+    assert (guided[:, d:5] - prev[:, d:5]).norm() < (plain[:, d:5] - prev[:, d:5]).norm()
+    # Plain sampling is untouched by the feature: the same numbers as before, bit for bit.
+    assert torch.equal(policy.sample_actions(batch, noise=noise), plain)
+
+
+def test_the_graphed_sampler_runs_rtc_requests_eagerly():
+    pytest.importorskip("transformers")
+    from slurmvla.inference.graphs import GraphedSampler
+
+    policy, batch, shape = pi0_case("pi0_tiny")
+    sampler = object.__new__(GraphedSampler)  # its constructor needs a GPU; the RTC path never captures
+    sampler.policy, sampler.graphs = policy, collections.OrderedDict()
+    noise = torch.randn(shape)
+    prev = torch.randn(shape[0], shape[1], policy.cfg.action_dim)
+    rtc = guidance(prev, 2, 6)
+    want = policy.sample_actions(policy.prepare_inference(batch), noise=noise, rtc=rtc)
+    assert torch.equal(sampler.sample_actions(batch, noise, rtc=rtc), want) and not sampler.graphs
+
+
+# -- the protocol -----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    cfg = compose(["experiment=demo", f"data.root={tmp_path_factory.mktemp('unused')}", "serve.seed=7"])
+    torch.manual_seed(0)
+    policy = build_policy(cfg.policy).eval()
+    with torch.no_grad():
+        policy.action_offset.uniform_(-1, 1)
+        policy.action_scale.uniform_(0.5, 2)
+    return PolicyRunner(Loaded(policy, cfg, 0, "test"))
+
+
+def droid_obs(runner: PolicyRunner, seed: int) -> dict:
+    g = np.random.default_rng(seed)
+    size = runner.spec.image_size
+    return {"observation/exterior_image_1_left": g.integers(0, 256, (size, size, 3), dtype=np.uint8),
+            "observation/wrist_image_left": g.integers(0, 256, (size, size, 3), dtype=np.uint8),
+            "observation/joint_position": g.normal(size=7), "observation/gripper_position": g.uniform(size=1),
+            "prompt": "pick up the cup"}
+
+
+def plain_chunk(runner: PolicyRunner, obs: dict, rtc: Guidance | None = None) -> np.ndarray:
+    """The chunk without the server: the batch as the runner reads it, the noise drawn from serve.seed as
+    seeded_sample_actions draws it, sample_actions called here."""
+    batch = runner.batch(collections.deque([runner.read(obs)]))
+    pc = runner.cfg.policy
+    noise = torch.randn((1, pc.action_horizon, pc.action_dim), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        return runner.policy.sample_actions(batch, noise=noise, **({"rtc": rtc} if rtc else {}))[0].numpy()
+
+
+def test_the_server_serves_rtc_requests_and_refuses_bad_ones_through_openpis_client(runner):
+    wcp = pytest.importorskip("openpi_client.websocket_client_policy")
+    pc = runner.cfg.policy
+    h, dims = pc.action_horizon, pc.action_dim
+    obs = droid_obs(runner, 0)
+    prev = np.random.default_rng(1).normal(size=(6, dims))
+    with serving_in_thread(PolicyServer(runner, "127.0.0.1", 0)) as port:
+        client = wcp.WebsocketClientPolicy("127.0.0.1", port)
+        meta = client.get_server_metadata()
+        assert meta["execution_modes"] == ["sync", "async", "rtc"]
+        assert meta["rtc"] == {"max_guidance": 5.0, "schedule": "exp"}
+        # A client that sends neither key (or delay 0 alone) gets today's chunk, bit for bit.
+        want = plain_chunk(runner, obs)
+        np.testing.assert_array_equal(client.infer(obs)["actions"], want)
+        np.testing.assert_array_equal(client.infer({**obs, "delay": 0})["actions"], want)
+        got = client.infer({**obs, "prev_actions": prev, "delay": 2})["actions"]
+        np.testing.assert_array_equal(got[:2], prev[:2].astype(np.float32))
+        padded = torch.zeros(1, h, dims)
+        padded[0, :6] = torch.from_numpy(prev).float()
+        rtc = Guidance(padded, torch.tensor([2]), torch.tensor([6]))
+        np.testing.assert_allclose(got, plain_chunk(runner, obs, rtc), rtol=1e-5, atol=1e-6)
+        bad = [({"prev_actions": prev[:, :3], "delay": 1}, f"prev_actions: expected numbers shaped [k, {dims}]"),
+               ({"prev_actions": np.zeros((h + 1, dims)), "delay": 1}, "prev_actions: expected numbers shaped"),
+               ({"prev_actions": np.full((6, dims), np.nan), "delay": 1}, "prev_actions hold NaN or inf"),
+               ({"prev_actions": np.zeros((h, dims)), "delay": h}, f"delay={h}: expected 0 <= delay <= {h}"),
+               ({"prev_actions": prev, "delay": 7}, "delay=7: expected 0 <= delay <= 6"),
+               ({"prev_actions": prev, "delay": 1.5}, "delay: expected an integer"),
+               ({"delay": 2}, "delay=2 without prev_actions")]
+        for extra, expected in bad:
+            client = wcp.WebsocketClientPolicy("127.0.0.1", port)
+            with pytest.raises(RuntimeError, match="bad request: " + re.escape(expected)):
+                client.infer({**obs, **extra})
+        # Another connection keeps being served, plainly and with RTC.
+        client = wcp.WebsocketClientPolicy("127.0.0.1", port)
+        np.testing.assert_array_equal(client.infer(obs)["actions"], want)
+        np.testing.assert_array_equal(client.infer({**obs, "prev_actions": prev, "delay": 2})["actions"], got)
+
+
+def test_a_policy_without_rtc_offers_no_rtc_and_refuses_prev_actions(runner):
+    class Plain(type(runner.policy)):
+        supports_rtc = False
+
+    plain = Plain.__new__(Plain)
+    plain.__dict__.update(runner.policy.__dict__)
+    other = PolicyRunner(Loaded(plain, runner.cfg, 0, "test"))
+    assert other.metadata()["execution_modes"] == ["sync", "async"] and "rtc" not in other.metadata()
+    obs = droid_obs(runner, 0)
+    np.testing.assert_array_equal(other.infer(obs)["actions"], plain_chunk(runner, obs))
+    with pytest.raises(ValueError, match="does not support real-time chunking"):
+        other.infer({**obs, "prev_actions": np.zeros((4, runner.cfg.policy.action_dim)), "delay": 1})
+
+
+@pytest.mark.parametrize("over, error", [("serve.rtc_max_guidance=-1", "serve.rtc_max_guidance=-1"),
+                                         ("serve.rtc_schedule=cosine", "serve.rtc_schedule='cosine'")])
+def test_bad_rtc_options_name_themselves(tmp_path, over, error):
+    with pytest.raises(ValueError, match=re.escape(error)):
+        compose(["experiment=demo", f"data.root={tmp_path}", over])
