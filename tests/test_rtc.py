@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from slurmvla.compose import compose
-from slurmvla.config import FlowVLAConfig
 from slurmvla.inference.harness import serving_in_thread
 from slurmvla.inference.load import Loaded
 from slurmvla.inference.runner import PolicyRunner
 from slurmvla.inference.server import PolicyServer
 from slurmvla.policy import build_policy
 from slurmvla.policy.base import supports_rtc
+from slurmvla.policy.flow_vla_config import FlowVLAConfig
 from slurmvla.policy.rtc import Guidance, guidance_weight, integrate, prefix_weights
 from tests.test_policy import make_batch
 
