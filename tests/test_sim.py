@@ -407,3 +407,71 @@ def test_rollout_runs_async_with_a_delay_from_the_command_line_overrides(replay_
     assert summary["rollout/mean_hold_steps"] == 4.0 and summary["episodes"][0]["switches"] >= 1
     written = json.loads((tmp_path / "rollout.json").read_text())
     assert written["execution"] == "async" and "rollout/switch_jump_mean" in written
+
+
+def _flow_policy(demos: Path):
+    import torch
+
+    from slurmvla.policy import build_policy
+
+    cfg = compose(["experiment=sim_pick", "policy=keypoints_flow", f"data.root={demos}"])
+    stats = {"state_offset": torch.full((8,), 0.5), "state_scale": torch.full((8,), 2.0),
+             "action_offset": torch.arange(8.0), "action_scale": torch.full((8,), 3.0)}
+    torch.manual_seed(0)
+    policy = build_policy(cfg.policy, stats)
+    b, size = 3, cfg.policy.image_size
+    batch = {"images": torch.randint(0, 256, (b, 2, size, size, 3), dtype=torch.uint8),
+             "image_mask": torch.tensor([[True, True], [True, False], [True, True]]),
+             "state": torch.randn(b, 8), "actions": torch.randn(b, 8, 8),
+             "action_mask": torch.tensor([[True] * 8, [True] * 5 + [False] * 3, [True] * 8])}
+    return policy, batch
+
+
+def test_the_keypoint_flow_policy_passes_the_plug_in_checks(demos):
+    from slurmvla.check import run_checks
+    from slurmvla.policy.check import CHECKS, GRADIENT_CHECKPOINTING, SINGLE_PROCESS, Subject
+
+    over = ["experiment=sim_pick", "policy=keypoints_flow", f"data.root={demos}", "data.num_workers=0",
+            "logging.wandb.mode=disabled"]
+    results = run_checks(Subject(compose(over), over), [c for c in CHECKS if c in SINGLE_PROCESS])
+    # Skipped: gradient checkpointing, which the policy does not offer.
+    assert {r.check: r.status for r in results} == {c: "skipped" if c == GRADIENT_CHECKPOINTING else "pass"
+                                                    for c in CHECKS if c in SINGLE_PROCESS}, [r.line() for r in results]
+
+
+def test_the_keypoint_flow_loss_is_flow_matching_on_the_normalized_chunk(demos):
+    """Reference: x_t and the target velocity computed here by hand, in normalized units, the masked
+    squared error averaged over every chunk element."""
+    import torch
+
+    policy, batch = _flow_policy(demos)
+    noise, t = torch.randn(3, 8, 8), torch.tensor([0.9, 0.3, 0.05])
+    actions = (batch["actions"] - torch.arange(8.0)) / 3.0
+    x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
+    pred = policy.velocity(policy.features(batch), x_t, t)
+    mask = batch["action_mask"][:, :, None].float()
+    expected = ((pred - (noise - actions)).square() * mask).sum() / pred.numel()
+    out = policy(batch, noise=noise, t=t)
+    torch.testing.assert_close(out["loss"], expected)
+    assert out["components"]["mse"][1].tolist() == [64.0, 40.0, 64.0]
+    # Without arguments the noise and time come from the batch (drawn per sample by the data pipeline).
+    u = torch.rand(3)
+    drawn = policy({**batch, "noise": noise, "time_u": u})["loss"]
+    torch.testing.assert_close(drawn, policy(batch, noise=noise, t=u.pow(1 / 1.5) * 0.999 + 0.001)["loss"])
+
+
+def test_one_flow_step_from_the_given_noise_is_noise_minus_the_velocity_at_t_1(demos):
+    import torch
+
+    policy, batch = _flow_policy(demos)
+    noise = torch.randn(3, 8, 8)
+    with torch.no_grad():
+        by_hand = noise - policy.velocity(policy.features(batch), noise, torch.ones(3))
+        two = policy.features(batch)
+        half = noise - policy.velocity(two, noise, torch.ones(3)) / 2
+        by_hand_2 = half - policy.velocity(two, half, torch.full((3,), 0.5)) / 2
+    torch.testing.assert_close(policy.sample_actions(batch, noise=noise, num_steps=1), by_hand * 3.0 + torch.arange(8.0))
+    torch.testing.assert_close(policy.sample_actions(batch, noise=noise, num_steps=2), by_hand_2 * 3.0 + torch.arange(8.0))
+    # The default is policy.num_inference_steps; the same noise gives the same chunk.
+    assert policy.num_inference_steps == 10
+    torch.testing.assert_close(policy.sample_actions(batch, noise=noise), policy.sample_actions(batch, noise=noise))

@@ -22,6 +22,9 @@ import pyarrow.parquet as pq
 import torch
 from torch import nn
 
+from slurmvla.data.spec import Draw, SampleSpec
+from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
+
 
 def register_stats(module: nn.Module, cfg, stats: dict[str, torch.Tensor] | None) -> None:  # noqa: ANN001
     """``state_offset`` / ``state_scale`` / ``action_offset`` / ``action_scale`` buffers from the data's
@@ -118,7 +121,36 @@ class SpatialSoftmax(nn.Module):
         return torch.cat([(weights.sum(dim=3) * ys).sum(dim=2), (weights.sum(dim=2) * xs).sum(dim=2)], dim=1)
 
 
-class KeypointPolicy(nn.Module):
+class KeypointEncoding(nn.Module):
+    """The keypoint policies' observation encoder: per camera (and history frame) three convolutions and a
+    spatial softmax (``keypoints`` image positions), with the normalized state; ``features(batch)`` ->
+    ``[B, feature_dim]``. Subclasses add the head that turns the features into an action chunk."""
+
+    def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, keypoints: int = 16):  # noqa: ANN001
+        super().__init__()
+        self.horizon, self.action_dim = cfg.action_horizon, cfg.action_dim
+        frames = cfg.num_obs_history * cfg.num_cameras
+        self.encoders = nn.ModuleList(nn.Sequential(
+            nn.Conv2d(3, 32, kernel_size=5, stride=2, padding=2), nn.ReLU(),
+            nn.Conv2d(32, 32, kernel_size=3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(32, keypoints, kernel_size=3, padding=1), SpatialSoftmax()) for _ in range(frames))
+        self.feature_dim = frames * 2 * keypoints + cfg.num_obs_history * cfg.state_dim
+        register_stats(self, cfg, stats)
+
+    def features(self, batch: dict) -> torch.Tensor:
+        images = batch["images"]  # [B, frames, H, W, 3] uint8
+        b = images.shape[0]
+        x = images.permute(0, 1, 4, 2, 3).float() / 127.5 - 1.0
+        # A masked (missing) camera contributes zeros.
+        points = [enc(x[:, f]) * batch["image_mask"][:, f, None] for f, enc in enumerate(self.encoders)]
+        state = ((batch["state"].float() - self.state_offset) / self.state_scale).reshape(b, -1)
+        return torch.cat([*points, state], dim=1)
+
+    def wrap_units(self) -> list[nn.Module]:
+        return [*self.encoders, self.head]
+
+
+class KeypointPolicy(KeypointEncoding):
     """A small visuomotor policy for the closed loop on a CPU: per camera, three convolutions and a
     spatial softmax (``keypoints`` image positions); with the normalized state, an MLP regresses the
     whole normalized action chunk (MSE, deterministic: no sampling noise to replay at every request).
@@ -128,29 +160,13 @@ class KeypointPolicy(nn.Module):
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, keypoints: int = 16,  # noqa: ANN001
                  hidden: int = 256):
-        super().__init__()
-        self.horizon, self.action_dim = cfg.action_horizon, cfg.action_dim
-        frames = cfg.num_obs_history * cfg.num_cameras
-        self.encoders = nn.ModuleList(nn.Sequential(
-            nn.Conv2d(3, 32, kernel_size=5, stride=2, padding=2), nn.ReLU(),
-            nn.Conv2d(32, 32, kernel_size=3, stride=2, padding=1), nn.ReLU(),
-            nn.Conv2d(32, keypoints, kernel_size=3, padding=1), SpatialSoftmax()) for _ in range(frames))
+        super().__init__(cfg, stats, keypoints)
         self.head = nn.Sequential(
-            nn.Linear(frames * 2 * keypoints + cfg.num_obs_history * cfg.state_dim, hidden), nn.ReLU(),
+            nn.Linear(self.feature_dim, hidden), nn.ReLU(),
             nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, self.horizon * self.action_dim))
-        register_stats(self, cfg, stats)
-
-    def wrap_units(self) -> list[nn.Module]:
-        return [*self.encoders, self.head]
 
     def _predict(self, batch: dict) -> torch.Tensor:
-        images = batch["images"]  # [B, frames, H, W, 3] uint8
-        b = images.shape[0]
-        x = images.permute(0, 1, 4, 2, 3).float() / 127.5 - 1.0
-        # A masked (missing) camera contributes zeros.
-        points = [enc(x[:, f]) * batch["image_mask"][:, f, None] for f, enc in enumerate(self.encoders)]
-        state = ((batch["state"].float() - self.state_offset) / self.state_scale).reshape(b, -1)
-        return self.head(torch.cat([*points, state], dim=1)).view(b, self.horizon, self.action_dim)
+        return self.head(self.features(batch)).view(-1, self.horizon, self.action_dim)
 
     def forward(self, batch: dict) -> dict:
         return chunk_mse(self, self._predict(batch), batch)
@@ -158,3 +174,88 @@ class KeypointPolicy(nn.Module):
     @torch.no_grad()
     def sample_actions(self, batch: dict) -> torch.Tensor:
         return self._predict(batch).float() * self.action_scale + self.action_offset
+
+
+class FlowHead(nn.Module):
+    """The velocity of the whole normalized chunk from ``(x_t, t, features)``: the flattened chunk, a
+    sinusoidal embedding of t and the observation's features in, residual MLP blocks (each re-reads the
+    conditioning by FiLM, so t and the observation steer every layer), the flattened velocity out."""
+
+    def __init__(self, chunk_dim: int, feature_dim: int, hidden: int, blocks: int, time_dim: int = 64):
+        super().__init__()
+        self.time_dim = time_dim
+        self.condition = nn.Sequential(nn.Linear(feature_dim + time_dim, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+        self.inp = nn.Linear(chunk_dim, hidden)
+        self.norms = nn.ModuleList(nn.LayerNorm(hidden, elementwise_affine=False) for _ in range(blocks))
+        self.films = nn.ModuleList(nn.Linear(hidden, 2 * hidden) for _ in range(blocks))
+        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+                                  for _ in range(blocks))
+        self.out = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, chunk_dim))
+
+    def time_embedding(self, t: torch.Tensor) -> torch.Tensor:
+        # Frequencies from 100 down to 0.1 radians per unit of t: both coarse and fine changes of t show.
+        half = self.time_dim // 2
+        freqs = 100.0 * torch.logspace(0.0, -3.0, half, device=t.device)
+        angles = t.float()[:, None] * freqs[None]
+        return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        cond = self.condition(torch.cat([features, self.time_embedding(t)], dim=1))
+        h = self.inp(x_t.flatten(1))
+        for norm, film, mlp in zip(self.norms, self.films, self.mlps, strict=True):
+            scale, shift = film(torch.nn.functional.silu(cond)).chunk(2, dim=1)
+            h = h + mlp(norm(h) * (1 + scale) + shift)
+        return self.out(h).view_as(x_t)
+
+
+class KeypointFlowPolicy(KeypointEncoding):
+    """The keypoint encoder feeding a flow-matching action head, as visuomotor flow / diffusion policies
+    localise: trained with slurmvla's flow matching (slurmvla/policy/flow.py: ``x_t = t * noise + (1 - t) *
+    actions``, the head predicts ``u = noise - actions`` on the normalized chunk, pi0's Beta time), sampled
+    by integrating ``policy.num_inference_steps`` Euler steps from noise (t = 1) to actions (t = 0).
+    ``velocity(features, x_t, t)`` is the one function of ``(x_t, t)`` each step calls, given the
+    observation's ``features`` computed once per call.
+
+        python -m slurmvla.train experiment=sim_pick policy=keypoints_flow
+    """
+
+    def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, keypoints: int = 16,  # noqa: ANN001
+                 hidden: int = 256, blocks: int = 3):
+        super().__init__(cfg, stats, keypoints)
+        self.num_inference_steps = cfg.num_inference_steps
+        self.head = FlowHead(self.horizon * self.action_dim, self.feature_dim, hidden, blocks)
+
+    @classmethod
+    def sample_spec(cls, cfg) -> SampleSpec:  # noqa: ANN001 - a PolicyConfig
+        # The noise and time are drawn per sample by the data pipeline: the training randomness is a
+        # function of the sample on any world size. The instruction is not read: no tokenizer.
+        return SampleSpec(image_size=cfg.image_size, action_horizon=cfg.action_horizon,
+                          num_obs_history=cfg.num_obs_history,
+                          draws=(Draw("noise", "normal", (cfg.action_horizon, cfg.action_dim)),
+                                 Draw("time_u", "uniform")))
+
+    def velocity(self, features: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The predicted ``u = noise - actions`` ``[B, H, D]`` at the normalized noisy chunk ``x_t`` and
+        time ``t`` ``[B]``."""
+        return self.head(x_t, t, features)
+
+    def forward(self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None) -> dict:
+        actions = (batch["actions"].float() - self.action_offset) / self.action_scale
+        noise, t = noise_and_time(batch, actions, noise, t)
+        pred = self.velocity(self.features(batch), noisy_actions(actions, noise, t), t)
+        return flow_matching_loss(pred, noise, actions, batch["action_mask"])
+
+    @torch.no_grad()
+    def sample_actions(self, batch: dict, noise: torch.Tensor | None = None,
+                       num_steps: int | None = None) -> torch.Tensor:
+        """Integrate the velocity from ``noise`` (normalized units, ``[B, H, D]``; drawn when None) at t = 1
+        to the actions at t = 0 in ``num_steps`` Euler steps; returns raw actions."""
+        steps = num_steps or self.num_inference_steps
+        features = self.features(batch)
+        b = features.shape[0]
+        x = (torch.randn(b, self.horizon, self.action_dim, device=features.device) if noise is None
+             else noise.float())
+        for i in range(steps):
+            t = torch.full((b,), 1.0 - i / steps, device=x.device)
+            x = x - self.velocity(features, x, t).float() / steps
+        return x * self.action_scale + self.action_offset
