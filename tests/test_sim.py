@@ -475,3 +475,26 @@ def test_one_flow_step_from_the_given_noise_is_noise_minus_the_velocity_at_t_1(d
     # The default is policy.num_inference_steps; the same noise gives the same chunk.
     assert policy.num_inference_steps == 10
     torch.testing.assert_close(policy.sample_actions(batch, noise=noise), policy.sample_actions(batch, noise=noise))
+
+
+def test_the_keypoint_flow_policy_opts_into_real_time_chunking_through_the_contract(demos):
+    """A plug-in's RTC path (slurmvla.policy.rtc.integrate): with beta = 0 the chunk is plain sampling's from the
+    same noise bit for bit, the d frozen actions are the previous chunk's exactly, and guidance pulls the rest of
+    the overlap towards it."""
+    import torch
+
+    from slurmvla.policy.base import supports_rtc
+    from slurmvla.policy.rtc import Guidance
+
+    policy, batch = _flow_policy(demos)
+    assert supports_rtc(policy)
+    noise, prev = torch.randn(3, 8, 8), torch.randn(3, 8, 8) * 3.0 + torch.arange(8.0)
+    delay, overlap = torch.tensor([2, 0, 3]), torch.tensor([6, 4, 8])
+    plain = policy.sample_actions(batch, noise=noise)
+    off = policy.sample_actions(batch, noise=noise, rtc=Guidance(prev, torch.zeros(3, dtype=torch.long), overlap, 0.0))
+    assert torch.equal(off, plain)
+    guided = policy.sample_actions(batch, noise=noise, rtc=Guidance(prev, delay, overlap, 5.0))
+    for i, d in enumerate(delay.tolist()):
+        assert torch.equal(guided[i, :d], prev[i, :d])
+    inside = torch.arange(8)[None, :] < overlap[:, None]
+    assert (guided - prev).abs()[inside].mean() < (plain - prev).abs()[inside].mean()

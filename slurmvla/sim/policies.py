@@ -24,6 +24,7 @@ from torch import nn
 
 from slurmvla.data.spec import Draw, SampleSpec
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
+from slurmvla.policy.rtc import Guidance, integrate
 
 
 def register_stats(module: nn.Module, cfg, stats: dict[str, torch.Tensor] | None) -> None:  # noqa: ANN001
@@ -219,6 +220,8 @@ class KeypointFlowPolicy(KeypointEncoding):
         python -m slurmvla.train experiment=sim_pick policy=keypoints_flow
     """
 
+    supports_rtc = True  # a plug-in opting into real-time chunking: sample_actions(..., rtc=) through rtc.integrate
+
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, keypoints: int = 16,  # noqa: ANN001
                  hidden: int = 256, blocks: int = 3):
         super().__init__(cfg, stats, keypoints)
@@ -246,16 +249,17 @@ class KeypointFlowPolicy(KeypointEncoding):
         return flow_matching_loss(pred, noise, actions, batch["action_mask"])
 
     @torch.no_grad()
-    def sample_actions(self, batch: dict, noise: torch.Tensor | None = None,
-                       num_steps: int | None = None) -> torch.Tensor:
+    def sample_actions(self, batch: dict, noise: torch.Tensor | None = None, num_steps: int | None = None,
+                       rtc: Guidance | None = None) -> torch.Tensor:
         """Integrate the velocity from ``noise`` (normalized units, ``[B, H, D]``; drawn when None) at t = 1
-        to the actions at t = 0 in ``num_steps`` Euler steps; returns raw actions."""
+        to the actions at t = 0 in ``num_steps`` Euler steps; returns raw actions. ``rtc``: real-time
+        chunking's guidance towards a previous chunk (slurmvla/policy/rtc.py)."""
         steps = num_steps or self.num_inference_steps
         features = self.features(batch)
         b = features.shape[0]
         x = (torch.randn(b, self.horizon, self.action_dim, device=features.device) if noise is None
              else noise.float())
-        for i in range(steps):
-            t = torch.full((b,), 1.0 - i / steps, device=x.device)
-            x = x - self.velocity(features, x, t).float() / steps
-        return x * self.action_scale + self.action_offset
+        guide = None if rtc is None else rtc.guide(self.action_offset, self.action_scale)
+        x = integrate(lambda xt, t: self.velocity(features, xt, t), x, steps, guide)
+        actions = x * self.action_scale + self.action_offset
+        return actions if guide is None else guide.freeze(actions)
