@@ -25,7 +25,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from slurmvla.droid_features import DROID_CAMERAS, DROID_INSTRUCTION_KEYS
-from slurmvla.registry import DATA_MODES, ENGINES, IMAGE_RESIZE_MODES, POLICIES, SCHEDULERS
+from slurmvla.registry import DATA_MODES, ENGINES, EXECUTION_MODES, IMAGE_RESIZE_MODES, POLICIES, SCHEDULERS
 
 log = logging.getLogger("slurmvla")
 
@@ -628,7 +628,7 @@ class RolloutConfig:
     delay: str = "fixed"
 
     def __post_init__(self) -> None:
-        check_choice("rollout.execution", self.execution, ("sync", "async", "rtc"))
+        check_choice("rollout.execution", self.execution, EXECUTION_MODES)
         check_choice("rollout.delay", self.delay, ("fixed", "measured"))
         check_positive("rollout.delay_steps", self.delay_steps, allow_zero=True)
         check_positive("rollout.episodes", self.episodes)

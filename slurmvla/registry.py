@@ -187,3 +187,6 @@ DATA_MODES = (SAMPLE_MODES[0], JOINT_MODE, *SAMPLE_MODES[1:])
 # data.image_resize: camera frames to the policy's square input. pad keeps the aspect ratio and
 # pads with black (openpi's resize-with-pad, what pretrained SigLIP backbones expect); squash stretches.
 IMAGE_RESIZE_MODES = ("pad", "squash")
+
+# rollout.execution and the robot-side executor (slurmvla/inference/executor.py): how action chunks run.
+EXECUTION_MODES = ("sync", "async", "rtc")

@@ -14,7 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from slurmvla.inference.executor import MODES, Executor, ThreadedExecutor, Tick, switch_metrics
+from slurmvla.inference.executor import Executor, ThreadedExecutor, Tick, switch_metrics
+from slurmvla.registry import EXECUTION_MODES
 
 H = 8  # the fake policy's action horizon
 H_ = "hold"
@@ -209,7 +210,7 @@ def test_the_config_offers_the_executors_modes_and_refuses_others():
     from slurmvla.config import RolloutConfig
 
     assert RolloutConfig(execution="rtc", delay_steps=2).delay_steps == 2
-    for mode in MODES:
+    for mode in EXECUTION_MODES:
         RolloutConfig(execution=mode)
     with pytest.raises(ValueError, match=r"^rollout.execution='rtx' is not valid; choose one of \['sync', 'async', 'rtc'\]$"):
         RolloutConfig(execution="rtx")

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-MODES = ("sync", "async", "rtc")
+from slurmvla.registry import EXECUTION_MODES
 
 
 @dataclass
@@ -81,8 +81,8 @@ class Executor:
     def __init__(self, client: Any, mode: str = "sync", replan_steps: int = 4, delay: int | str = 0,
                  control_hz: float = 15.0, rest: np.ndarray | None = None, held: tuple[int, ...] = (-1,),
                  clock: Callable[[], float] = time.perf_counter):
-        if mode not in MODES:
-            raise ValueError(f"execution mode {mode!r} is not valid; choose one of {list(MODES)}")
+        if mode not in EXECUTION_MODES:
+            raise ValueError(f"execution mode {mode!r} is not valid; choose one of {list(EXECUTION_MODES)}")
         if replan_steps < 1:
             raise ValueError(f"replan_steps={replan_steps} is not valid; it must be >= 1")
         if not (delay == "measured" or (isinstance(delay, int) and delay >= 0)):
