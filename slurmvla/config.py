@@ -78,6 +78,40 @@ LORA_PARTS = ("backbone", "expert", "vision")
 LORA_INITS = ("gaussian", "peft")
 
 
+# Training-time real-time chunking's delay distributions (policy.rtc_training.distribution).
+DELAY_DISTRIBUTIONS = ("uniform", "exp")
+
+
+@dataclass
+class RTCTrainingConfig:
+    """``policy.rtc_training``: training-time real-time chunking (Black, Ren, Equi, Levine 2025, arXiv
+    2512.05964; slurmvla/policy/rtc.py). Each sample draws a delay d in ``[min_delay, max_delay]``; its first
+    d actions enter the model clean (flow time 0, as the previous chunk's actions will at inference) and are
+    left out of the loss. The policy then serves real-time chunking by conditioning on the previous chunk's
+    first d actions, with no guidance (no extra cost). ``max_delay: 0`` (the default) is plain training."""
+
+    # The delay range, in control steps (inclusive): max_delay about the worst inference delay expected.
+    min_delay: int = 0
+    max_delay: int = 0
+    # uniform over the range, or exp: P(d) proportional to exp(-exp_decay * (d - min_delay)) (more
+    # samples at small delays).
+    distribution: str = "uniform"
+    exp_decay: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_delay > 0
+
+    def __post_init__(self) -> None:
+        check_choice("policy.rtc_training.distribution", self.distribution, DELAY_DISTRIBUTIONS)
+        check_positive("policy.rtc_training.min_delay", self.min_delay, allow_zero=True)
+        check_positive("policy.rtc_training.max_delay", self.max_delay, allow_zero=True)
+        check_positive("policy.rtc_training.exp_decay", self.exp_decay, allow_zero=True)
+        if self.min_delay > self.max_delay:
+            raise ValueError(f"policy.rtc_training.min_delay={self.min_delay} is above policy.rtc_training.max_delay="
+                             f"{self.max_delay}; the delays are drawn from [min_delay, max_delay]")
+
+
 @dataclass
 class LoraConfig:
     """``policy.lora``: low-rank adapters (peft's LoRA) trained instead of the language models' weights.
@@ -166,6 +200,8 @@ class PolicyConfig:
     action_normalization: str | None = None
     # Low-rank adapters instead of full fine-tuning (slurmvla/policy/lora.py; the peft extra).
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # Training-time real-time chunking: a delayed, clean prefix of the chunk (slurmvla/policy/rtc.py).
+    rtc_training: RTCTrainingConfig = field(default_factory=RTCTrainingConfig)
 
     def __post_init__(self) -> None:
         check_choice("policy.checkpoint_saves", self.checkpoint_saves, CHECKPOINT_SAVES)
@@ -187,6 +223,9 @@ class PolicyConfig:
         for key in ("state_normalization", "action_normalization"):
             if getattr(self, key) is not None:
                 check_choice(f"policy.{key}", getattr(self, key), NORMALIZATIONS)
+        if self.rtc_training.max_delay >= self.action_horizon:
+            raise ValueError(f"policy.rtc_training.max_delay={self.rtc_training.max_delay} must be below "
+                             f"policy.action_horizon={self.action_horizon}: a chunk needs actions left to learn")
         if self.lora.enabled and self.train_expert_only and "backbone" in self.lora.parts:
             raise ValueError(f"policy.train_expert_only=true trains nothing in the backbone, but policy.lora.parts="
                              f"{list(self.lora.parts)} puts trained adapters there; set policy.lora.parts=[expert] "

@@ -121,7 +121,7 @@ def single_references(matrix_root, tmp_path_factory):
     def get(policy: str) -> dict:
         if policy not in cache:
             out = {}
-            for name, extra in (("fp32", []), ("frozen", ["policy.train_expert_only=true"]), ("lora", LORA)):
+            for name, extra in (("fp32", []), ("frozen", FROZEN), ("lora", LORA)):
                 if name == "lora" and policy not in LORA_POLICIES:
                     continue
                 cfg = compose([*base_overrides(matrix_root), *POLICIES[policy], *extra])
@@ -158,9 +158,13 @@ STRATEGY_CELLS = [(e, p) for e in ENGINES if e != "single"
 BF16_PI0_ENGINES = ("fsdp_full", "zero3")
 
 
+# Training-time real-time chunking (a clean, delayed prefix of each chunk, outside the loss; a time per action:
+# pi0.5's adaptive norms per token) rides in the frozen and LoRA runs: every engine, both policy families, LoRA.
+RTC_TRAINING = ["policy.rtc_training.max_delay=3"]
+FROZEN = ["policy.train_expert_only=true", *RTC_TRAINING]
 # The LoRA column (peft's adapters, openpi's preset: frozen base, adapters on both language models): every
 # engine, once, with its pi0 / pi0.5 cell's policy (fsdp_grad_op: the reference policy's).
-LORA = ["policy.lora.enabled=true"]
+LORA = ["policy.lora.enabled=true", *RTC_TRAINING]
 LORA_CELLS = {e: PI0_CELLS.get(e, "pi0_tiny") or "reference" for e in ENGINES if e != "single"}
 LORA_POLICIES = set(LORA_CELLS.values())
 
@@ -172,7 +176,7 @@ def cell_runs(engine: str, policy: str) -> list[dict]:
         {"name": "straight"},
         {"name": "half", "dir": "resumed", "stop_at": HALF},
         {"name": "resumed"},
-        {"name": "frozen", "overrides": ["policy.train_expert_only=true"]},
+        {"name": "frozen", "overrides": FROZEN},
     ]
     if LORA_CELLS.get(engine) == policy:
         runs += [{"name": "lora", "overrides": LORA}, {"name": "lora_half", "dir": "lora_resumed", "stop_at": HALF,

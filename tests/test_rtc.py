@@ -201,7 +201,7 @@ def test_the_server_serves_rtc_requests_and_refuses_bad_ones_through_openpis_cli
         client = wcp.WebsocketClientPolicy("127.0.0.1", port)
         meta = client.get_server_metadata()
         assert meta["execution_modes"] == ["sync", "async", "rtc"]
-        assert meta["rtc"] == {"max_guidance": 5.0, "schedule": "exp"}
+        assert meta["rtc"] == {"method": "guidance", "max_guidance": 5.0, "schedule": "exp"}
         # A client that sends neither key (or delay 0 alone) gets today's chunk, bit for bit.
         want = plain_chunk(runner, obs)
         np.testing.assert_array_equal(client.infer(obs)["actions"], want)

@@ -68,9 +68,18 @@ class PolicyRunner:
             "state": list(self.cfg.serve.state), "prompt": self.cfg.serve.prompt, "seed": self.cfg.serve.seed,
             "max_request_bytes": self.max_request_bytes,
             "execution_modes": ["sync", "async", "rtc"] if self.rtc else ["sync", "async"],
-            **({"rtc": {"max_guidance": self.cfg.serve.rtc_max_guidance, "schedule": self.cfg.serve.rtc_schedule}}
-               if self.rtc else {}),
+            **({"rtc": self.rtc_metadata()} if self.rtc else {}),
         }
+
+    def rtc_metadata(self) -> dict:
+        """How an ``rtc`` request is answered: by inference-time guidance towards the previous chunk (its
+        ``max_guidance`` and ``schedule``), or, for a policy trained with training-time RTC, by conditioning on
+        the previous chunk's first ``delay`` actions (``prefix``; the delays it was trained on)."""
+        trained = self.cfg.policy.rtc_training
+        if trained.enabled:
+            return {"method": "prefix", "trained_delays": [trained.min_delay, trained.max_delay]}
+        return {"method": "guidance", "max_guidance": self.cfg.serve.rtc_max_guidance,
+                "schedule": self.cfg.serve.rtc_schedule}
 
     def observation_bytes(self, camera_bytes: int = 0) -> int:
         """One observation's size on the wire, roughly: every camera the client sends at the policy's

@@ -17,6 +17,11 @@ A policy is a ``torch.nn.Module`` built as ``Class(policy_cfg, stats, **policy.k
   of its velocity on each flow step and ``Guide.freeze`` on the chunk (or runs
   :func:`slurmvla.policy.rtc.integrate` over a ``velocity(x_t, t)`` of its own). Without ``rtc`` its output
   must be unchanged. The server offers the ``rtc`` execution mode only for such a policy (:func:`supports_rtc`).
+- Training-time real-time chunking (optional, ``policy.rtc_training``): a flow policy that sets
+  ``supports_rtc_training = True`` adds :func:`slurmvla.policy.rtc.delay_draws` to its sample spec's draws,
+  trains through :func:`slurmvla.policy.rtc.delayed_chunk` (its velocity then takes a time per action,
+  ``t`` ``[B, H]``) and answers ``rtc`` through :func:`slurmvla.policy.rtc.conditioning` (a clean prefix, no
+  guidance). A class without it refuses ``policy.rtc_training`` when built.
 - ``stats`` holds ``state_offset`` / ``state_scale`` / ``action_offset`` / ``action_scale``
   (``normalized = (x - offset) / scale``, from the data's statistics); keep them as buffers so they
   travel with the weights.
@@ -59,6 +64,8 @@ class Policy(nn.Module):
 
     # Whether sample_actions takes rtc= (real-time chunking's guidance; see the module docstring).
     supports_rtc = False
+    # Whether it trains with policy.rtc_training (a clean, delayed prefix; see the module docstring).
+    supports_rtc_training = False
 
     @classmethod
     def sample_spec(cls, cfg: PolicyConfig) -> SampleSpec:
@@ -207,6 +214,11 @@ def import_class(path: str, where: str = "policy.target") -> Any:
 
 def construct(cls: type[Policy], cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None) -> Policy:
     """``cls(cfg, stats, **cfg.kwargs)``, with a clear error when the arguments do not fit."""
+    rtc_training = getattr(cfg, "rtc_training", None)
+    if rtc_training is not None and rtc_training.enabled and not getattr(cls, "supports_rtc_training", False):
+        raise ValueError(f"policy.rtc_training.max_delay={rtc_training.max_delay}: {cls.__module__}.{cls.__qualname__} "
+                         "does not support training-time real-time chunking (supports_rtc_training = True, "
+                         "docs/extending.md); set policy.rtc_training.max_delay=0")
     kwargs = dict(cfg.kwargs)
     try:
         inspect.signature(cls).bind(cfg, stats, **kwargs)

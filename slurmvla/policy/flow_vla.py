@@ -28,7 +28,7 @@ from slurmvla.policy.attention import attention, resolve_attention
 from slurmvla.policy.base import Policy
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.recompute import Recompute
-from slurmvla.policy.rtc import Guidance
+from slurmvla.policy.rtc import Guidance, Guide, conditioning, delay_draws, delayed_chunk
 from slurmvla.policy.tokenizer import VOCAB_SIZE, ByteTokenizer
 from slurmvla.registry import SAMPLE_MODES
 
@@ -171,9 +171,11 @@ class ActionTimeEmbedding(nn.Module):
     def forward(self, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         half = self.width // 2
         freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
-        angles = t.float()[:, None] * freqs[None] * 1000.0
-        time = torch.cat([angles.sin(), angles.cos()], dim=-1)
-        time = F.pad(time, (0, self.width - 2 * half))[:, None, :].expand(-1, x_t.shape[1], -1)
+        # t: [B], or [B, H] (a time per action: training-time real-time chunking's clean prefix).
+        angles = t.float()[..., None] * freqs * 1000.0
+        time = F.pad(torch.cat([angles.sin(), angles.cos()], dim=-1), (0, self.width - 2 * half))
+        if time.dim() == 2:
+            time = time[:, None, :].expand(-1, x_t.shape[1], -1)
         a = self.action(x_t)
         h = torch.cat([a, time.to(a.dtype)], dim=-1)
         return self.mlp_out(F.silu(self.mlp_in(h)))
@@ -181,6 +183,7 @@ class ActionTimeEmbedding(nn.Module):
 
 class FlowMatchingVLA(Policy):
     supports_rtc = True  # sample_actions(..., rtc=): real-time chunking (slurmvla/policy/rtc.py)
+    supports_rtc_training = True  # policy.rtc_training: a time per action, a clean prefix left out of the loss
 
     def __init__(self, cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None = None):
         super().__init__()
@@ -231,7 +234,8 @@ class FlowMatchingVLA(Policy):
         return SampleSpec(
             image_size=cfg.image_size, action_horizon=cfg.action_horizon, num_obs_history=cfg.num_obs_history,
             tokenizer=ByteTokenizer(cfg.max_text_len),
-            draws=(Draw("noise", "normal", (cfg.action_horizon, cfg.action_dim)), Draw("time_u", "uniform")),
+            draws=(Draw("noise", "normal", (cfg.action_horizon, cfg.action_dim)), Draw("time_u", "uniform"),
+                   *delay_draws(cfg)),
         )
 
     def wrap_units(self) -> list[nn.Module]:
@@ -328,7 +332,11 @@ class FlowMatchingVLA(Policy):
         actions, action_mask = self._targets(batch)
         noise, t = noise_and_time(batch, actions, noise, t)
         prefix, keep = self._prefix(batch)
-        pred = self._velocity(prefix, keep, noisy_actions(actions, noise, t), t)
+        if self.cfg.rtc_training.enabled:  # a delayed, clean prefix of each chunk, outside the loss
+            x_t, t, action_mask = delayed_chunk(batch, actions, noise, t, self.cfg.rtc_training, action_mask)
+        else:
+            x_t = noisy_actions(actions, noise, t)
+        pred = self._velocity(prefix, keep, x_t, t)
         return flow_matching_loss(pred, noise, actions, action_mask)
 
     @torch.no_grad()
@@ -342,18 +350,22 @@ class FlowMatchingVLA(Policy):
         x = torch.randn(shape, device=batch["state"].device) if noise is None else noise.float()
         prefix, keep = self._prefix(batch)
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []  # the prefix stream runs in the first step only
-        if rtc is not None:
-            return self._guided(prefix, keep, x, steps, cache, rtc)
+        condition = conditioning(self.cfg, rtc, self.action_offset, self.action_scale)
+        if isinstance(condition, Guide):
+            return self._guided(prefix, keep, x, steps, cache, condition)
         for i in range(steps):
             t = torch.full((b,), 1.0 - i / steps, device=x.device)
+            if condition is not None:  # training-time RTC: the previous chunk's first d actions, clean
+                x, t = condition.fill(x), condition.times(t)
             x = x - self._velocity(prefix, keep, x, t, cache).float() / steps
-        return x * self.action_scale + self.action_offset
+        if condition is None:
+            return x * self.action_scale + self.action_offset
+        return condition.freeze(condition.fill(x) * self.action_scale + self.action_offset)
 
     def _guided(self, prefix: torch.Tensor, keep: torch.Tensor, x: torch.Tensor, steps: int, cache: list,
-                rtc: Guidance) -> torch.Tensor:
+                guide: Guide) -> torch.Tensor:
         """``sample_actions``' loop with RTC's guided velocity; the prefix's keys / values filled by the first
         step are kept without their autograd history (the guidance differentiates through ``x_t`` only)."""
-        guide = rtc.guide(self.action_offset, self.action_scale)
         for i in range(steps):
             time = 1.0 - i / steps
             t = torch.full((x.shape[0],), time, device=x.device)

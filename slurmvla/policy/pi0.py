@@ -55,7 +55,7 @@ from slurmvla.policy.attention import attention, grouped_matmul_attention, resol
 from slurmvla.policy.base import Policy
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.recompute import Recompute
-from slurmvla.policy.rtc import Guidance
+from slurmvla.policy.rtc import Guidance, Prefix, conditioning, delay_draws, delayed_chunk
 from slurmvla.weights import parameter_generator
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def sinusoidal_time(t: torch.Tensor, dim: int) -> torch.Tensor:
     """openpi's time embedding: sin / cos at periods spaced geometrically in [MIN_PERIOD, MAX_PERIOD]."""
     fraction = torch.linspace(0.0, 1.0, dim // 2, dtype=torch.float64, device=t.device)
     period = MIN_PERIOD * (MAX_PERIOD / MIN_PERIOD) ** fraction
-    angles = (2 * math.pi / period)[None, :] * t.double()[:, None]
+    angles = (2 * math.pi / period) * t.double()[..., None]  # t: [B], or [B, H] (a time per action)
     return torch.cat([angles.sin(), angles.cos()], dim=-1).float()
 
 
@@ -150,9 +150,10 @@ class AdaptiveRMSNorm(nn.Module):
         return self.modulate(x, self.dense(cond))
 
     def modulate(self, x: torch.Tensor, modulation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The norm with ``modulation = dense(cond)`` given (``[B, 3 * dim]``: scale, shift, gate)."""
+        """The norm with ``modulation = dense(cond)`` given (``[B, 3 * dim]``: scale, shift, gate; or ``[B, H, 3 *
+        dim]``, one per action token: training-time real-time chunking's time per action)."""
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        scale, shift, gate = modulation[:, None, :].chunk(3, dim=-1)
+        scale, shift, gate = (modulation[:, None, :] if modulation.dim() == 2 else modulation).chunk(3, dim=-1)
         return (normed * (1 + scale.float()) + shift.float()).to(x.dtype), gate.to(x.dtype)
 
 
@@ -299,6 +300,7 @@ class Pi0Policy(Policy):
 
     ADAPTIVE_TIME = False
     supports_rtc = True  # sample_actions(..., rtc=): real-time chunking (slurmvla/policy/rtc.py)
+    supports_rtc_training = True  # policy.rtc_training: a time per action, a clean prefix left out of the loss
 
     def __init__(self, cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None = None):
         super().__init__()
@@ -389,7 +391,8 @@ class Pi0Policy(Policy):
         return SampleSpec(
             image_size=None, action_horizon=cfg.action_horizon, num_obs_history=cfg.num_obs_history,
             tokenizer=tokenizer_for(cfg) if cls._data_tokenizes(cfg) else None,
-            draws=(Draw("noise", "normal", (cfg.action_horizon, cfg.max_action_dim)), Draw("time_u", "uniform")),
+            draws=(Draw("noise", "normal", (cfg.action_horizon, cfg.max_action_dim)), Draw("time_u", "uniform"),
+                   *delay_draws(cfg)),
         )
 
     @classmethod
@@ -509,7 +512,8 @@ class Pi0Policy(Policy):
         computed ahead)."""
         state = self._state_token(batch)
         a = self.action_in_proj(x_t)
-        time = sinusoidal_time(t, a.shape[-1])[:, None, :].expand_as(a).to(a.dtype)
+        time = sinusoidal_time(t, a.shape[-1])
+        time = (time[:, None, :] if time.dim() == 2 else time).expand_as(a).to(a.dtype)
         a = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat([a, time], dim=-1))))
         return torch.cat([state.to(a.dtype), a], dim=1), 1, None
 
@@ -572,9 +576,13 @@ class Pi0Policy(Policy):
         actions = pad_last(self.normalize_actions(batch["actions"]), self.cfg.max_action_dim)
         noise, t = noise_and_time(batch, actions, noise, t)
         prefix, keep = self._prefix(batch)
-        pred = self._velocity(prefix, keep, batch, noisy_actions(actions, noise, t).to(prefix.dtype), t)
-        d = self.cfg.action_dim
         every = torch.ones_like(batch["action_mask"], dtype=torch.bool)
+        if self.cfg.rtc_training.enabled:  # a delayed, clean prefix of each chunk, outside the loss
+            x_t, t, every = delayed_chunk(batch, actions, noise, t, self.cfg.rtc_training, every)
+        else:
+            x_t = noisy_actions(actions, noise, t)
+        pred = self._velocity(prefix, keep, batch, x_t.to(prefix.dtype), t)
+        d = self.cfg.action_dim
         return flow_matching_loss(pred[..., :d], noise[..., :d], actions[..., :d], every)
 
     def projection_groups(self):
@@ -605,17 +613,24 @@ class Pi0Policy(Policy):
         prefix, keep = self._prefix(batch)
         cache = PrefixCache()
         times = [1.0 + i * dt for i in range(steps)]
-        conditions = self._step_conditions(times, b, prefix.dtype, x.device)
-        guide = None if rtc is None else rtc.guide(self.action_offset, self.action_scale, self.cfg.max_action_dim)
+        guide = conditioning(self.cfg, rtc, self.action_offset, self.action_scale, self.cfg.max_action_dim)
+        # pi0.5's conditions are computed ahead per step time; a clean prefix (training-time RTC) has a time per
+        # action, so its conditions are computed in each step.
+        conditions = self._step_conditions(times, b, prefix.dtype, x.device) if not isinstance(guide, Prefix) \
+            else [None] * steps
         for i in range(steps):
             t = torch.full((b,), times[i], device=x.device)
-            if guide is None:
+            if guide is None or isinstance(guide, Prefix):
+                if guide is not None:  # training-time RTC: the previous chunk's first d actions, clean
+                    x, t = guide.fill(x), guide.times(t)
                 x = x + dt * self._velocity(prefix, keep, batch, x.to(prefix.dtype), t, cache, conditions[i]).float()
                 continue
             x = x + dt * guide.velocity(lambda xt, t=t, c=conditions[i]: self._velocity(
                 prefix, keep, batch, xt.to(prefix.dtype), t, cache, c), x, times[i])
             # The guidance differentiates through x_t only: the cached prefix keys / values drop their history.
             cache.kv = [(k.detach(), v.detach()) for k, v in cache.kv]
+        if isinstance(guide, Prefix):
+            x = guide.fill(x)
         actions = x[..., : self.cfg.action_dim] * self.action_scale + self.action_offset
         return actions if guide is None else guide.freeze(actions)
 

@@ -18,6 +18,13 @@ A flow policy opts in (slurmvla/policy/base.py) with ``supports_rtc = True`` and
 noise=None, rtc=None)`` that, when ``rtc`` is given, calls :meth:`Guide.velocity` instead of its velocity on
 each step and :meth:`Guide.freeze` on its result; :func:`integrate` is that loop for a policy with a
 ``velocity(features, x_t, t)``-style function.
+
+Training-time RTC (Black, Ren, Equi, Levine 2025, arXiv 2512.05964; ``policy.rtc_training``) needs no
+guidance: each training sample draws a delay d (:func:`draw_delays`, from the data pipeline's per-sample
+``delay_u``), its first d actions enter the velocity clean, at flow time 0, and leave the loss
+(:func:`delayed_chunk`). The velocity takes a time per action (``t`` ``[B, H]``). At inference such a
+policy answers an ``rtc`` request by the same conditioning: on every flow step the first d actions are the
+previous chunk's, at time 0 (:class:`Prefix`, :func:`integrate`'s ``prefix``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from slurmvla.data.spec import Draw
 
 SCHEDULES = ("exp", "linear", "ones", "zeros")
 
@@ -64,6 +73,16 @@ class Guidance:
             weights = torch.nn.functional.pad(weights, (0, width - dims))
         return Guide(target, weights, prev, self.delay.to(prev.device), self.max_guidance)
 
+    def prefix(self, offset: torch.Tensor, scale: torch.Tensor, width: int | None = None) -> Prefix:
+        """Training-time RTC's conditioning in the policy's action space (normalized, zero-padded to
+        ``width``): the previous chunk's first ``d`` actions, given clean on every flow step."""
+        prev = self.prev_actions.to(offset.device, torch.float32)
+        target = (prev - offset) / scale
+        if width and width > target.shape[-1]:
+            target = torch.nn.functional.pad(target, (0, width - target.shape[-1]))
+        delay = torch.minimum(self.delay, self.overlap).to(prev.device)
+        return Prefix(target, prefix_mask(delay, prev.shape[1]), prev)
+
     def to(self, device: torch.device) -> Guidance:
         return Guidance(self.prev_actions.to(device), self.delay.to(device), self.overlap.to(device),
                         self.max_guidance, self.schedule)
@@ -97,6 +116,68 @@ def guidance_weight(t: float, max_guidance: float) -> float:
     return min(float(max_guidance), (tau**2 + (1 - tau) ** 2) / (tau * (1 - tau)))
 
 
+def prefix_mask(delay: torch.Tensor, horizon: int) -> torch.Tensor:
+    """``[B, horizon]``: True at the first ``delay[b]`` actions of each chunk."""
+    return torch.arange(horizon, device=delay.device)[None, :] < delay[:, None]
+
+
+def delay_draws(cfg) -> tuple[Draw, ...]:  # noqa: ANN001 - a PolicyConfig
+    """The sample spec's draw for training-time RTC (``delay_u``: one uniform per sample, drawn by the data
+    pipeline, so the delays are a function of the sample on any world size and on resume), or none."""
+    return (Draw("delay_u", "uniform"),) if cfg.rtc_training.enabled else ()
+
+
+def delay_probabilities(rtc_training) -> torch.Tensor:  # noqa: ANN001 - an RTCTrainingConfig
+    """``P(d)`` over ``d = min_delay .. max_delay``: uniform, or ``exp(-exp_decay (d - min_delay))`` normalized."""
+    n = rtc_training.max_delay - rtc_training.min_delay + 1
+    if rtc_training.distribution == "uniform":
+        return torch.full((n,), 1.0 / n, dtype=torch.float64)
+    w = torch.exp(-rtc_training.exp_decay * torch.arange(n, dtype=torch.float64))
+    return w / w.sum()
+
+
+def draw_delays(u: torch.Tensor, rtc_training) -> torch.Tensor:  # noqa: ANN001 - an RTCTrainingConfig
+    """Delays ``[B]`` (long) from uniforms ``u`` in [0, 1) by the inverse CDF of :func:`delay_probabilities`."""
+    cdf = delay_probabilities(rtc_training).cumsum(0).to(u.device)
+    index = torch.searchsorted(cdf, u.double().contiguous(), right=True).clamp_max(cdf.numel() - 1)
+    return index + rtc_training.min_delay
+
+
+def delayed_chunk(batch: dict, actions: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, rtc_training,  # noqa: ANN001
+                  action_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Training-time RTC on one batch: ``(x_t, times, loss_mask)``. The first d actions of each sample
+    (d from :func:`draw_delays` of the batch's ``delay_u``) are the clean actions at time 0, the rest
+    ``t * noise + (1 - t) * actions`` at the sample's ``t``; ``times`` ``[B, H]`` is each action's time;
+    ``loss_mask`` is ``action_mask`` without the prefix (which the loss leaves out)."""
+    if "delay_u" not in batch:
+        raise ValueError("policy.rtc_training is on but this batch has no 'delay_u': the policy's sample_spec must "
+                         "include slurmvla.policy.rtc.delay_draws(cfg)")
+    prefix = prefix_mask(draw_delays(batch["delay_u"], rtc_training), actions.shape[1])
+    times = torch.where(prefix, torch.zeros_like(t)[:, None], t[:, None])
+    x_t = times[..., None] * noise + (1 - times[..., None]) * actions
+    return x_t, times, action_mask.bool() & ~prefix
+
+
+class Prefix:
+    """One ``sample_actions`` call's training-time RTC conditioning: ``target`` (the previous chunk,
+    normalized), ``mask`` ``[B, H]`` (its first d actions) and the raw chunk (for :meth:`freeze`)."""
+
+    def __init__(self, target: torch.Tensor, mask: torch.Tensor, raw: torch.Tensor):
+        self.target, self.mask, self.raw = target, mask, raw
+
+    def fill(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with the first d actions replaced by the previous chunk's (normalized)."""
+        return torch.where(self.mask[..., None], self.target.to(x.dtype), x)
+
+    def times(self, t: torch.Tensor) -> torch.Tensor:
+        """Per-action times ``[B, H]``: 0 on the prefix, ``t`` ``[B]`` elsewhere."""
+        return torch.where(self.mask, torch.zeros_like(t)[:, None], t[:, None])
+
+    def freeze(self, actions: torch.Tensor) -> torch.Tensor:
+        """``actions`` (dataset units) with the first d exactly the previous chunk's."""
+        return torch.where(self.mask[..., None], self.raw.to(actions.dtype), actions)
+
+
 class Guide:
     """One ``sample_actions`` call's guidance: the previous chunk normalized (``target``), its per-element
     weights, the raw chunk and the delay (for :meth:`freeze`)."""
@@ -125,17 +206,33 @@ class Guide:
 
 
 def integrate(velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, steps: int,
-              guide: Guide | None = None) -> torch.Tensor:
+              guide: Guide | Prefix | None = None) -> torch.Tensor:
     """Euler integration of ``velocity(x_t, t)`` (``t`` a ``[B]`` tensor) from noise ``x`` (t = 1) to actions
-    (t = 0) in the policy's normalized action space, guided by ``guide`` when given (then un-normalize and
-    call ``guide.freeze`` on the result). For a policy whose own loop is this one."""
+    (t = 0) in the policy's normalized action space, guided by a :class:`Guide` or conditioned on a
+    :class:`Prefix` (then ``t`` is ``[B, H]``, per action) when given; un-normalize and call its ``freeze``
+    on the result. For a policy whose own loop is this one."""
     b = x.shape[0]
     for i in range(steps):
         time = 1.0 - i / steps
         t = torch.full((b,), time, device=x.device)
         if guide is None:
             u = velocity(x, t).float()
+        elif isinstance(guide, Prefix):
+            x = guide.fill(x)
+            u = velocity(x, guide.times(t)).float()
         else:
             u = guide.velocity(lambda xt, t=t: velocity(xt, t), x, time)
         x = x - u / steps
-    return x
+    return x if not isinstance(guide, Prefix) else guide.fill(x)
+
+
+def conditioning(policy_cfg, rtc: Guidance | None, offset: torch.Tensor, scale: torch.Tensor,  # noqa: ANN001
+                 width: int | None = None) -> Guide | Prefix | None:
+    """How a flow policy answers ``rtc``: none without it; a :class:`Prefix` when the policy was trained with
+    training-time RTC (``policy.rtc_training``: it knows clean prefixes, no guidance needed); else inference-time
+    guidance (:class:`Guide`)."""
+    if rtc is None:
+        return None
+    if policy_cfg.rtc_training.enabled:
+        return rtc.prefix(offset, scale, width)
+    return rtc.guide(offset, scale, width)

@@ -24,7 +24,7 @@ from torch import nn
 
 from slurmvla.data.spec import Draw, SampleSpec
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
-from slurmvla.policy.rtc import Guidance, integrate
+from slurmvla.policy.rtc import Guidance, conditioning, delay_draws, delayed_chunk, integrate
 
 
 def register_stats(module: nn.Module, cfg, stats: dict[str, torch.Tensor] | None) -> None:  # noqa: ANN001
@@ -180,13 +180,18 @@ class KeypointPolicy(KeypointEncoding):
 class FlowHead(nn.Module):
     """The velocity of the whole normalized chunk from ``(x_t, t, features)``: the flattened chunk, a
     sinusoidal embedding of t and the observation's features in, residual MLP blocks (each re-reads the
-    conditioning by FiLM, so t and the observation steer every layer), the flattened velocity out."""
+    conditioning by FiLM, so t and the observation steer every layer), the flattened velocity out.
 
-    def __init__(self, chunk_dim: int, feature_dim: int, hidden: int, blocks: int, time_dim: int = 64):
+    With ``horizon`` (training-time real-time chunking) t may be a time per action ``[B, H]``: the chunk's
+    input also reads those times (so the clean prefix, at time 0, is known as such) and the conditioning
+    reads the latest one (the noisy actions' time)."""
+
+    def __init__(self, chunk_dim: int, feature_dim: int, hidden: int, blocks: int, time_dim: int = 64,
+                 horizon: int = 0):
         super().__init__()
-        self.time_dim = time_dim
+        self.time_dim, self.horizon = time_dim, horizon
         self.condition = nn.Sequential(nn.Linear(feature_dim + time_dim, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
-        self.inp = nn.Linear(chunk_dim, hidden)
+        self.inp = nn.Linear(chunk_dim + horizon, hidden)
         self.norms = nn.ModuleList(nn.LayerNorm(hidden, elementwise_affine=False) for _ in range(blocks))
         self.films = nn.ModuleList(nn.Linear(hidden, 2 * hidden) for _ in range(blocks))
         self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
@@ -201,8 +206,12 @@ class FlowHead(nn.Module):
         return torch.cat([angles.sin(), angles.cos()], dim=1)
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        chunk = x_t.flatten(1)
+        if self.horizon:
+            times = t[:, None].expand(-1, self.horizon) if t.dim() == 1 else t
+            chunk, t = torch.cat([chunk, times.to(chunk.dtype)], dim=1), times[:, -1]
         cond = self.condition(torch.cat([features, self.time_embedding(t)], dim=1))
-        h = self.inp(x_t.flatten(1))
+        h = self.inp(chunk)
         for norm, film, mlp in zip(self.norms, self.films, self.mlps, strict=True):
             scale, shift = film(torch.nn.functional.silu(cond)).chunk(2, dim=1)
             h = h + mlp(norm(h) * (1 + scale) + shift)
@@ -221,12 +230,16 @@ class KeypointFlowPolicy(KeypointEncoding):
     """
 
     supports_rtc = True  # a plug-in opting into real-time chunking: sample_actions(..., rtc=) through rtc.integrate
+    supports_rtc_training = True  # policy.rtc_training: the head reads a time per action
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, keypoints: int = 16,  # noqa: ANN001
                  hidden: int = 256, blocks: int = 3):
         super().__init__(cfg, stats, keypoints)
         self.num_inference_steps = cfg.num_inference_steps
-        self.head = FlowHead(self.horizon * self.action_dim, self.feature_dim, hidden, blocks)
+        self.rtc_training = cfg.rtc_training
+        self.cfg = cfg
+        self.head = FlowHead(self.horizon * self.action_dim, self.feature_dim, hidden, blocks,
+                             horizon=self.horizon if cfg.rtc_training.enabled else 0)
 
     @classmethod
     def sample_spec(cls, cfg) -> SampleSpec:  # noqa: ANN001 - a PolicyConfig
@@ -235,18 +248,23 @@ class KeypointFlowPolicy(KeypointEncoding):
         return SampleSpec(image_size=cfg.image_size, action_horizon=cfg.action_horizon,
                           num_obs_history=cfg.num_obs_history,
                           draws=(Draw("noise", "normal", (cfg.action_horizon, cfg.action_dim)),
-                                 Draw("time_u", "uniform")))
+                                 Draw("time_u", "uniform"), *delay_draws(cfg)))
 
     def velocity(self, features: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The predicted ``u = noise - actions`` ``[B, H, D]`` at the normalized noisy chunk ``x_t`` and
-        time ``t`` ``[B]``."""
+        time ``t`` ``[B]`` (or ``[B, H]``, a time per action, when trained with ``policy.rtc_training``)."""
         return self.head(x_t, t, features)
 
     def forward(self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None) -> dict:
         actions = (batch["actions"].float() - self.action_offset) / self.action_scale
         noise, t = noise_and_time(batch, actions, noise, t)
-        pred = self.velocity(self.features(batch), noisy_actions(actions, noise, t), t)
-        return flow_matching_loss(pred, noise, actions, batch["action_mask"])
+        mask = batch["action_mask"]
+        if self.rtc_training.enabled:  # a delayed, clean prefix of each chunk, outside the loss
+            x_t, t, mask = delayed_chunk(batch, actions, noise, t, self.rtc_training, mask)
+        else:
+            x_t = noisy_actions(actions, noise, t)
+        pred = self.velocity(self.features(batch), x_t, t)
+        return flow_matching_loss(pred, noise, actions, mask)
 
     @torch.no_grad()
     def sample_actions(self, batch: dict, noise: torch.Tensor | None = None, num_steps: int | None = None,
@@ -259,7 +277,7 @@ class KeypointFlowPolicy(KeypointEncoding):
         b = features.shape[0]
         x = (torch.randn(b, self.horizon, self.action_dim, device=features.device) if noise is None
              else noise.float())
-        guide = None if rtc is None else rtc.guide(self.action_offset, self.action_scale)
+        guide = conditioning(self.cfg, rtc, self.action_offset, self.action_scale)
         x = integrate(lambda xt, t: self.velocity(features, xt, t), x, steps, guide)
         actions = x * self.action_scale + self.action_offset
         return actions if guide is None else guide.freeze(actions)
