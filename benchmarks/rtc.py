@@ -1,4 +1,6 @@
 """Real-time chunking in closed loop: success and smoothness of each execution mode as the inference delay grows.
+A policy trained with training-time RTC (policy.rtc_training) answers rtc by its clean prefix, any other flow
+policy by guidance: run this once per policy to compare them.
 
     python benchmarks/rtc.py RUN_DIR [--modes sync async rtc] [--delays 0 1 2 4 8] [--episodes 100] [overrides ...]
 
@@ -38,10 +40,14 @@ def main() -> None:
     require_sim()
     server = build_server(args.source, [*args.overrides, "serve.host=127.0.0.1", "serve.port=0"], environ={})
     base = server.policy.loaded.cfg.rollout
-    offered = server.policy.metadata().get("execution_modes", ["sync", "async"])
+    meta = server.policy.metadata()
+    offered = meta.get("execution_modes", ["sync", "async"])
+    # How this policy answers rtc: inference-time guidance, or (trained with policy.rtc_training) its clean prefix.
+    method = meta.get("rtc", {}).get("method")
     rows = []
     print(f"{args.source}: replan_steps {base.replan_steps}, {args.episodes} episodes per row from seed "
-          f"{args.first_seed}; modes the server offers: {offered}", flush=True)
+          f"{args.first_seed}; modes the server offers: {offered}" + (f" (rtc by {method})" if method else ""),
+          flush=True)
     print(f"{'mode':>5} {'d':>2}  {'success (95% CI)':>22}  {'length':>6}  {'switch jump mean/max':>21}  "
           f"{'within jump mean/max':>21}  {'held':>5}  {'wall s':>6}", flush=True)
     seeds = list(range(args.first_seed, args.first_seed + args.episodes))
@@ -54,7 +60,7 @@ def main() -> None:
                                       episodes=args.episodes, first_seed=args.first_seed)
             start = time.perf_counter()
             s = summarize(run_served(server, cfg, seeds, None), time.perf_counter() - start)
-            row = {"mode": mode, "delay": d, **{k.removeprefix("rollout/"): v for k, v in s.items() if k != "episodes"}}
+            row = {"mode": mode, "rtc_method": method if mode == "rtc" else None, "delay": d, **{k.removeprefix("rollout/"): v for k, v in s.items() if k != "episodes"}}
             rows.append(row)
             print(f"{mode:>5} {d:>2}  {row['success_rate']:.2f} ({row['success_ci95_low']:.2f}-"
                   f"{row['success_ci95_high']:.2f}) {row['successes']:>3}/{row['episodes']:<3}  "

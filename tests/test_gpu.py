@@ -227,6 +227,34 @@ def test_cuda_graph_inference_equals_eager(compiled):
     assert len(sampler.graphs) == 2
 
 
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs exist on a GPU only")
+@pytest.mark.parametrize("trained_for_delays", [False, True], ids=["guidance", "prefix"])
+def test_rtc_requests_replay_one_graph_whatever_the_delay(trained_for_delays):
+    """A real-time chunking request under serve.cuda_graph: its previous chunk and delay are static tensors, so
+    every delay replays one graph (guidance's backward pass captured inside it, or training-time RTC's prefix),
+    and the chunk is eager mode's."""
+    from slurmvla.config import RTCTrainingConfig
+    from slurmvla.inference.graphs import GraphedSampler
+    from slurmvla.policy.rtc import Guidance
+
+    from .test_pi0 import B, batch_for, perturbed_policy
+
+    over = {"rtc_training": RTCTrainingConfig(max_delay=3)} if trained_for_delays else {}
+    cfg, policy = perturbed_policy("pi05_tiny", **over)
+    policy.to(DEVICE)
+    sampler = GraphedSampler(policy)
+    batch = {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in batch_for(cfg).items()}
+    prev = torch.randn(B, cfg.action_horizon, cfg.action_dim, device=DEVICE)
+    for d in (0, 2, 3):
+        rtc = Guidance(prev, torch.full((B,), d, device=DEVICE), torch.full((B,), 6, device=DEVICE))
+        noise = torch.randn(B, cfg.action_horizon, cfg.max_action_dim, device=DEVICE)
+        eager = policy.sample_actions(policy.prepare_inference(batch), noise=noise, rtc=rtc)
+        graphed = sampler.sample_actions(batch, noise, rtc=rtc)
+        assert (graphed - eager).abs().max() <= 1e-3 * eager.abs().max()
+        assert torch.equal(graphed[:, :d], prev[:, :d])
+    assert len(sampler.graphs) == 1 and not sampler.eager
+
+
 @pytest.mark.skipif(not CUDA, reason="host-device synchronisation exists on a GPU only")
 @pytest.mark.parametrize("policy", ["pi05_tiny", "tiny"])
 def test_a_training_step_never_waits_on_the_gpu(policy, make_cfg, tmp_path):

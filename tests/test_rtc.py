@@ -145,18 +145,28 @@ def test_without_guidance_rtc_is_plain_sampling_and_the_frozen_actions_are_the_p
     assert torch.equal(policy.sample_actions(batch, noise=noise), plain)
 
 
-def test_the_graphed_sampler_runs_rtc_requests_eagerly():
+def test_the_graphed_sampler_replays_rtc_requests_from_static_tensors_or_runs_them_eagerly(caplog):
+    """An RTC request's previous chunk, delay and overlap are static inputs of its own graph: the graph's function
+    rebuilt from them gives the policy's guided chunk. Where its capture fails (here: no GPU), that shape's RTC
+    requests run eagerly with one warning (the graphed answer on a GPU: tests/test_gpu.py)."""
     pytest.importorskip("transformers")
-    from slurmvla.inference.graphs import GraphedSampler
+    from slurmvla.inference.graphs import RTC_FIELDS, GraphedSampler
 
     policy, batch, shape = pi0_case("pi0_tiny")
-    sampler = object.__new__(GraphedSampler)  # its constructor needs a GPU; the RTC path never captures
-    sampler.policy, sampler.graphs = policy, collections.OrderedDict()
+    sampler = object.__new__(GraphedSampler)  # its constructor needs a GPU
+    sampler.policy, sampler.graphs, sampler.eager, sampler.warmup = policy, collections.OrderedDict(), set(), 1
     noise = torch.randn(shape)
     prev = torch.randn(shape[0], shape[1], policy.cfg.action_dim)
     rtc = guidance(prev, 2, 6)
-    want = policy.sample_actions(policy.prepare_inference(batch), noise=noise, rtc=rtc)
-    assert torch.equal(sampler.sample_actions(batch, noise, rtc=rtc), want) and not sampler.graphs
+    prepared = policy.prepare_inference(batch)
+    want = policy.sample_actions(prepared, noise=noise, rtc=rtc)
+    static = {**prepared, **dict(zip(RTC_FIELDS, (rtc.prev_actions, rtc.delay, rtc.overlap), strict=True))}
+    assert torch.equal(sampler._run(static, noise, (rtc.max_guidance, rtc.schedule)), want)
+    with caplog.at_level("WARNING"):
+        assert torch.equal(sampler.sample_actions(batch, noise, rtc=rtc), want)
+        assert torch.equal(sampler.sample_actions(batch, noise, rtc=rtc), want)
+    assert not sampler.graphs and len(sampler.eager) == 1
+    assert sum("run eagerly" in r.message for r in caplog.records) == 1
 
 
 # -- the protocol -----------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ from slurmvla.policy.graphed import compile_units
 log = logging.getLogger(__name__)
 # Graphs kept at once (each holds its activations' memory); the least recently used goes first.
 MAX_GRAPHS = 8
+# A real-time chunking request's tensors among a graph's static inputs (slurmvla.policy.rtc.Guidance's).
+RTC_FIELDS = ("rtc.prev_actions", "rtc.delay", "rtc.overlap")
 
 
 @dataclass
@@ -77,33 +79,60 @@ class GraphedSampler:
         self.policy, self.warmup = policy, warmup
         self.supports_rtc = bool(getattr(policy, "supports_rtc", False))
         self.graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
+        self.eager: set[tuple] = set()  # RTC input shapes whose capture failed: they run eagerly
         if compile:
             compile_units(policy)
 
     @torch.no_grad()
     def sample_actions(self, batch: dict, noise: torch.Tensor, rtc=None) -> torch.Tensor:
+        """The policy's ``sample_actions(batch, noise=, rtc=)`` from the graph of these input shapes. A real-time
+        chunking request (``rtc``, a :class:`slurmvla.policy.rtc.Guidance`) has graphs of its own: its previous
+        chunk, delay and overlap are static tensors like the observation, so any delay replays the same graph
+        (a clean prefix, or guidance differentiating through each flow step inside the graph). Should a
+        capture of it fail, that shape's RTC requests run eagerly, with one warning."""
         batch = self.policy.prepare_inference(batch)
-        if rtc is not None:
-            # Real-time chunking runs eagerly: its guidance differentiates through every flow step (autograd),
-            # which a captured graph does not replay. Requests without it keep their graph.
-            return self.policy.sample_actions(batch, noise=noise, rtc=rtc)
         loose = sorted(k for k, v in batch.items() if not torch.is_tensor(v))
         if loose:
             raise ValueError(f"{type(self.policy).__qualname__}.prepare_inference left non-tensor fields {loose} in the "
                              "batch; a CUDA graph's inputs are tensors")
-        key = (tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in batch.items())), tuple(noise.shape),
-               torch.is_autocast_enabled("cuda"))
+        inputs = dict(batch)
+        settings = None
+        if rtc is not None:
+            inputs.update({RTC_FIELDS[0]: rtc.prev_actions, RTC_FIELDS[1]: rtc.delay, RTC_FIELDS[2]: rtc.overlap})
+            settings = (rtc.max_guidance, rtc.schedule)
+        key = (tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in inputs.items())), tuple(noise.shape),
+               torch.is_autocast_enabled("cuda"), settings)
+        if key in self.eager:
+            return self.policy.sample_actions(batch, noise=noise, rtc=rtc)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self._capture(key, batch, noise)
+            try:
+                entry = self._capture(key, inputs, noise, settings)
+            except Exception as e:  # noqa: BLE001 - an RTC graph is an optimisation; plain graphs raise
+                if rtc is None:
+                    raise
+                log.warning("real-time chunking requests of these shapes run eagerly: capturing their graph failed "
+                            "(%s)", e)
+                self.eager.add(key)
+                return self.policy.sample_actions(batch, noise=noise, rtc=rtc)
         self.graphs.move_to_end(key)
-        for name, value in batch.items():
+        for name, value in inputs.items():
             entry.inputs[name].copy_(value, non_blocking=True)
         entry.noise.copy_(noise, non_blocking=True)
         entry.graph.replay()
         return entry.out.clone()
 
-    def _capture(self, key: tuple, batch: dict, noise: torch.Tensor) -> _Graph:
+    def _run(self, inputs: dict, noise: torch.Tensor, settings: tuple | None) -> torch.Tensor:
+        """``sample_actions`` on the static tensors (the RTC request rebuilt from its own)."""
+        if settings is None:
+            return self.policy.sample_actions(inputs, noise=noise)
+        from slurmvla.policy.rtc import Guidance
+
+        batch = {k: v for k, v in inputs.items() if k not in RTC_FIELDS}
+        rtc = Guidance(*(inputs[k] for k in RTC_FIELDS), *settings)
+        return self.policy.sample_actions(batch, noise=noise, rtc=rtc)
+
+    def _capture(self, key: tuple, batch: dict, noise: torch.Tensor, settings: tuple | None = None) -> _Graph:
         device = next(self.policy.parameters()).device
         inputs = {k: v.to(device, copy=True) for k, v in batch.items()}
         static_noise = noise.to(device, copy=True)
@@ -111,11 +140,11 @@ class GraphedSampler:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up (and compilation) outside the capture, as CUDA graphs require
             for _ in range(self.warmup):
-                self.policy.sample_actions(inputs, noise=static_noise)
+                self._run(inputs, static_noise, settings)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self.policy.sample_actions(inputs, noise=static_noise)
+            out = self._run(inputs, static_noise, settings)
         while len(self.graphs) >= MAX_GRAPHS:
             self.graphs.popitem(last=False)
         log.info("captured a CUDA graph of sample_actions for inputs %s", {k: tuple(v.shape) for k, v in inputs.items()})
