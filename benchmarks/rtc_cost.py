@@ -3,13 +3,15 @@ plain sampling, same policy, observation and noise.
 
     python benchmarks/rtc_cost.py policy=tiny [--reps 20] [--delay 3] [--overlap 6] [--json OUT]
     python benchmarks/rtc_cost.py policy=pi05 precision=bf16        # on a GPU (benchmarks/gpu_suite.sh rtc)
+    python benchmarks/rtc_cost.py policy=tiny policy.rtc_training.max_delay=4   # training-time RTC: its prefix
 
 The policy is built with random weights on the device (the meta device, then materialised there), its
 projections fused as the server runs them, given one DROID observation as the server builds it. Each
 repetition times one plain call and one RTC call, their order alternating (paired, interleaved: a shared
 machine's drift hits both); printed: the median ms per call of each and the median of the per-pair ratios.
 RTC differentiates through every flow step (a vector-Jacobian product per step), so the expected ratio is
-that of a forward plus backward of the action expert to its forward alone.
+that of a forward plus backward of the action expert to its forward alone. A policy built for training-time
+RTC (``policy.rtc_training``) answers the same request by its clean prefix instead (no backward): about 1.
 """
 
 from __future__ import annotations
@@ -88,10 +90,12 @@ def main() -> None:
     where = torch.cuda.get_device_name() if cuda else f"CPU ({torch.get_num_threads()} threads)"
     row = {"policy": f"{cfg.policy.name}/{getattr(cfg.policy, 'size', '')}", "device": where,
            "steps": cfg.policy.num_inference_steps, "horizon": cfg.policy.action_horizon, "delay": int(rtc.delay[0]),
-           "overlap": k, "plain_ms": float(np.median(plain)), "rtc_ms": float(np.median(guided)),
+           "overlap": k, "rtc_method": runner.rtc_metadata()["method"],
+           "plain_ms": float(np.median(plain)), "rtc_ms": float(np.median(guided)),
            "ratio": float(np.median(ratios)), "reps": args.reps}
     print(f"{row['policy']} on {where}, {row['steps']} steps, H={row['horizon']}, d={row['delay']}, k={k}: plain "
-          f"{row['plain_ms']:.2f} ms, rtc {row['rtc_ms']:.2f} ms per call (medians of {args.reps} pairs), "
+          f"{row['plain_ms']:.2f} ms, rtc by {row['rtc_method']} {row['rtc_ms']:.2f} ms per call (medians of {args.reps} "
+          "pairs), "
           f"rtc / plain {row['ratio']:.2f} (median of the per-pair ratios)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
