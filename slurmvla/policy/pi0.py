@@ -500,9 +500,10 @@ class Pi0Policy(Policy):
     def _state_in_prefix(self, batch: dict, parts: list, keep: list) -> tuple[list, list]:
         return parts, keep
 
-    def _step_conditions(self, times: list[float], b: int, dtype: torch.dtype,
-                         device: torch.device) -> list[StepCondition | None]:
-        """pi0.5's per-step conditions for the denoising ``times`` (pi0 has none)."""
+    def _step_conditions(self, times: list[float], b: int, dtype: torch.dtype, device: torch.device,
+                         prefix: torch.Tensor | None = None) -> list[StepCondition | None]:
+        """pi0.5's per-step conditions for the denoising ``times`` (pi0 has none); with ``prefix`` ``[B, H]``
+        (training-time RTC's clean actions, at time 0) one per action token."""
         return [None] * len(times)
 
     def _suffix(self, batch: dict, x_t: torch.Tensor, t: torch.Tensor,
@@ -614,10 +615,9 @@ class Pi0Policy(Policy):
         cache = PrefixCache()
         times = [1.0 + i * dt for i in range(steps)]
         guide = conditioning(self.cfg, rtc, self.action_offset, self.action_scale, self.cfg.max_action_dim)
-        # pi0.5's conditions are computed ahead per step time; a clean prefix (training-time RTC) has a time per
-        # action, so its conditions are computed in each step.
-        conditions = self._step_conditions(times, b, prefix.dtype, x.device) if not isinstance(guide, Prefix) \
-            else [None] * steps
+        # pi0.5's conditions, computed ahead: per step, and with a clean prefix (training-time RTC) per action token.
+        conditions = self._step_conditions(times, b, prefix.dtype, x.device,
+                                           guide.mask if isinstance(guide, Prefix) else None)
         for i in range(steps):
             t = torch.full((b,), times[i], device=x.device)
             if guide is None or isinstance(guide, Prefix):
@@ -726,16 +726,19 @@ class Pi05Policy(Pi0Policy):
         time = sinusoidal_time(t, self.cfg.expert_width).to(dtype)
         return F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time))))
 
-    def _step_conditions(self, times: list[float], b: int, dtype: torch.dtype,
-                         device: torch.device) -> list[StepCondition]:
+    def _step_conditions(self, times: list[float], b: int, dtype: torch.dtype, device: torch.device,
+                         prefix: torch.Tensor | None = None) -> list[StepCondition]:
         steps = len(times)
         # Filled where the model runs (no copy from the host: a CUDA graph captures this too), each step's value
-        # the float32 the loop's torch.full gives it.
-        t = torch.cat([torch.full((b,), time, device=device) for time in times])
+        # the float32 the loop's torch.full gives it. A clean prefix adds time 0, selected per action token.
+        t = torch.cat([torch.full((b,), time, device=device) for time in [*times, *([0.0] if prefix is not None else [])]])
         cond = self._time_condition(t, dtype)
 
         def per_step(norm: AdaptiveRMSNorm) -> torch.Tensor:
-            return norm.dense(cond).unflatten(0, (steps, b))
+            m = norm.dense(cond).unflatten(0, (-1, b))
+            if prefix is None:
+                return m
+            return torch.where(prefix[None, :, :, None], m[steps][None, :, None, :], m[:steps, :, None, :])
 
         layers = [(per_step(layer.expert.input_layernorm), per_step(layer.expert.post_attention_layernorm))
                   for layer in self.layers]
