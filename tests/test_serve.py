@@ -511,6 +511,57 @@ def test_beyond_this_machine_with_a_key_or_allow_unauthenticated_the_server_star
         build_server(str(trained_run), ["serve.host=0.0.0.0", "serve.port=0"], device="cpu", environ={})
 
 
+def _serve_sh(tmp_path: Path, args: list[str], env: dict[str, str], python: str = sys.executable) -> subprocess.Popen:
+    base = {k: v for k, v in os.environ.items() if k not in ("SLURMVLA_API_KEY", "SLURMVLA_API_KEY_FILE")}
+    return subprocess.Popen(["bash", str(REPO / "sbatch" / "serve.sh"), *args], cwd=tmp_path, text=True,
+                            env={**base, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "77", "SLURMVLA_HOME": str(REPO),
+                                 "HOME": str(tmp_path), "PYTHON": python, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_sbatch_serve_writes_a_private_key_once_and_serves_with_it(trained_run, tmp_path):
+    """sbatch/serve.sh without $SLURMVLA_API_KEY: a key in ~/.slurmvla_api_key (mode 600) that the server on
+    0.0.0.0 requires and the job log never shows; the log says where it is and how a client sends it."""
+    proc = _serve_sh(tmp_path, [str(trained_run), "--port", "0"], {})
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if m := re.search(r"^serving .* on ws://\S+:(\d+) ", line):
+                threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+                port = int(m.group(1))
+                break
+        else:
+            raise AssertionError("server did not start:\n" + "".join(lines)[-3000:])
+        key_file = tmp_path / ".slurmvla_api_key"
+        assert key_file.stat().st_mode & 0o777 == 0o600
+        key = key_file.read_text().strip()
+        assert re.fullmatch(r"[A-Za-z0-9_-]{43}", key), "not secrets.token_urlsafe(32)"
+        obs = droid_obs(9)
+        actions = wcp.WebsocketClientPolicy("127.0.0.1", port, api_key=key).infer(obs)["actions"]
+        np.testing.assert_allclose(actions, reference(load_exported(trained_run), obs), rtol=RTOL, atol=ATOL)
+        with pytest.raises(Exception, match="HTTP 401"):
+            wcp.WebsocketClientPolicy("127.0.0.1", port)
+    finally:
+        stop(proc)
+    log = "".join(lines)
+    assert key not in log and "Traceback" not in log, log[-3000:]
+    assert f"API key in {key_file}" in log and "Authorization: Api-Key KEY" in log and "api_key=KEY" in log, log
+    # The next job reuses the key (a robot keeps it); $SLURMVLA_API_KEY, or a key source named on the
+    # command line, is passed on instead of the file.
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/bin/sh\n[ "$1" = -m ] && {{ echo "ARGS $*"; exit 0; }}\nexec {sys.executable} "$@"\n')
+    stub.chmod(0o755)
+    for env, args, want in [({}, [], f"serve.api_key_file={key_file}"),
+                            ({"SLURMVLA_API_KEY": "k"}, [], None),
+                            ({}, ["serve.api_key_file=/elsewhere"], "serve.api_key_file=/elsewhere"),
+                            ({}, ["serve.allow_unauthenticated=true"], None)]:
+        out = _serve_sh(tmp_path, ["run_dir", *args], env, python=str(stub)).communicate(timeout=60)[0]
+        [called] = [line for line in out.splitlines() if line.startswith("ARGS ")]
+        assert called.count("serve.api_key_file=") == (want is not None) and (want is None or want in called), out
+    assert key_file.read_text().strip() == key
+
+
 @pytest.mark.parametrize("args, environ, expected", [
     (["serve.api_key_file={tmp}/missing"], {}, "serve.api_key_file={tmp}/missing: cannot read the API key file "
                                                "(No such file or directory)"),
