@@ -248,7 +248,7 @@ def test_serve_names_a_group_given_one_value(trained_run, capsys):
 def test_cuda_graphs_without_a_gpu_or_for_a_policy_without_them_are_one_line(trained_run, capsys):
     """serve.cuda_graph / evaluate --cuda-graph on the CPU, and for the reference policy (no
     prepare_inference): the option and the reason, before anything is served or read."""
-    fails(capsys, lambda: serve.main([str(trained_run), "serve.cuda_graph=true", "serve.device=cpu"]),
+    fails(capsys, lambda: serve.main([str(trained_run), "--host", "127.0.0.1", "serve.cuda_graph=true", "serve.device=cpu"]),
           "serve.cuda_graph=true replays CUDA graphs and needs the policy on a GPU (it is on cpu)")
     fails(capsys, lambda: evaluate.main([str(trained_run), "--cuda-graph", "--device", "cpu", "--plot-episodes", "0"]),
           "--cuda-graph replays CUDA graphs")
