@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import difflib
 import re
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -151,9 +152,17 @@ def explain_config_error(error: BaseException) -> str | None:
     return f"{key}: {one_line(str(cause.msg))}"
 
 
+def program(module: str) -> str:
+    """A program's name as its user types it: ``python -m slurmvla.X``, or the console script that started it
+    (``slurmvla-serve``); argparse's default would be the file's name (``serve.py``), which runs nothing."""
+    started = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return started if started.startswith("slurmvla-") else f"python -m {module}"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """The programs' command-line parser: a usage mistake (an unknown flag, a missing argument, a value of the
-    wrong type) prints one ``error:`` line, as every other mistake does, and exits 2."""
+    wrong type) prints one ``error:`` line, as every other mistake does, and exits 2. Each program names
+    itself with ``prog=program("slurmvla.X")``."""
 
     def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"error: {message} (--help lists the arguments)\n")

@@ -43,13 +43,13 @@ import argparse
 import asyncio
 import logging
 
-from slurmvla.compose import ArgumentParser
+from slurmvla.compose import ArgumentParser, program
 from slurmvla.errors import Failure, boundary
 from slurmvla.inference.build import build_server
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=program("slurmvla.serve"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="an exported .safetensors file, a checkpoint folder, a run directory or a "
                                            "LeRobot pi0 / pi0.5 checkpoint directory")
     parser.add_argument("--host", help="address to listen on (serve.host, default 0.0.0.0: every interface, which needs "

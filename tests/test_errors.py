@@ -291,6 +291,26 @@ def test_launch_helpers_name_missing_arguments_and_bad_numbers(capsys, monkeypat
     fails(capsys, lambda: launch.main(["check-budget"]), "SLURMVLA_MAX_RESTARTS='three'")
 
 
+# Every program that reads its command line with argparse (python -m slurmvla.X).
+ARGPARSE_PROGRAMS = ("slurmvla.serve", "slurmvla.check", "slurmvla.rollout", "slurmvla.export", "slurmvla.sim.record",
+                     "slurmvla.plan", "slurmvla.data.synthetic", "slurmvla.evaluate", "slurmvla.profile")
+
+
+def test_the_argparse_programs_are_all_listed():
+    found = {".".join(p.relative_to(REPO).with_suffix("").parts) for p in (REPO / "slurmvla").rglob("*.py")
+             if "ArgumentParser(" in p.read_text() and p.name != "compose.py"}
+    assert found == set(ARGPARSE_PROGRAMS)
+
+
+@pytest.mark.parametrize("module", ARGPARSE_PROGRAMS)
+def test_help_names_the_program_as_it_is_run(module):
+    """--help's usage line is a command that runs (python -m slurmvla.X), not the file's name (X.py)."""
+    res = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith(f"usage: python -m {module} [-h]"), res.stdout[:300]
+
+
 def test_usage_mistakes_are_one_line_on_every_entry_point(capsys):
     """argparse's own usage errors (a bad flag value, an unknown flag) are one ``error:`` line too."""
     from slurmvla import profile, rollout
