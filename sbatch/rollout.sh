@@ -14,7 +14,8 @@
 # Task 0 serves; tasks 1..T-1 each run every (T-1)-th episode (python -m slurmvla.rollout --shard) through
 # openpi's client; the batch script merges their summaries into ROLLOUT_DIR/rollout.json (default
 # outputs/rollout/<job id>) and prints the success rate. Environment: ROLLOUT_PORT (default 8000 +
-# job id % 1000), SLURMVLA_API_KEY (the server requires it and the clients send it, when set).
+# job id % 1000), SLURMVLA_API_KEY (the server requires it and the clients send it; when it is unset the
+# job makes one of its own, kept in the job's environment: the server listens beyond its node).
 # Submit from the repository root; install with bash scripts/install.sh sim on the nodes' environment.
 set -uo pipefail
 cd "${SLURMVLA_HOME:-${SLURM_SUBMIT_DIR:-.}}" || exit 2
@@ -48,6 +49,13 @@ PORT=${ROLLOUT_PORT:-$((8000 + SLURM_JOB_ID % 1000))}
 OUT=${ROLLOUT_DIR:-outputs/rollout/$SLURM_JOB_ID}
 mkdir -p "$OUT"
 echo "slurmvla: job $SLURM_JOB_ID: server on $SERVER_NODE:$PORT, $CLIENTS environment task(s), results in $OUT"
+
+# The server listens on the node's every interface, so it needs a key: the environment's, else one for this
+# job only, which the server and the environment tasks inherit (never printed).
+if [ -z "${SLURMVLA_API_KEY+set}" ]; then
+  SLURMVLA_API_KEY=$("$PY" -c 'import secrets; print(secrets.token_urlsafe(32))') || exit 1
+  export SLURMVLA_API_KEY
+fi
 
 # The server: one task on the first node, with the node's GPUs; ended by PID below, also on failure.
 srun --nodes=1 --ntasks=1 --nodelist="$SERVER_NODE" --exact --kill-on-bad-exit=1 \

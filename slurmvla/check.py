@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from slurmvla.compose import ArgumentParser
+from slurmvla.compose import ArgumentParser, program
 from slurmvla.errors import FAILED, USAGE, Failure, exit_with
 from slurmvla.policy.check import (
     CHECKS,
@@ -213,7 +213,7 @@ def run_checks(s: Subject, only: list[str] | None = None, deadline_s: float = 18
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=program("slurmvla.check"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="train overrides (key=value), e.g. policy=custom policy.target=...")
     parser.add_argument("--only", nargs="+", choices=CHECKS, metavar="CHECK", help=f"run only these: {list(CHECKS)}")
     parser.add_argument("--deadline-s", type=float, default=180.0, help="per multi-rank check (default 180)")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import re
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -52,14 +54,22 @@ def check_override_keys(overrides: list[str], groups: list[str], policy_name: st
             names = {f.name for f in dataclasses.fields(node)}
             if part not in names:
                 where = ".".join(walked) or "the top level"
-                raise ValueError(f"unknown config key {key!r}: {where} has no {part!r}; valid keys there: "
-                                 f"{sorted(names)}")
+                raise ValueError(f"unknown config key {key!r}: {where} has no {part!r}"
+                                 f"{did_you_mean(part, names, '.'.join(walked))}; valid keys there: {sorted(names)}")
             walked.append(part)
             # The field's declared type: a nested schema is descended into, anything else ends the walk.
             node = typing.get_type_hints(node)[part]
         value = item.split("=", 1)[1]
         if len(walked) == len(key.split(".")) and dataclasses.is_dataclass(node) and not value.lstrip().startswith("{"):
             raise ValueError(group_message(key, node, value))
+
+
+def did_you_mean(name: str, names, parent: str = "") -> str:
+    """``" (did you mean parent.x?)"`` for the names closest to a mistyped ``name`` (difflib's), or ``""``."""
+    close = difflib.get_close_matches(name, sorted(names), n=3)
+    if not close:
+        return ""
+    return " (did you mean " + " or ".join(f"{parent}.{c}" if parent else c for c in close) + "?)"
 
 
 def _check_group_option(group: str, option: str) -> None:
@@ -128,7 +138,8 @@ def explain_config_error(error: BaseException) -> str | None:
     if isinstance(cause, ConfigKeyError) and dataclasses.is_dataclass(schema):
         parent, _, last = key.rpartition(".")
         names = sorted(f.name for f in dataclasses.fields(schema))
-        return f"unknown config key {key!r}: {parent or 'the top level'} has no {last!r}; valid keys there: {names}"
+        return (f"unknown config key {key!r}: {parent or 'the top level'} has no {last!r}"
+                f"{did_you_mean(last, names, parent)}; valid keys there: {names}")
     if isinstance(cause, ValidationError):
         declared = _declared_type(schema, cause.key)
         if declared is not None and dataclasses.is_dataclass(declared):
@@ -141,9 +152,17 @@ def explain_config_error(error: BaseException) -> str | None:
     return f"{key}: {one_line(str(cause.msg))}"
 
 
+def program(module: str) -> str:
+    """A program's name as its user types it: ``python -m slurmvla.X``, or the console script that started it
+    (``slurmvla-serve``); argparse's default would be the file's name (``serve.py``), which runs nothing."""
+    started = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return started if started.startswith("slurmvla-") else f"python -m {module}"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """The programs' command-line parser: a usage mistake (an unknown flag, a missing argument, a value of the
-    wrong type) prints one ``error:`` line, as every other mistake does, and exits 2."""
+    wrong type) prints one ``error:`` line, as every other mistake does, and exits 2. Each program names
+    itself with ``prog=program("slurmvla.X")``."""
 
     def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"error: {message} (--help lists the arguments)\n")
@@ -265,7 +284,8 @@ def check_policy_keys(name: str, keys) -> None:
         owners = [n for n in POLICIES if unknown[0] in policy_options(n)]
         hint = f" (an option of {', '.join(f'policy.name={o}' for o in owners)})" if owners else ""
         extra = "; a plug-in's own options go in policy.kwargs" if name == "custom" else ""
-        raise ValueError(f"policy.name={name} has no option {unknown[0]!r}{hint}; its options: {options}{extra}")
+        meant = "" if owners else did_you_mean(unknown[0], options, "policy")
+        raise ValueError(f"policy.name={name} has no option {unknown[0]!r}{hint}{meant}; its options: {options}{extra}")
 
 
 # ConfigStore names already stored -> the registry's schema string they were stored from.

@@ -600,6 +600,9 @@ class ServeConfig:
     # A file whose content is the key (readable only by its owner); must be readable when set.
     # The key itself is never part of the config, so it never reaches config.resolved.yaml.
     api_key_file: str | None = None
+    # Without a key, a server on an address beyond this machine (serve.host not 127.0.0.1 / ::1 / localhost)
+    # refuses to start: anyone who reaches the port could drive the robot. true: start anyway, with a warning.
+    allow_unauthenticated: bool = False
     # Real-time chunking (a request with prev_actions / delay; slurmvla/policy/rtc.py): the largest guidance
     # weight (the paper's beta), and how the guidance weights decay over the overlap after the delay
     # (exp: the paper's soft mask; linear; ones: the whole overlap as the frozen part; zeros: the frozen part only).

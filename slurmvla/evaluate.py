@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from slurmvla.compose import ArgumentParser
+from slurmvla.compose import ArgumentParser, program
 from slurmvla.data.loader import build_validation_loader, to_device
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.prepare import inference_fields
@@ -185,7 +185,7 @@ def default_out(source: str, loaded: Loaded, split: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=program("slurmvla.evaluate"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="an exported .safetensors file, a checkpoint folder, a run directory or a "
                                            "LeRobot pi0 / pi0.5 checkpoint directory")
     parser.add_argument("--split", default="val", help=f"which samples: {' or '.join(SPLITS)} (default val)")

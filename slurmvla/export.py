@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from slurmvla.checkpoint import LORA_BASE, META_FILE, load_model_file, resolve_checkpoint
-from slurmvla.compose import ArgumentParser
+from slurmvla.compose import ArgumentParser, program
 from slurmvla.errors import boundary
 from slurmvla.inference.lerobot import lerobot_type, not_lerobot_reason
 from slurmvla.inference.load import CONFIG_FILE, Loaded, load_exported, read_config
@@ -124,7 +124,7 @@ def export_lerobot(source: str | Path, out: str | Path, overrides: list[str] | t
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=program("slurmvla.export"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a checkpoint folder, a run directory (its newest checkpoint), or a LeRobot "
                                            "pi0 / pi0.5 checkpoint directory")
     parser.add_argument("out", help="the .safetensors file to write (--layout lerobot: a directory)")

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from slurmvla.compose import ArgumentParser, compose, group_options
+from slurmvla.compose import ArgumentParser, compose, group_options, program
 from slurmvla.planner import PlanError
 from slurmvla.planner.fit import compare_engines, plan_engine, planner_for
 from slurmvla.planner.gpus import DEFAULT_MARGIN, GPU, GPUS
@@ -52,7 +52,7 @@ def run(overrides: list[str], gpu: GPU, nodes: int, gpus_per_node: int, compare:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=program("slurmvla.plan"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="train overrides (key=value), as python -m slurmvla.train takes them")
     parser.add_argument("--gpu", default="h100-80gb", help=f"the GPU model: one of {list(GPUS)} (default h100-80gb)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")

@@ -35,7 +35,7 @@ import psutil
 import torch
 
 from slurmvla.collectives import gather_dict
-from slurmvla.compose import ArgumentParser, compose
+from slurmvla.compose import ArgumentParser, compose, program
 from slurmvla.config import Config
 from slurmvla.errors import USAGE, exit_with
 from slurmvla.registry import ENGINES
@@ -317,7 +317,7 @@ def plot(reports: list[dict], labels: list[str], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=program("slurmvla.profile"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="train overrides (key=value), shared by every compared config")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--plot", type=Path, help="write the phase breakdown as a PNG")

@@ -35,7 +35,7 @@ import socket
 import time
 from pathlib import Path
 
-from slurmvla.compose import ArgumentParser
+from slurmvla.compose import ArgumentParser, program
 from slurmvla.config import RolloutConfig
 from slurmvla.errors import boundary
 from slurmvla.inference.closed_loop import (
@@ -157,7 +157,7 @@ def _line(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=program("slurmvla.rollout"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", nargs="?", help="a run directory, checkpoint folder or exported file, or ws://HOST:PORT")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. rollout.episodes=50 rollout.replan_steps=8")
     parser.add_argument("--shard", help="I/N: run every N-th episode from the I-th, into rollout_shardIofN.json "

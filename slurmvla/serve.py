@@ -27,9 +27,10 @@ Closed to strangers: with an API key (``serve.api_key_env``, default ``$SLURMVLA
 ``serve.api_key_file``) a connection must send ``Authorization: Api-Key <key>`` (what openpi's
 ``WebsocketClientPolicy(host, port, api_key=...)`` sends); one without it, or with another key, is
 refused with HTTP 401 / 403 before the websocket opens. The key is never logged, never sent back and
-never part of the config. The default host stays 0.0.0.0 (every interface: robots connect from other
-machines, and ``sbatch/serve.sh`` prints the node's address for them); listening beyond localhost
-without a key is allowed but warned about at start-up.
+never part of the config. The default host is 0.0.0.0 (every interface: robots connect from other
+machines, and ``sbatch/serve.sh`` prints the node's address for them), so the server needs a key: listening
+beyond this machine without one refuses to start (one ``error:`` line) unless ``--host 127.0.0.1``
+(``serve.host``: this machine only) or ``serve.allow_unauthenticated=true`` (then it warns at start-up).
 
 Observations map to the policy's inputs through ``serve.*`` (:class:`slurmvla.config.ServeConfig`),
 and are prepared by the functions training uses (:mod:`slurmvla.data.prepare`).
@@ -42,17 +43,17 @@ import argparse
 import asyncio
 import logging
 
-from slurmvla.compose import ArgumentParser
+from slurmvla.compose import ArgumentParser, program
 from slurmvla.errors import Failure, boundary
 from slurmvla.inference.build import build_server
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=program("slurmvla.serve"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="an exported .safetensors file, a checkpoint folder, a run directory or a "
                                            "LeRobot pi0 / pi0.5 checkpoint directory")
-    parser.add_argument("--host", help="address to listen on (serve.host, default 0.0.0.0: every interface, so set "
-                                       "an API key, see above; 127.0.0.1: this machine only)")
+    parser.add_argument("--host", help="address to listen on (serve.host, default 0.0.0.0: every interface, which needs "
+                                       "an API key, see above; 127.0.0.1: this machine only, no key needed)")
     parser.add_argument("--port", type=int, help="port to listen on (serve.port, default 8000; 0: a free one)")
     parser.add_argument("--max-request-mb", help="largest request accepted, in MiB (serve.max_request_mb; default: "
                                                  "derived from the policy's observation size, see above)")

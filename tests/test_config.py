@@ -152,6 +152,26 @@ def test_misspelled_key_lists_the_valid_keys_there():
                          "data.keep_ranges.path=x", "optim.betas=[0.9,0.99]"], GROUPS)
 
 
+@pytest.mark.parametrize("override, meant", [
+    ("trainer.max_step=3", "did you mean trainer.max_steps?"),
+    ("precison=bf16", "did you mean precision?"),
+    ("data.keep_ranges.pth=x", "did you mean data.keep_ranges.path?"),
+    ("policy.num_inference_step=5", "did you mean policy.num_inference_steps?"),
+])
+def test_a_misspelled_key_names_the_key_meant(override, meant):
+    with pytest.raises(ValueError) as e:
+        compose([override])
+    assert meant in str(e.value), e.value
+
+
+def test_a_key_like_none_there_suggests_nothing():
+    from slurmvla.compose import check_override_keys
+
+    with pytest.raises(ValueError) as e:
+        check_override_keys(["trainer.zzzz=1"], GROUPS)
+    assert "did you mean" not in str(e.value) and "valid keys there: [" in str(e.value)
+
+
 def test_cli_rejects_a_misspelled_key_with_the_valid_ones(tmp_path):
     import subprocess
     import sys
@@ -159,6 +179,7 @@ def test_cli_rejects_a_misspelled_key_with_the_valid_ones(tmp_path):
     res = subprocess.run([sys.executable, "-m", "slurmvla.train", "engine=hsdp", "engine.shard_degre=2"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "'shard_degree'" in res.stderr and not (tmp_path / "outputs").exists()
+    assert "did you mean engine.shard_degree?" in res.stderr, res.stderr
 
 
 def test_experiment_overlays_override_the_primary_config():

@@ -248,7 +248,7 @@ def test_serve_names_a_group_given_one_value(trained_run, capsys):
 def test_cuda_graphs_without_a_gpu_or_for_a_policy_without_them_are_one_line(trained_run, capsys):
     """serve.cuda_graph / evaluate --cuda-graph on the CPU, and for the reference policy (no
     prepare_inference): the option and the reason, before anything is served or read."""
-    fails(capsys, lambda: serve.main([str(trained_run), "serve.cuda_graph=true", "serve.device=cpu"]),
+    fails(capsys, lambda: serve.main([str(trained_run), "--host", "127.0.0.1", "serve.cuda_graph=true", "serve.device=cpu"]),
           "serve.cuda_graph=true replays CUDA graphs and needs the policy on a GPU (it is on cpu)")
     fails(capsys, lambda: evaluate.main([str(trained_run), "--cuda-graph", "--device", "cpu", "--plot-episodes", "0"]),
           "--cuda-graph replays CUDA graphs")
@@ -289,6 +289,26 @@ def test_launch_helpers_name_missing_arguments_and_bad_numbers(capsys, monkeypat
     fails(capsys, lambda: launch.main(["restart"]), "unknown command 'restart'")
     monkeypatch.setenv("SLURMVLA_MAX_RESTARTS", "three")
     fails(capsys, lambda: launch.main(["check-budget"]), "SLURMVLA_MAX_RESTARTS='three'")
+
+
+# Every program that reads its command line with argparse (python -m slurmvla.X).
+ARGPARSE_PROGRAMS = ("slurmvla.serve", "slurmvla.check", "slurmvla.rollout", "slurmvla.export", "slurmvla.sim.record",
+                     "slurmvla.plan", "slurmvla.data.synthetic", "slurmvla.evaluate", "slurmvla.profile")
+
+
+def test_the_argparse_programs_are_all_listed():
+    found = {".".join(p.relative_to(REPO).with_suffix("").parts) for p in (REPO / "slurmvla").rglob("*.py")
+             if "ArgumentParser(" in p.read_text() and p.name != "compose.py"}
+    assert found == set(ARGPARSE_PROGRAMS)
+
+
+@pytest.mark.parametrize("module", ARGPARSE_PROGRAMS)
+def test_help_names_the_program_as_it_is_run(module):
+    """--help's usage line is a command that runs (python -m slurmvla.X), not the file's name (X.py)."""
+    res = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith(f"usage: python -m {module} [-h]"), res.stdout[:300]
 
 
 def test_usage_mistakes_are_one_line_on_every_entry_point(capsys):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -358,6 +359,22 @@ def test_the_plan_runs_as_a_module(tmp_path):
     code, log = run_until([sys.executable, "-m", "slurmvla.plan", "--gpu", "l40s-48gb"], 120, "python -m slurmvla.plan")
     assert code == 0, log
     assert "l40s-48gb" in log and "FITS" in log
+
+
+def test_no_row_label_is_cut_and_the_figures_stay_in_one_column():
+    """bf16 under single: the master-weight optimizer's row, longer than the usual label column, appears whole
+    (the label is model_states' own key), and every figure ends in the same column as the unit's header."""
+    code, log = run_until([sys.executable, "-m", "slurmvla.plan", "policy=tiny", "precision=bf16", "--gpu", "h100-80gb"],
+                          120, "python -m slurmvla.plan")
+    assert code == 0, log
+    cfg = compose(["policy=tiny", "precision=bf16"])
+    label = next(k for k in model_states(cfg, count_tensors(cfg, build_on_meta(cfg)), 1, 1).step if "master-weight" in k)
+    assert len(label) + len("optimizer step: ") > 64
+    assert f"  optimizer step: {label} " in log, log
+    lines = log.splitlines()
+    header = next(ln for ln in lines if ln.startswith("per GPU (worst rank)"))
+    rows = [ln for ln in lines if re.fullmatch(r"  \S.*\s\d+\.\d\d", ln)]
+    assert len(rows) >= 8 and {len(ln) for ln in rows} == {len(header)}, "\n".join([header, *rows])
 
 
 def test_json_has_every_figure(tmp_path, capsys):

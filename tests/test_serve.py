@@ -29,7 +29,7 @@ import torch
 
 from slurmvla.compose import compose
 from slurmvla.data.prepare import prepare_image
-from slurmvla.inference.auth import read_api_key
+from slurmvla.inference.auth import ApiKey, check_exposure, read_api_key
 from slurmvla.inference.build import build_server
 from slurmvla.inference.harness import serving_in_thread
 from slurmvla.inference.load import Loaded, load_exported
@@ -231,7 +231,7 @@ def test_bad_sources_and_overrides_fail_at_start_with_one_line(trained_run, caps
     from slurmvla import serve  # the CLI's main() in this process (the server's own process: tests above)
 
     with pytest.raises(SystemExit) as e:
-        serve.main([*(a.format(run=trained_run) for a in args), "--port", "0"])
+        serve.main([*(a.format(run=trained_run) for a in args), "--host", "127.0.0.1", "--port", "0"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert expected in err, err
@@ -434,7 +434,8 @@ def in_process_server(trained_run, *overrides: str, environ: dict[str, str] | No
         yield server
 
 
-def test_a_key_file_is_read_and_listening_beyond_localhost_without_a_key_is_warned(trained_run, tmp_path, caplog):
+def test_a_key_file_is_read_and_listening_beyond_localhost_without_a_key_is_warned_when_allowed(trained_run, tmp_path,
+                                                                                               caplog):
     key_file = tmp_path / "api_key"
     key_file.write_text(KEY + "\n")
     key_file.chmod(0o600)
@@ -447,15 +448,118 @@ def test_a_key_file_is_read_and_listening_beyond_localhost_without_a_key_is_warn
             wcp.WebsocketClientPolicy("127.0.0.1", server.port)
     assert not [r for r in caplog.records if "without an API key" in r.getMessage()]
     assert KEY not in caplog.text and KEY not in repr(server.api_key)
-    with in_process_server(trained_run, "serve.host=0.0.0.0"):
+    with in_process_server(trained_run, "serve.host=0.0.0.0", "serve.allow_unauthenticated=true"):
         pass
     warned = [r.getMessage() for r in caplog.records if "without an API key" in r.getMessage()]
     assert len(warned) == 1 and "\n" not in warned[0] and "SLURMVLA_API_KEY" in warned[0], warned
+    assert "serve.allow_unauthenticated=true" in warned[0], warned
     # A key file readable by others is served, with one warning.
     key_file.chmod(0o644)
     caplog.clear()
     assert read_api_key(server.policy.cfg.serve).matches(f"Api-Key {KEY}")
     assert "chmod 600" in caplog.text and KEY not in caplog.text
+
+
+def test_listening_beyond_this_machine_without_a_key_refuses_to_start(trained_run):
+    """The real entry point: one error line naming both ways out (a loopback host, a key and how it is
+    given), exit 2, no traceback, nothing served."""
+    env = {k: v for k, v in os.environ.items() if k != "SLURMVLA_API_KEY"}
+    res = subprocess.run([sys.executable, "-m", "slurmvla.serve", str(trained_run), "--host", "0.0.0.0", "--port", "0"],
+                         cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in res.stderr and "serving" not in res.stdout, res.stderr[-3000:]
+    line = errors[0]
+    assert line.startswith("error: serve.host=0.0.0.0 listens beyond this machine without an API key"), line
+    for way_out in ("serve.host=127.0.0.1", "export SLURMVLA_API_KEY=<key>", "serve.api_key_file=",
+                    "Authorization: Api-Key <key>", "serve.allow_unauthenticated=true"):
+        assert way_out in line, (way_out, line)
+
+
+@pytest.mark.parametrize("host, key, allowed, served", [
+    ("127.0.0.1", False, False, True), ("::1", False, False, True), ("localhost", False, False, True),
+    ("127.0.0.2", False, False, True),
+    ("0.0.0.0", False, False, False), ("::", False, False, False), ("", False, False, False),
+    ("10.1.2.17", False, False, False), ("gpu-node-7", False, False, False),
+    ("0.0.0.0", True, False, True), ("10.1.2.17", True, False, True), ("0.0.0.0", False, True, True),
+])
+def test_only_a_loopback_host_a_key_or_allow_unauthenticated_lets_a_server_start(host, key, allowed, served):
+    """Every way to build a server passes the same gate (PolicyServer itself checks, not only the CLI)."""
+    api_key = ApiKey(KEY, "$SLURMVLA_API_KEY") if key else None
+    if served:
+        check_exposure(host, api_key, allowed)
+        PolicyServer(Scripted(), host, 0, api_key=api_key, allow_unauthenticated=allowed).pool.shutdown()
+        return
+    with pytest.raises(ValueError, match="without an API key") as e:
+        check_exposure(host, api_key, allowed)
+    assert "serve.host=127.0.0.1" in str(e.value) and "serve.api_key_file" in str(e.value)
+    with pytest.raises(ValueError, match="without an API key"):
+        PolicyServer(Scripted(), host, 0, api_key=api_key, allow_unauthenticated=allowed)
+
+
+def test_beyond_this_machine_with_a_key_or_allow_unauthenticated_the_server_starts(trained_run):
+    """build_server on 0.0.0.0: with a key from the environment it starts and wants the key; with
+    serve.allow_unauthenticated=true it starts without one; with neither it is refused before it listens."""
+    with in_process_server(trained_run, "serve.host=0.0.0.0", environ={"SLURMVLA_API_KEY": KEY}) as server:
+        assert server.api_key is not None and server.api_key.matches(f"Api-Key {KEY}")
+        obs = droid_obs(8)
+        actions = wcp.WebsocketClientPolicy("127.0.0.1", server.port, api_key=KEY).infer(obs)["actions"]
+        np.testing.assert_allclose(actions, reference(server.policy.loaded, obs), rtol=RTOL, atol=ATOL)
+    with in_process_server(trained_run, "serve.host=0.0.0.0", "serve.allow_unauthenticated=true") as server:
+        assert server.api_key is None
+    with pytest.raises(ValueError, match="serve.host=0.0.0.0 listens beyond this machine without an API key"):
+        build_server(str(trained_run), ["serve.host=0.0.0.0", "serve.port=0"], device="cpu", environ={})
+
+
+def _serve_sh(tmp_path: Path, args: list[str], env: dict[str, str], python: str = sys.executable) -> subprocess.Popen:
+    base = {k: v for k, v in os.environ.items() if k not in ("SLURMVLA_API_KEY", "SLURMVLA_API_KEY_FILE")}
+    return subprocess.Popen(["bash", str(REPO / "sbatch" / "serve.sh"), *args], cwd=tmp_path, text=True,
+                            env={**base, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "77", "SLURMVLA_HOME": str(REPO),
+                                 "HOME": str(tmp_path), "PYTHON": python, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_sbatch_serve_writes_a_private_key_once_and_serves_with_it(trained_run, tmp_path):
+    """sbatch/serve.sh without $SLURMVLA_API_KEY: a key in ~/.slurmvla_api_key (mode 600) that the server on
+    0.0.0.0 requires and the job log never shows; the log says where it is and how a client sends it."""
+    proc = _serve_sh(tmp_path, [str(trained_run), "--port", "0"], {})
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if m := re.search(r"^serving .* on ws://\S+:(\d+) ", line):
+                threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+                port = int(m.group(1))
+                break
+        else:
+            raise AssertionError("server did not start:\n" + "".join(lines)[-3000:])
+        key_file = tmp_path / ".slurmvla_api_key"
+        assert key_file.stat().st_mode & 0o777 == 0o600
+        key = key_file.read_text().strip()
+        assert re.fullmatch(r"[A-Za-z0-9_-]{43}", key), "not secrets.token_urlsafe(32)"
+        obs = droid_obs(9)
+        actions = wcp.WebsocketClientPolicy("127.0.0.1", port, api_key=key).infer(obs)["actions"]
+        np.testing.assert_allclose(actions, reference(load_exported(trained_run), obs), rtol=RTOL, atol=ATOL)
+        with pytest.raises(Exception, match="HTTP 401"):
+            wcp.WebsocketClientPolicy("127.0.0.1", port)
+    finally:
+        stop(proc)
+    log = "".join(lines)
+    assert key not in log and "Traceback" not in log, log[-3000:]
+    assert f"API key in {key_file}" in log and "Authorization: Api-Key KEY" in log and "api_key=KEY" in log, log
+    # The next job reuses the key (a robot keeps it); $SLURMVLA_API_KEY, or a key source named on the
+    # command line, is passed on instead of the file.
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/bin/sh\n[ "$1" = -m ] && {{ echo "ARGS $*"; exit 0; }}\nexec {sys.executable} "$@"\n')
+    stub.chmod(0o755)
+    for env, args, want in [({}, [], f"serve.api_key_file={key_file}"),
+                            ({"SLURMVLA_API_KEY": "k"}, [], None),
+                            ({}, ["serve.api_key_file=/elsewhere"], "serve.api_key_file=/elsewhere"),
+                            ({}, ["serve.allow_unauthenticated=true"], None)]:
+        out = _serve_sh(tmp_path, ["run_dir", *args], env, python=str(stub)).communicate(timeout=60)[0]
+        [called] = [line for line in out.splitlines() if line.startswith("ARGS ")]
+        assert called.count("serve.api_key_file=") == (want is not None) and (want is None or want in called), out
+    assert key_file.read_text().strip() == key
 
 
 @pytest.mark.parametrize("args, environ, expected", [

@@ -460,13 +460,17 @@ def test_a_lost_node_ends_the_step_requeues_and_resumes_to_the_same_weights(clus
 
 def test_sbatch_serve_answers_a_client_on_the_host(cluster, trained_run, tmp_path):
     """sbatch/serve.sh on a test node; openpi's client connects from the host to the address the job
-    log prints, and gets the policy's actions; scancel ends the server."""
+    log prints, with the key the job wrote (readable only by its owner), and gets the policy's actions;
+    scancel ends the server."""
     wcp = pytest.importorskip("openpi_client.websocket_client_policy")
     from slurmvla.inference.load import load_exported
 
     from .test_serve import ATOL, RTOL, droid_obs, reference
 
-    job = sbatch(cluster, "sbatch/serve.sh", [str(trained_run), "--port", "8123"], tmp_path)
+    key_file = tmp_path / "api_key"
+    env = {k: v for k, v in cluster.items() if k != "SLURMVLA_API_KEY"}
+    job = sbatch(env, "sbatch/serve.sh", [str(trained_run), "--port", "8123"], tmp_path,
+                 {"SLURMVLA_API_KEY_FILE": str(key_file)})
     log_file = tmp_path / f"{job}.out"
     deadline = time.monotonic() + 120
     address = None
@@ -480,14 +484,16 @@ def test_sbatch_serve_answers_a_client_on_the_host(cluster, trained_run, tmp_pat
             assert time.monotonic() < deadline, f"no address in the job log after 120 s:\n{log[-3000:]}"
             time.sleep(0.2)
         assert address.startswith("10.78.0."), address  # a test node's own address, not the host's
-        client = wcp.WebsocketClientPolicy(address, 8123)
+        assert key_file.stat().st_mode & 0o777 == 0o600
+        client = wcp.WebsocketClientPolicy(address, 8123, api_key=key_file.read_text().strip())
         obs = droid_obs(7)
         np.testing.assert_allclose(client.infer(obs)["actions"], reference(load_exported(trained_run), obs),
                                    rtol=RTOL, atol=ATOL)
     finally:
         subprocess.run(["scancel", job], env=cluster)
     wait_gone(cluster, job, 60)
-    assert "Traceback" not in log_file.read_text()
+    log = log_file.read_text()
+    assert "Traceback" not in log and key_file.read_text().strip() not in log
 
 
 def test_sbatch_rollout_serves_on_the_first_node_and_runs_environments_on_the_job_tasks(cluster, tmp_path):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from slurmvla.compose import ArgumentParser
+from slurmvla.compose import ArgumentParser, program
 from slurmvla.data.keep_ranges import episode_key
 from slurmvla.data.writer import (
     CODECS,
@@ -187,7 +187,7 @@ def ensure_sample_dataset(cfg) -> None:  # noqa: ANN001 - a DataConfig
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=program("slurmvla.data.synthetic"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output folder (must not hold a dataset yet)")
     parser.add_argument("--episodes", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)

@@ -1,7 +1,8 @@
 """The API key a client must send (``Authorization: Api-Key <key>``, what openpi's
 ``WebsocketClientPolicy(host, port, api_key=...)`` sends): where it comes from (``serve.api_key_env``,
 ``serve.api_key_file``), how it is compared, and whether a listening address is this machine's only.
-The key is never logged, never shown by a repr and never part of the config.
+The key is never logged, never shown by a repr and never part of the config. A server that listens beyond
+this machine needs a key, or ``serve.allow_unauthenticated=true`` (:func:`check_exposure`).
 """
 
 from __future__ import annotations
@@ -90,3 +91,19 @@ def is_local(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def check_exposure(host: str, api_key: ApiKey | None, allow_unauthenticated: bool = False,
+                   api_key_env: str | None = DEFAULT_KEY_ENV) -> None:
+    """A server on ``host`` without ``api_key`` lets anyone who reaches the port drive the policy (and the
+    robot behind it): allowed on a loopback address, or when ``allow_unauthenticated`` says so; otherwise a
+    ValueError naming the ways out."""
+    if api_key is not None or allow_unauthenticated or is_local(host):
+        return
+    env = f"export {api_key_env}=<key>" if api_key_env else "serve.api_key_env=<VARIABLE> holding it"
+    raise ValueError(f"serve.host={host or '(every interface)'} listens beyond this machine without an API key, so "
+                     f"anyone who can reach the port could drive the robot; either keep it to this machine "
+                     f"(serve.host=127.0.0.1, --host 127.0.0.1) or give a key ({env}, or serve.api_key_file=<file "
+                     f"holding it, chmod 600>; clients send 'Authorization: Api-Key <key>', openpi's "
+                     f"WebsocketClientPolicy(host, port, api_key=...)); serve.allow_unauthenticated=true serves "
+                     f"without one")

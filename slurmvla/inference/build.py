@@ -7,9 +7,9 @@ import logging
 
 import torch
 
-from slurmvla.inference.auth import read_api_key
+from slurmvla.inference.auth import check_exposure, read_api_key
 from slurmvla.inference.graphs import inference_sampler
-from slurmvla.inference.load import load_exported
+from slurmvla.inference.load import Loaded, load_exported
 from slurmvla.inference.optimize import lower_weights
 from slurmvla.inference.runner import MiB, PolicyRunner
 from slurmvla.inference.server import PolicyServer
@@ -21,7 +21,10 @@ def build_runner(source: str, overrides: list[str], device: str | None = None) -
     """Load ``source`` (see :func:`slurmvla.inference.load.load_exported`) onto ``serve.device`` (or
     ``device``), its weights in the dtype it runs in, its projections fused, compiled or captured as
     ``serve.*`` asks, and map its inputs."""
-    loaded = load_exported(source, overrides, device="cpu")
+    return _runner(load_exported(source, overrides, device="cpu"), device)
+
+
+def _runner(loaded: Loaded, device: str | None) -> PolicyRunner:
     want = device or loaded.cfg.serve.device
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,11 +45,16 @@ def build_runner(source: str, overrides: list[str], device: str | None = None) -
 def build_server(source: str, overrides: list[str], device: str | None = None,
                  environ: dict[str, str] | None = None) -> PolicyServer:
     """:func:`build_runner`'s policy behind a :class:`PolicyServer` on ``serve.host:serve.port``, with the API
-    key :func:`slurmvla.inference.auth.read_api_key` finds (in ``environ``, default ``os.environ``)."""
-    runner = build_runner(source, overrides, device)
-    serve = runner.cfg.serve
+    key :func:`slurmvla.inference.auth.read_api_key` finds (in ``environ``, default ``os.environ``). A host
+    beyond this machine without a key is refused (:func:`slurmvla.inference.auth.check_exposure`) before the
+    policy moves to its device."""
+    loaded = load_exported(source, overrides, device="cpu")
+    serve = loaded.cfg.serve
     api_key = read_api_key(serve, environ)
+    check_exposure(serve.host, api_key, serve.allow_unauthenticated, serve.api_key_env)
+    runner = _runner(loaded, device)
     if serve.max_request_mb is not None and runner.max_request_bytes < runner.observation_bytes():
         log.warning("serve.max_request_mb=%s is below one observation at the policy's image size (%.2f MiB): "
                     "requests will be refused", serve.max_request_mb, runner.observation_bytes() / MiB)
-    return PolicyServer(runner, serve.host, serve.port, api_key=api_key, api_key_env=serve.api_key_env)
+    return PolicyServer(runner, serve.host, serve.port, api_key=api_key, api_key_env=serve.api_key_env,
+                        allow_unauthenticated=serve.allow_unauthenticated)

@@ -32,7 +32,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, runtime_checkable
 
-from slurmvla.inference.auth import DEFAULT_KEY_ENV, ApiKey, is_local
+from slurmvla.inference.auth import DEFAULT_KEY_ENV, ApiKey, check_exposure, is_local
 from slurmvla.inference.wire import packb, unpackb
 
 log = logging.getLogger("slurmvla.serve")
@@ -58,13 +58,15 @@ class PolicyServer:
     """``policy`` (an :class:`InferencePolicy`) on ``host:port``. ``metadata``: what clients get on connect
     (default: ``policy.metadata()``, or nothing); ``max_request_bytes``: the request-size limit (default:
     ``policy.max_request_bytes``, else ``DEFAULT_MAX_REQUEST_BYTES``); ``api_key_env``: the variable the
-    warning about a server without a key names."""
+    messages about a server without a key name. Without ``api_key``, a ``host`` beyond this machine is refused
+    (ValueError, :func:`slurmvla.inference.auth.check_exposure`) unless ``allow_unauthenticated``."""
 
     def __init__(self, policy: InferencePolicy, host: str, port: int, workers: int = 4, api_key: ApiKey | None = None,
                  metadata: dict | None = None, max_request_bytes: int | None = None,
-                 api_key_env: str | None = DEFAULT_KEY_ENV):
+                 api_key_env: str | None = DEFAULT_KEY_ENV, allow_unauthenticated: bool = False):
         if not callable(getattr(policy, "infer", None)):
             raise TypeError(f"a PolicyServer serves an object with infer(obs) -> dict; {type(policy).__name__} has none")
+        check_exposure(host, api_key, allow_unauthenticated, api_key_env)
         self.policy, self.host, self.port = policy, host, port
         self.api_key, self.api_key_env = api_key, api_key_env
         self._metadata = metadata
@@ -191,8 +193,8 @@ class PolicyServer:
             print(f"serving {self._describe()} on {address(self.host, self.port)}; health check: GET /healthz; {key}; "
                   f"requests up to {self.max_size / MiB:.4g} MiB", flush=True)
             if self.api_key is None and not is_local(self.host):
-                log.warning("listening on %s without an API key: anyone who can reach this port can drive the policy; "
-                            "export %s (or set serve.api_key_file) and pass it to the client "
+                log.warning("listening on %s without an API key (serve.allow_unauthenticated=true): anyone who can reach "
+                            "this port can drive the policy; export %s (or set serve.api_key_file) and pass it to the client "
                             "(WebsocketClientPolicy(host, port, api_key=...))", self.host or "every interface",
                             self.api_key_env or DEFAULT_KEY_ENV)
             if ready is not None:

@@ -23,17 +23,17 @@ def format_plan(r: dict[str, Any]) -> str:
     p, a = r["parameters"], r["activations"]
     name, div = _unit(max(r["peak_bytes"], r["budget_bytes"] if r["peak_bytes"] >= GiB / 4 else 0))
 
-    def row(label: str, v: float) -> str:
-        return f"  {label[:64]:64s} {v / div:9.2f}"
+    def row(label: str, v: float) -> tuple[str, float]:
+        return label, v
 
-    lines = [
+    lines: list[str | tuple[str, float]] = [
         f"policy={r['policy']} ({_count(p['total'])} parameters: {_count(p['trainable'])} trainable, "
         f"{_count(p['frozen'])} frozen{', LoRA adapters' if p['adapters'] else ''}), precision={r['precision']}, "
         f"engine={r['engine']}, gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}",
         f"{r['world_size']} x {r['gpu']} ({r['nodes']} node(s) x {r['gpus_per_node']} GPU(s)); global batch "
         f"{r['global_batch_size']} = micro {r['micro_batch_size']} x accumulation {r['grad_accum_steps']} x "
         f"{r['world_size']} GPU(s)",
-        f"{'per GPU (worst rank)':66s} {name:>9s}",
+        ("per GPU (worst rank)", None),
     ]
     lines += [row(k, v) for k, v in r["held_bytes"].items() if v]
     lines.append(row("= model states", sum(r["held_bytes"].values())))
@@ -72,7 +72,16 @@ def format_plan(r: dict[str, Any]) -> str:
             f"step takes ~{est['step_s']:.3g} s, {est['samples_per_s']:.3g} samples/s, MFU {100 * est['mfu']:.0f}% "
             "(communication and data loading not modelled)")
     lines += [f"note: {n}" for n in r["notes"]]
-    return "\n".join(lines)
+    # The figures' column sits after the longest label: a label is never cut.
+    width = max(64, *(len(x[0]) for x in lines if isinstance(x, tuple)))
+
+    def render(x: str | tuple[str, float | None]) -> str:
+        if isinstance(x, str):
+            return x
+        label, v = x
+        return f"{label:{width + 2}s} {name:>9s}" if v is None else f"  {label:{width}s} {v / div:9.2f}"
+
+    return "\n".join(render(x) for x in lines)
 
 
 def format_comparison(rows: list[dict[str, Any]]) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from slurmvla.compose import ArgumentParser
+from slurmvla.compose import ArgumentParser, program
 from slurmvla.data.keep_ranges import episode_key
 from slurmvla.data.writer import droid_columns, out_folder_problem, write_dataset
 from slurmvla.droid_features import DROID_CAMERAS
@@ -126,7 +126,7 @@ def _rel_path(seed: int, success: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=program("slurmvla.sim.record"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output folder (must not hold a dataset yet)")
     parser.add_argument("--episodes", type=int, default=100)
     parser.add_argument("--first-seed", type=int, default=0, help="episode e is the environment's seed first_seed + e")
