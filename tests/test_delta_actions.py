@@ -1,6 +1,6 @@
 """data.delta_actions (openpi's DeltaActions / AbsoluteActions): samples and statistics carry the deltas, the
 server turns the policy's chunk back into absolute commands and a real-time chunking request's previous chunk
-into deltas."""
+into deltas; and experiment=pi05_full_droid, openpi's recipe that trains on them."""
 
 from __future__ import annotations
 
@@ -236,3 +236,39 @@ def test_rtc_requests_send_absolute_previous_actions_which_become_deltas(delta_r
     assert not np.allclose(got[:2, :7], prev[:2, :7] + state[:7], atol=1e-3)
     with pytest.raises(ValueError, match="pass the request's state to read_rtc"):
         runner.read_rtc({"prev_actions": prev, "delay": 1})
+
+
+# openpi's TrainConfig "pi05_full_droid_finetune" (Physical-Intelligence/openpi at 15a9616,
+# src/openpi/training/config.py), RLDSDroidDataConfig with DroidActionSpace.JOINT_POSITION (delta mask
+# make_bool_mask(7, -1)), src/openpi/training/droid_rlds_dataset.py (successful episodes only, the idle-range
+# filter per frame) and TrainConfig's / AdamW's defaults (ema_decay 0.99; b1 0.9, b2 0.95, eps 1e-8,
+# weight_decay 1e-10, clip_gradient_norm 1.0).
+OPENPI_FULL = {"batch_size": 256, "num_train_steps": 100_000, "action_horizon": 16, "action_dim": 32,
+               "warmup_steps": 1_000, "peak_lr": 5e-5, "decay_lr": 5e-5, "ema_decay": 0.99, "save_interval": 5_000,
+               "log_interval": 100, "b1": 0.9, "b2": 0.95, "eps": 1e-8, "weight_decay": 1e-10,
+               "clip_gradient_norm": 1.0, "delta_mask": DROID_MASK}
+
+
+def test_pi05_full_droid_makes_openpis_choices():
+    cfg = compose(["experiment=pi05_full_droid", "data.root=/d", "policy.pretrained_path=/ckpt/pi05_base"])
+    p, d, t, o, s = cfg.policy, cfg.data, cfg.trainer, cfg.optim, cfg.scheduler
+    assert d.delta_actions == OPENPI_FULL["delta_mask"]
+    assert list(d.action_keys) == ["action.joint_position", "action.gripper_position"]
+    assert list(d.state_keys) == ["observation.state.joint_position", "observation.state.gripper_position"]
+    assert d.success_only and d.keep_ranges.semantics == "frame"
+    assert (p.name, p.state_input, p.state_normalization, p.action_normalization, p.stats_source) == \
+        ("pi05", "discrete", "quantile", "quantile", "data")
+    assert (p.action_horizon, p.max_action_dim, p.action_dim, p.state_dim) == \
+        (OPENPI_FULL["action_horizon"], OPENPI_FULL["action_dim"], 8, 8)
+    assert (t.global_batch_size, t.max_steps, t.ema_decay, t.max_grad_norm, t.log_every_steps) == \
+        (OPENPI_FULL["batch_size"], OPENPI_FULL["num_train_steps"], OPENPI_FULL["ema_decay"],
+         OPENPI_FULL["clip_gradient_norm"], OPENPI_FULL["log_interval"])
+    assert (o.lr, tuple(o.betas), o.eps, o.weight_decay) == \
+        (OPENPI_FULL["peak_lr"], (OPENPI_FULL["b1"], OPENPI_FULL["b2"]), OPENPI_FULL["eps"],
+         OPENPI_FULL["weight_decay"])
+    # CosineDecaySchedule(decay_lr=peak_lr): warmup, then constant.
+    assert (s.name, s.warmup_steps) == ("warmup_constant", OPENPI_FULL["warmup_steps"])
+    assert o.lr == OPENPI_FULL["decay_lr"]
+    assert (cfg.precision, cfg.checkpoint.every_steps) == ("bf16", OPENPI_FULL["save_interval"])
+    assert list(cfg.serve.state) == ["observation/joint_position", "observation/gripper_position"]
+    assert p.pretrained_path == "/ckpt/pi05_base"
