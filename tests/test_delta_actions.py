@@ -14,6 +14,7 @@ import torch
 from slurmvla.compose import compose
 from slurmvla.data.delta import delta_dims, to_absolute, to_delta
 from slurmvla.data.mixture import Mixture
+from slurmvla.evaluate import evaluate
 from slurmvla.export import export
 from slurmvla.inference.load import Loaded, load_exported
 from slurmvla.inference.runner import PolicyRunner
@@ -202,6 +203,15 @@ def test_a_trained_delta_policy_serves_its_chunk_plus_the_state(delta_cfg, sampl
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got[:, 7], runner.session().infer(obs)["actions"][:, 7])
     assert not np.allclose(got[:, :7], chunk[:, :7], atol=1e-3)
+    # evaluate compares absolute chunks: the recorded ones are the dataset's own actions again.
+    _, v = evaluate(loaded, split="val")
+    columns = _columns(sample_root)
+    for i in range(0, len(v["actions"]), 17):
+        state, action = columns[int(v["episode_index"][i])]
+        t = int(v["frame_index"][i])
+        steps = np.arange(t, t + spec.action_horizon)
+        inside = steps < len(action)
+        np.testing.assert_allclose(v["actions"][i][inside], action[steps[inside]], rtol=0, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
