@@ -301,6 +301,19 @@ NORMALIZATIONS = ("mean_std", "min_max", "quantile", "identity")
 MISSING_CAMERA_CHOICES = ("fail", "pad")
 
 
+def check_delta_actions(flags: list[bool] | None, action_dim: int, state_dim: int, action_where: str = "action dims",
+                        state_where: str = "state dims") -> None:
+    """``data.delta_actions`` fits the actions and the state: a flag per action dim from the first, each
+    true one naming the state dim at the same index (openpi's DeltaActions reads ``state[..., :len(mask)]``)."""
+    if not flags:
+        return
+    if len(flags) > min(action_dim, state_dim):
+        raise ValueError(f"data.delta_actions={list(flags)} has {len(flags)} flags, but the actions have {action_dim} "
+                         f"dims ({action_where}) and the state {state_dim} ({state_where}); give at most "
+                         f"{min(action_dim, state_dim)} flags, one per action dim from the first (a true one subtracts "
+                         "the state's dim at the same index), or null for absolute actions")
+
+
 @dataclass
 class MixtureMember:
     """One more dataset of a weighted mixture (the top-level ``data`` fields describe the first)."""
@@ -336,6 +349,16 @@ class DataConfig:
     # From the dataset's stats: mean_std, min_max (to [-1, 1]), quantile (q01/q99 to [-1, 1]), identity.
     state_normalization: str = "mean_std"
     action_normalization: str = "mean_std"
+    # Delta actions (openpi's DeltaActions / AbsoluteActions; slurmvla/data/delta.py): one flag per action
+    # dim from the first (a shorter list leaves the dims after it absolute). A true dim is trained on, and
+    # predicted as, action - state (the state's dim at the same index, of the sample's current observation),
+    # its statistics computed on those deltas; serving adds the observed state back. null or []: absolute.
+    # E.g. DROID's joint positions with an absolute gripper: [true, true, true, true, true, true, true, false].
+    delta_actions: list[bool] | None = None
+    # The deltas' statistics come from the actions of the chunks starting at up to this many training
+    # frames (whole episodes in a seeded order; every frame when there are fewer), computed once and cached
+    # in cache_dir: the chunks of DROID's 27.6M frames would not fit in memory for exact quantiles.
+    delta_stats_frames: int = 200_000
     success_only: bool = False
     keep_ranges: KeepRangesConfig = field(default_factory=KeepRangesConfig)
     control_mode: str = "joint_position"
@@ -375,6 +398,7 @@ class DataConfig:
         check_positive("data.history_interval", self.history_interval)
         check_positive("data.interleave_episodes", self.interleave_episodes)
         check_positive("data.stream_cache_episodes", self.stream_cache_episodes, allow_zero=True)
+        check_positive("data.delta_stats_frames", self.delta_stats_frames)
         check_choice("data.loader", self.loader, DATA_LOADERS)
         check_choice("data.mode", self.mode, DATA_MODES)
         check_choice("data.missing_cameras", self.missing_cameras, MISSING_CAMERA_CHOICES)
@@ -721,6 +745,8 @@ class Config:
                 f"policy.num_obs_history={self.policy.num_obs_history} does not match data.num_obs_history="
                 f"{self.data.num_obs_history}: the policy would read the wrong frames; set both to the same value"
             )
+        check_delta_actions(self.data.delta_actions, self.policy.action_dim, self.policy.state_dim,
+                            "policy.action_dim", "policy.state_dim")
         if self.data.mode != "policy" and not self.policy.dynamics:
             raise ValueError(
                 f"data.mode={self.data.mode!r} yields dynamics samples, which need policy.dynamics=true "

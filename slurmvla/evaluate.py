@@ -9,7 +9,8 @@ the run's config, e.g. ``data.root=/data/other`` (then ``--split all`` evaluates
 Every sample of the split is run through the policy's own inference path (``sample_actions``) and
 compared with the recorded chunk, over the chunk steps inside the episode: MSE per action
 dimension (in the dataset's units, and normalized by the data's action scale so dimensions are
-comparable), first-step and whole-chunk error, per dataset and per control mode; plus the
+comparable; under ``data.delta_actions`` both chunks are turned back into absolute commands first, which
+leaves the errors as they are), first-step and whole-chunk error, per dataset and per control mode; plus the
 training-time validation loss on the same samples. Written to ``DIR/metrics.json`` with two plots:
 ``trajectories.png`` (predicted vs recorded actions along a few episodes) and ``error_per_dim.png``.
 
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from slurmvla.compose import ArgumentParser, program
+from slurmvla.data.delta import current_state, to_absolute
 from slurmvla.data.loader import build_validation_loader, to_device
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.prepare import inference_fields
@@ -73,8 +75,12 @@ def evaluate(loaded: Loaded, split: str = "val", seed: int = 0, batch_size: int 
         seen += take
         for key, value in per_sample(out, batch, mixture.control_modes, torch.float64, take).items():
             cols[key].append(value.cpu())
-        cols["pred"].append(pred[:take].double().cpu())
-        cols["actions"].append(batch["actions"][:take].double().cpu())
+        pred, actions = pred[:take].double().cpu(), batch["actions"][:take].double().cpu()
+        if cfg.data.delta_actions:  # back to the commands the robot would get (the same errors; plots in its units)
+            state = current_state(batch["state"][:take]).double().cpu()
+            pred, actions = (to_absolute(a, state, cfg.data.delta_actions) for a in (pred, actions))
+        cols["pred"].append(pred)
+        cols["actions"].append(actions)
         cols["mask"].append(batch["action_mask"][:take].cpu())
         for key in ("episode_index", "frame_index"):  # for the plots: which episode, where along it
             cols[key].append(batch[key][:take].cpu())

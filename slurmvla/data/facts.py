@@ -31,6 +31,7 @@ log = logging.getLogger("slurmvla")
 
 
 def _digest(meta: LeRobotMetadata, key: str) -> str:
+    """A name for what is read from ``meta``'s data files for ``key`` (any string saying what was read, how)."""
     parts = [str(meta.root.resolve()), meta.version, key, str(meta.num_episodes), str(meta.num_frames)]
     for path in sorted((meta.root / "meta").glob("*")):
         st = path.stat()
@@ -62,5 +63,31 @@ def episode_values(meta: LeRobotMetadata, key: str, cache_dir: str | Path) -> np
             log.info("read %r of %d episodes of %s from its data files in %.1f s; cached in %s", key,
                      meta.num_episodes, meta.root, time.perf_counter() - start, path)
             return values
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def cached_arrays(meta: LeRobotMetadata, key: str, cache_dir: str | Path, compute, what: str) -> dict[str, np.ndarray]:
+    """``compute()`` (a dict of arrays read from ``meta``'s data files; ``key`` says exactly what and how),
+    cached in ``<cache_dir>/episode_facts/<digest>.npz`` as :func:`episode_values` caches: one process reads
+    while the others wait on the lock, later runs load the file. ``what``: for the log line."""
+    folder = Path(cache_dir).expanduser() / "episode_facts"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{_digest(meta, key)}.npz"
+    if path.is_file():
+        return dict(np.load(path))
+    with open(folder / f"{path.stem}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if path.is_file():
+                return dict(np.load(path))
+            start = time.perf_counter()
+            arrays = compute()
+            tmp = folder / f".{path.stem}.{os.getpid()}.npz"
+            np.savez(tmp, **arrays)
+            os.replace(tmp, path)
+            log.info("computed %s of %s from its data files in %.1f s; cached in %s", what, meta.root,
+                     time.perf_counter() - start, path)
+            return arrays
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

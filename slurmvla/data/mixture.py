@@ -121,12 +121,18 @@ class Mixture:
     def normalization(self, state_mode: str, action_mode: str, knobs: tuple[str | None, str | None] = (None, None)
                       ) -> dict[str, torch.Tensor]:
         """Offset / scale per state and action dim from the datasets' stats, pooled across the mixture:
-        ``normalized = (x - offset) / scale``."""
+        ``normalized = (x - offset) / scale``. Under ``data.delta_actions`` the actions' are those of the
+        actions training sees, deltas included (:meth:`LeRobotSource.delta_action_stats`)."""
         out = {}
         for (prefix, keys, mode), knob in zip((("state", self.cfg.state_keys, state_mode),
                                                ("action", self.cfg.action_keys, action_mode)), knobs):
             dim = self.sources[0].state_dim if prefix == "state" else self.sources[0].action_dim
-            stats = {} if mode == "identity" else pool_stats([s.raw_stats(keys) for s in self.sources])
+            if mode == "identity":
+                stats = {}
+            elif prefix == "action" and self.cfg.delta_actions:
+                stats = pool_stats([s.delta_action_stats() for s in self.sources])
+            else:
+                stats = pool_stats([s.raw_stats(keys) for s in self.sources])
             out.update(offset_scale(stats, mode, dim, prefix, f"{keys}, which {self.names} do not all have", knob))
         return out
 

@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from slurmvla.config import DataConfig, KeepRangesConfig
-from slurmvla.data.facts import episode_values
+from slurmvla.config import DataConfig, KeepRangesConfig, check_delta_actions
+from slurmvla.data.delta import chunk_action_stats, chunk_actions, to_delta
+from slurmvla.data.facts import cached_arrays, episode_values
 from slurmvla.data.index import SampleIndex, build_index, keep_range_keys
 from slurmvla.data.keep_ranges import load_keep_ranges, read_json
 from slurmvla.data.lerobot import LeRobotMetadata
@@ -188,6 +189,8 @@ class LeRobotSource:
                              f"{list(cfg.instruction_keys)} and no task table; features it has: {sorted(meta.features)}")
         self.state_dim = sum(meta.feature_dim(k) for k in cfg.state_keys)
         self.action_dim = sum(meta.feature_dim(k) for k in cfg.action_keys)
+        check_delta_actions(cfg.delta_actions, self.action_dim, self.state_dim,
+                            f"{list(cfg.action_keys)} of {str(meta.root)!r}", f"{list(cfg.state_keys)}")
         self.videos = {cam: meta.video_location(cam) for cam in self.cameras}
         self.index = self._build_index()
         if self.index.num_samples == 0:
@@ -262,6 +265,37 @@ class LeRobotSource:
                 out[name] = np.concatenate([np.asarray(p[name], np.float64).reshape(-1) for p in parts])
         out["count"] = np.asarray([float(np.asarray(parts[0].get("count", [self.meta.num_frames])).reshape(-1)[0])])
         return out
+
+    def delta_action_stats(self) -> dict[str, np.ndarray]:
+        """The action statistics under ``data.delta_actions``: of the actions training sees (deltas where
+        flagged), every step inside the episode of the chunks starting at the training split's frames, up to
+        ``data.delta_stats_frames`` of them (whole episodes in a seeded order). Read from the data files
+        once and cached (:func:`slurmvla.data.facts.cached_arrays`)."""
+        cfg, index = self.cfg, self.train_index
+        horizon = self.sample_spec.action_horizon
+        episodes = np.random.default_rng(seeded_int("delta_stats", self.spec.name) % 2**63).permutation(index.episodes)
+        take = int(np.searchsorted(np.cumsum(index.ep_count[episodes]), cfg.delta_stats_frames, side="left")) + 1
+        episodes = np.sort(episodes[:take])
+        # What is read and how: the cache is another file when any of it changes.
+        selection = hashlib.blake2b(b"".join(np.ascontiguousarray(a, np.int64).tobytes() for a in (
+            index.seg_ep, index.seg_start, index.seg_len, episodes)), digest_size=12).hexdigest()
+        key = (f"delta_action_stats:{list(cfg.state_keys)}:{list(cfg.action_keys)}:{list(cfg.delta_actions)}:"
+               f"h{horizon}:{selection}")
+
+        def compute() -> dict[str, np.ndarray]:
+            parts = []
+            for pos in episodes.tolist():
+                length = int(self.meta.episodes["length"][pos])
+                cols = self.meta.read_episode(pos, [*cfg.state_keys, *cfg.action_keys])
+                state, action = (np.concatenate([cols[k].reshape(length, -1) for k in keys], axis=1).astype(np.float32)
+                                 for keys in (cfg.state_keys, cfg.action_keys))
+                segments = index.seg_ep == pos
+                starts = np.concatenate([np.arange(s, s + n) for s, n in zip(index.seg_start[segments],
+                                                                            index.seg_len[segments])])
+                parts.append(chunk_actions(action, state, starts, horizon, cfg.delta_actions))
+            return chunk_action_stats(np.concatenate(parts))
+
+        return cached_arrays(self.meta, key, cfg.cache_dir, compute, f"the delta actions' statistics ({self.name})")
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -362,6 +396,8 @@ class LeRobotSource:
         valid = chunk < length
         # Past the episode end the last value repeats; the mask keeps it out of the loss.
         actions = episode.action[np.minimum(chunk, length - 1)]
+        if cfg.delta_actions:  # relative to the current state (the last of the history)
+            actions = to_delta(actions, episode.state[t], cfg.delta_actions)
         hist = t + self.history_offsets
         hist_ok = hist >= 0
         hist = np.maximum(hist, 0)

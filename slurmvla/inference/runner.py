@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from slurmvla.data.delta import delta_dims, to_absolute, to_delta
 from slurmvla.data.prepare import observation_batch, prepare_image
 from slurmvla.inference.load import Loaded
 from slurmvla.policy.base import seeded_sample_actions, supports_rtc
@@ -68,6 +69,9 @@ class PolicyRunner:
             "state": list(self.cfg.serve.state), "prompt": self.cfg.serve.prompt, "seed": self.cfg.serve.seed,
             "max_request_bytes": self.max_request_bytes,
             "execution_modes": ["sync", "async", "rtc"] if self.rtc else ["sync", "async"],
+            # The policy predicts these action dims relative to the observed state (data.delta_actions); the
+            # chunk sent back has the state added again, so every dim is an absolute command.
+            "delta_action_dims": delta_dims(self.cfg.data.delta_actions),
             **({"rtc": self.rtc_metadata()} if self.rtc else {}),
         }
 
@@ -130,10 +134,12 @@ class PolicyRunner:
             raise ValueError(f"{serve.prompt}: expected a string, got {type(prompt).__name__}")
         return images, state, prompt
 
-    def read_rtc(self, obs: dict) -> Guidance | None:
+    def read_rtc(self, obs: dict, state: np.ndarray | None = None) -> Guidance | None:
         """Real-time chunking's optional keys: ``prev_actions`` ``[k, action_dim]`` (the previous chunk from the
-        observation's step on, dataset units) and ``delay`` d (its first d actions execute while this request is
-        answered). None without them (or with ``delay`` 0 alone): the plain chunk. A ValueError names the key
+        observation's step on, dataset units: absolute commands, as the server sent them) and ``delay`` d (its
+        first d actions execute while this request is answered). None without them (or with ``delay`` 0 alone):
+        the plain chunk. Under ``data.delta_actions`` the guidance is in the policy's delta units, relative to
+        ``state`` (the request's raw state, :meth:`read`), which must then be given. A ValueError names the key
         and what was expected."""
         pc = self.cfg.policy
         horizon = pc.action_horizon
@@ -164,6 +170,11 @@ class PolicyRunner:
                              f"{horizon} (policy.action_horizon)")
         padded = np.zeros((1, horizon, pc.action_dim), np.float32)
         padded[0, :k] = prev
+        if self.cfg.data.delta_actions:
+            if state is None:
+                raise ValueError("prev_actions: this policy predicts delta actions (data.delta_actions); pass the "
+                                 "request's state to read_rtc to express the previous chunk relative to it")
+            padded[0, :k] = to_delta(padded[0, :k], state, self.cfg.data.delta_actions)
         serve = self.cfg.serve
         return Guidance(torch.from_numpy(padded), torch.tensor([delay]), torch.tensor([k]),
                         serve.rtc_max_guidance, serve.rtc_schedule)
@@ -205,9 +216,16 @@ class PolicyRunner:
         """One client's conversation: its observations, kept as far back as the policy's history reaches."""
         return Session(self)
 
+    def absolute(self, chunk: np.ndarray, state: np.ndarray) -> np.ndarray:
+        """The policy's chunk (:meth:`act`) as absolute commands: ``state`` (the request's raw state) added
+        back on the dims ``data.delta_actions`` names; the chunk itself without it."""
+        flags = self.cfg.data.delta_actions
+        return to_absolute(chunk, state, flags) if flags else chunk
+
     @torch.no_grad()
     def act(self, batch: dict, rtc: Guidance | None = None) -> np.ndarray:
-        """The action chunk ``[action_horizon, action_dim]`` float32 in dataset units. Noise is drawn on the
+        """The policy's action chunk ``[action_horizon, action_dim]`` float32 in dataset units (deltas where
+        ``data.delta_actions`` says; :meth:`absolute` turns them into commands). Noise is drawn on the
         CPU, seeded by ``serve.seed`` for each request: the same observation always gives the same chunk,
         on any server and device (up to the device's precision). ``serve.seed=null``: fresh noise for each
         request (as openpi's server), from a generator seeded once from the OS. ``rtc``: guided towards a
@@ -231,9 +249,10 @@ class Session:
         """``{"actions": chunk}`` for ``obs`` after this session's earlier observations; a ValueError (the
         observation is kept out of the history then) names the key and what was expected."""
         observation = self.runner.read(obs)
-        rtc = self.runner.read_rtc(obs)
+        state = observation[1]  # the chunk's deltas are relative to this observation's state
+        rtc = self.runner.read_rtc(obs, state)
         self.past.append(observation)
-        return {"actions": self.runner.act(self.runner.batch(self.past), rtc)}
+        return {"actions": self.runner.absolute(self.runner.act(self.runner.batch(self.past), rtc), state)}
 
 
 def default_max_request_bytes(runner: PolicyRunner) -> int:

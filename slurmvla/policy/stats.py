@@ -80,4 +80,7 @@ def resolve_stats(cfg, mixture: Mixture, announce: bool = True) -> dict[str, tor
     if announce:
         log.info("normalization: state %s, action %s; statistics from %s (policy.stats_source=%s)", state_mode,
                  action_mode, where, source)
+        if cfg.data.delta_actions and source == "checkpoint":
+            log.info("data.delta_actions: the checkpoint's action statistics are used as saved; they must be those "
+                     "of the deltas (as openpi's norm_stats.json for a delta-action recipe are)")
     return out
