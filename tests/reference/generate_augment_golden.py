@@ -50,6 +50,7 @@ CASES = [
     ("exterior_max_crop", 40, 56, False, -1.5, 1.5, 5.0, True, 0.0, 0.0, 0.0, 0.1),
     ("wrist", 24, 32, True, 0.0, 0.0, 0.0, True, 0.12, 0.25, -0.3, 0.05),
     ("wrist_dark_contrast", 24, 32, True, 0.0, 0.0, 0.0, True, -0.3, -0.4, 0.5, -0.1),
+    ("exterior_small_amounts", 24, 32, False, -0.2, 0.3, -1.1, True, 0.04, 0.05, 0.1, 0.0),
 ]
 
 
