@@ -299,6 +299,8 @@ DATA_LOADERS = ("stream", "map")
 SAMPLE_REVISION = "v3.0_av1_r2"
 NORMALIZATIONS = ("mean_std", "min_max", "quantile", "identity")
 MISSING_CAMERA_CHOICES = ("fail", "pad")
+# Training image augmentation (slurmvla.data.augment): none, or openpi's preprocess_observation(train=True).
+IMAGE_AUGMENTATIONS = ("none", "openpi")
 
 
 def check_delta_actions(flags: list[bool] | None, action_dim: int, state_dim: int, action_where: str = "action dims",
@@ -341,6 +343,13 @@ class DataConfig:
     # as openpi's resize-with-pad; what pretrained backbones expect) or squash (stretch). Training,
     # validation, evaluate and the policy server all resize through one function.
     image_resize: str = "pad"
+    # Training image augmentation, applied to training samples only (never validation, evaluation or the
+    # server), drawn from each sample's generator: none, or openpi (its preprocess_observation(train=True):
+    # non-wrist cameras cropped to 95 %, resized back, rotated up to 5 degrees; every camera colour-jittered).
+    augment: str = "none"
+    # Which of data.cameras are wrist cameras (jittered, never cropped or rotated); null: openpi's rule, a
+    # camera whose key contains "wrist".
+    augment_wrist_cameras: list[str] | None = None
     # Concatenated in order: e.g. [observation.state] or its sub-keys
     # [observation.state.joint_position, observation.state.gripper_position].
     state_keys: list[str] = field(default_factory=lambda: ["observation.state"])
@@ -403,6 +412,11 @@ class DataConfig:
         check_choice("data.mode", self.mode, DATA_MODES)
         check_choice("data.missing_cameras", self.missing_cameras, MISSING_CAMERA_CHOICES)
         check_choice("data.image_resize", self.image_resize, IMAGE_RESIZE_MODES)
+        check_choice("data.augment", self.augment, IMAGE_AUGMENTATIONS)
+        for cam in self.augment_wrist_cameras or []:
+            if cam not in self.cameras:
+                raise ValueError(f"data.augment_wrist_cameras names {cam!r}, which is not one of data.cameras="
+                                 f"{list(self.cameras)}")
         check_choice("data.state_normalization", self.state_normalization, NORMALIZATIONS)
         check_choice("data.action_normalization", self.action_normalization, NORMALIZATIONS)
         if not 0.0 <= self.val_fraction < 1.0:

@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 # LeRobotDROIDDataConfig, DroidInputs / DroidOutputs), src/openpi/training/optimizer.py
 # (CosineDecaySchedule: warmup 1000, peak 2.5e-5, decay_steps 30000, decay_lr 2.5e-6; AdamW: b1 0.9,
 # b2 0.95, eps 1e-8, weight_decay 1e-10, clip_gradient_norm 1.0), src/openpi/models/pi0_config.py
-# (max_token_len 200 for pi05, discrete_state_input).
+# (max_token_len 200 for pi05, discrete_state_input), src/openpi/models/model.py (preprocess_observation
+# augments every training image).
 OPENPI = {"batch_size": 32, "num_train_steps": 20_000, "action_horizon": 16, "action_dim": 32, "max_token_len": 200,
           "ema_decay": 0.99, "warmup_steps": 1_000, "peak_lr": 2.5e-5, "decay_steps": 30_000, "decay_lr": 2.5e-6,
           "b1": 0.9, "b2": 0.95, "eps": 1e-8, "weight_decay": 1e-10, "clip_gradient_norm": 1.0, "save_interval": 1_000}
@@ -40,6 +41,7 @@ def test_pi05_droid_makes_openpis_choices():
         (OPENPI["action_horizon"], OPENPI["action_dim"], OPENPI["max_token_len"])
     assert list(cfg.data.cameras) == ["observation.images.exterior_1_left", "observation.images.wrist_left"]
     assert list(cfg.data.action_keys) == ["action.joint_velocity", "action.gripper_position"]
+    assert cfg.data.augment == "openpi" and cfg.data.augment_wrist_cameras is None  # openpi's rule: "wrist" in the key
     assert (t.global_batch_size, t.max_steps, t.ema_decay, t.max_grad_norm) == \
         (OPENPI["batch_size"], OPENPI["num_train_steps"], OPENPI["ema_decay"], OPENPI["clip_gradient_norm"])
     assert (o.lr, tuple(o.betas), o.eps, o.weight_decay) == \

@@ -50,11 +50,13 @@ def _final_state(run_dir: Path):
     return ckpt, load_file(str(ckpt / "model.safetensors")), torch.load(ckpt / "optimizer.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_resume_is_bitwise_identical_to_an_uninterrupted_run(make_cfg, tmp_path, precision):
-    """N steps straight == N/2 steps, stop, restart in the same run directory, continue to N."""
+@pytest.mark.parametrize("precision, augment", [("fp32", "none"), ("bf16", "none"),
+                                               pytest.param("fp32", "openpi", marks=pytest.mark.slow)])
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(make_cfg, tmp_path, precision, augment):
+    """N steps straight == N/2 steps, stop, restart in the same run directory, continue to N (with the
+    training images augmented in the data workers too: each sample's augmentation is drawn from its seed)."""
     over = ["trainer.max_steps=24", "checkpoint.every_steps=6", "checkpoint.keep=2", "trainer.grad_accum_steps=2",
-            "data.num_workers=2", f"precision={precision}", "scheduler.warmup_steps=5"]
+            "data.num_workers=2", f"precision={precision}", "scheduler.warmup_steps=5", f"data.augment={augment}"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(make_cfg(*over), straight)
     train(make_cfg(*over), resumed, stop_at=12)

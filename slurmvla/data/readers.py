@@ -154,7 +154,7 @@ class EpisodeStream(IterableDataset):
                     loaded = open_pieces.get(p)
                     if loaded is None:
                         loaded = open_pieces[p] = self._open(ds, ep, int(first[p]), int(last[p]))
-                    yield self.mixture.sources[ds].sample(loaded, frame, epoch, r)
+                    yield self.mixture.sources[ds].sample(loaded, frame, epoch, r, train=True)
                     remaining[p] -= 1
                     if remaining[p] == 0:
                         open_pieces.pop(p).close()
@@ -196,7 +196,7 @@ class MapDataset(Dataset):
         t = int(source.train_index.frames_of(np.asarray([e]), k)[0])
         if self._cache is None:
             self._cache = _EpisodeCache(self.mixture.sources, self.cache_size)
-        return source.sample(self._cache.get(d, e), t, epoch, int(plan.repeat[piece[0]]))
+        return source.sample(self._cache.get(d, e), t, epoch, int(plan.repeat[piece[0]]), train=True)
 
 
 SPLITS = ("val", "all")

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from slurmvla.config import DataConfig, KeepRangesConfig, check_delta_actions
+from slurmvla.data.augment import Augmenter
 from slurmvla.data.delta import chunk_action_stats, chunk_actions, to_delta
 from slurmvla.data.facts import cached_arrays, episode_values
 from slurmvla.data.index import SampleIndex, build_index, keep_range_keys
@@ -197,6 +198,7 @@ class LeRobotSource:
             raise ValueError(f"no samples left in {meta.root} after filtering (success_only={spec.success_only}, "
                              f"keep_ranges.path={spec.keep_ranges.path!r}); counts: {self.index.counts}")
         self.train_index, self.val_index = self._split()
+        self.augmenter = None if cfg.augment == "none" else Augmenter(cfg.augment, cfg.cameras, cfg.augment_wrist_cameras)
 
     # -- index, filters, split --------------------------------------------------------------------
 
@@ -387,9 +389,10 @@ class LeRobotSource:
         # Seeded by (seed, dataset, episode, frame): the same on every worker, world size and resume.
         return options[seeded_int(self.seed, self.dataset_index, episode.pos, t) % len(options)]
 
-    def sample(self, episode: Episode, t: int, epoch: int, repeat: int = 0) -> dict:
+    def sample(self, episode: Episode, t: int, epoch: int, repeat: int = 0, train: bool = False) -> dict:
         """The sample starting at frame ``t``. Its training randomness (flow-matching noise and time,
-        and the mode under data.mode=joint) is a pure function of (seed, epoch, sample, repeat)."""
+        the mode under data.mode=joint, and with ``train`` the image augmentation, data.augment) is a
+        pure function of (seed, epoch, sample, repeat). Only the training readers pass ``train``."""
         cfg, horizon = self.cfg, self.sample_spec.action_horizon
         length = len(episode.state)
         chunk = np.arange(t, t + horizon)
@@ -430,4 +433,7 @@ class LeRobotSource:
             out["mode"] = torch.tensor(SAMPLE_MODES.index(mode))
             out["future_states"] = torch.from_numpy(episode.state[np.minimum(future, length - 1)])
             out["future_mask"] = torch.from_numpy(future < length)
+        if train and self.augmenter is not None:
+            # Drawn last: the policy's draws and the mode are the same with augmentation on or off.
+            out["images"] = self.augmenter(out["images"], out["image_mask"], g)
         return out
