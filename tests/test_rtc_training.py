@@ -50,11 +50,13 @@ def pi0(name: str, rtc: RTCTrainingConfig | None = None):
 
 
 def keypoints(rtc: RTCTrainingConfig | None = None):
+    """The keypoint flow policy with a velocity head (its loss is flow matching's on the velocity, as the
+    others'; its default x-prediction head: tests/test_sim.py)."""
     from slurmvla.sim.policies import KeypointFlowPolicy
 
     torch.manual_seed(0)
     cfg = FlowVLAConfig(rtc_training=rtc or RTCTrainingConfig(), num_cameras=3, image_size=32)
-    return cfg, KeypointFlowPolicy(cfg, None)
+    return cfg, KeypointFlowPolicy(cfg, None, prediction="velocity")
 
 
 POLICIES = {"flow_vla": flow_vla, "pi0_tiny": lambda rtc=None: pi0("pi0_tiny", rtc),
@@ -205,3 +207,18 @@ def test_the_server_says_how_it_answers_rtc(tmp_path):
     meta = PolicyRunner(Loaded(build_policy(cfg.policy).eval(), cfg, 0, "test")).metadata()
     assert meta["execution_modes"] == ["sync", "async", "rtc"]
     assert meta["rtc"] == {"method": "prefix", "trained_delays": [0, 3]}
+
+
+def test_the_keypoint_flows_default_sample_head_trains_and_serves_a_clean_prefix():
+    """x-prediction (the keypoint flow policy's default head): the prefix's velocity is never used (time 0), the
+    loss is finite, and a served chunk starts with the previous chunk's actions, the rest finite."""
+    from slurmvla.sim.policies import KeypointFlowPolicy
+
+    torch.manual_seed(0)
+    cfg = FlowVLAConfig(rtc_training=DELAYS, num_cameras=3, image_size=32)
+    policy = KeypointFlowPolicy(cfg, None)
+    batch = training_batch("keypoints_flow", cfg)
+    assert torch.isfinite(policy(batch)["loss"])
+    prev = torch.randn(3, cfg.action_horizon, cfg.action_dim)
+    served = policy.eval().sample_actions(batch, rtc=Guidance(prev, torch.full((3,), 3), torch.full((3,), 6)))
+    assert torch.equal(served[:, :3], prev[:, :3]) and torch.isfinite(served).all()

@@ -440,24 +440,31 @@ def test_the_keypoint_flow_policy_passes_the_plug_in_checks(demos):
 
 
 def test_the_keypoint_flow_loss_is_flow_matching_on_the_normalized_chunk(demos):
-    """Reference: x_t and the target velocity computed here by hand, in normalized units, the masked
-    squared error averaged over every chunk element."""
+    """Reference: x_t computed here by hand, in normalized units; the head's clean chunk (x-prediction, the
+    default) trained by its masked squared error averaged over every chunk element, its velocity (x_t -
+    sample) / t; with prediction=velocity the head's output is the velocity, trained against noise - actions."""
     import torch
 
     policy, batch = _flow_policy(demos)
     noise, t = torch.randn(3, 8, 8), torch.tensor([0.9, 0.3, 0.05])
     actions = (batch["actions"] - torch.arange(8.0)) / 3.0
     x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
-    pred = policy.velocity(policy.features(batch), x_t, t)
+    features = policy.features(batch)
+    sample = policy.head(x_t, t, features)
     mask = batch["action_mask"][:, :, None].float()
-    expected = ((pred - (noise - actions)).square() * mask).sum() / pred.numel()
     out = policy(batch, noise=noise, t=t)
-    torch.testing.assert_close(out["loss"], expected)
+    torch.testing.assert_close(out["loss"], ((sample - actions).square() * mask).sum() / sample.numel())
+    torch.testing.assert_close(policy.velocity(features, x_t, t), (x_t - sample) / t[:, None, None])
     assert out["components"]["mse"][1].tolist() == [64.0, 40.0, 64.0]
     # Without arguments the noise and time come from the batch (drawn per sample by the data pipeline).
     u = torch.rand(3)
     drawn = policy({**batch, "noise": noise, "time_u": u})["loss"]
     torch.testing.assert_close(drawn, policy(batch, noise=noise, t=u.pow(1 / 1.5) * 0.999 + 0.001)["loss"])
+    policy.prediction = "velocity"
+    pred = policy.velocity(features, x_t, t)
+    torch.testing.assert_close(pred, sample)
+    expected = ((pred - (noise - actions)).square() * mask).sum() / pred.numel()
+    torch.testing.assert_close(policy(batch, noise=noise, t=t)["loss"], expected)
 
 
 def test_one_flow_step_from_the_given_noise_is_noise_minus_the_velocity_at_t_1(demos):

@@ -218,13 +218,22 @@ class FlowHead(nn.Module):
         return self.out(h).view_as(x_t)
 
 
+# What KeypointFlowPolicy's head predicts (policy.kwargs.prediction).
+PREDICTIONS = ("sample", "velocity")
+
+
 class KeypointFlowPolicy(KeypointEncoding):
     """The keypoint encoder feeding a flow-matching action head, as visuomotor flow / diffusion policies
-    localise: trained with slurmvla's flow matching (slurmvla/policy/flow.py: ``x_t = t * noise + (1 - t) *
-    actions``, the head predicts ``u = noise - actions`` on the normalized chunk, pi0's Beta time), sampled
-    by integrating ``policy.num_inference_steps`` Euler steps from noise (t = 1) to actions (t = 0).
-    ``velocity(features, x_t, t)`` is the one function of ``(x_t, t)`` each step calls, given the
-    observation's ``features`` computed once per call.
+    localise: slurmvla's flow (slurmvla/policy/flow.py: ``x_t = t * noise + (1 - t) * actions`` on the
+    normalized chunk, pi0's Beta time), sampled by integrating ``policy.num_inference_steps`` Euler steps of
+    the velocity ``u = noise - actions`` from noise (t = 1) to actions (t = 0). ``velocity(features, x_t, t)``
+    is the one function of ``(x_t, t)`` each step calls, given the observation's ``features`` computed once.
+
+    ``prediction``: what the head outputs. ``sample`` (the default): the clean chunk, trained by its squared
+    error, the velocity being ``(x_t - sample) / t`` (x-prediction: at t = 1 the head learns the mean chunk of
+    the observation, as the keypoint MSE policy does, so the encoder gets the regression's strong signal and
+    localises the cube in CPU minutes; trained as long, the ``velocity`` head did not). ``velocity``: the
+    velocity itself, trained by flow matching's squared error, as pi0 does.
 
         python -m slurmvla.train experiment=sim_pick policy=keypoints_flow
     """
@@ -233,8 +242,11 @@ class KeypointFlowPolicy(KeypointEncoding):
     supports_rtc_training = True  # policy.rtc_training: the head reads a time per action
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, keypoints: int = 16,  # noqa: ANN001
-                 hidden: int = 256, blocks: int = 3):
+                 hidden: int = 256, blocks: int = 3, prediction: str = "sample"):
         super().__init__(cfg, stats, keypoints)
+        if prediction not in PREDICTIONS:
+            raise ValueError(f"policy.kwargs.prediction={prediction!r} is not valid; choose one of {list(PREDICTIONS)}")
+        self.prediction = prediction
         self.num_inference_steps = cfg.num_inference_steps
         self.rtc_training = cfg.rtc_training
         self.cfg = cfg
@@ -253,7 +265,12 @@ class KeypointFlowPolicy(KeypointEncoding):
     def velocity(self, features: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The predicted ``u = noise - actions`` ``[B, H, D]`` at the normalized noisy chunk ``x_t`` and
         time ``t`` ``[B]`` (or ``[B, H]``, a time per action, when trained with ``policy.rtc_training``)."""
-        return self.head(x_t, t, features)
+        out = self.head(x_t, t, features)
+        if self.prediction == "velocity":
+            return out
+        # From the predicted clean chunk. A clean prefix (time 0) has no velocity: it is given, never integrated.
+        t = (t[:, None, None] if t.dim() == 1 else t[..., None]).clamp_min(1e-3)
+        return (x_t - out) / t
 
     def forward(self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None) -> dict:
         actions = (batch["actions"].float() - self.action_offset) / self.action_scale
@@ -263,8 +280,10 @@ class KeypointFlowPolicy(KeypointEncoding):
             x_t, t, mask = delayed_chunk(batch, actions, noise, t, self.rtc_training, mask)
         else:
             x_t = noisy_actions(actions, noise, t)
-        pred = self.velocity(self.features(batch), x_t, t)
-        return flow_matching_loss(pred, noise, actions, mask)
+        out = self.head(x_t, t, self.features(batch))
+        # x-prediction's loss is the clean chunk's squared error: flow_matching_loss of noise - sample against
+        # noise - actions is exactly that, with its masking and normalization.
+        return flow_matching_loss(out if self.prediction == "velocity" else noise - out, noise, actions, mask)
 
     @torch.no_grad()
     def sample_actions(self, batch: dict, noise: torch.Tensor | None = None, num_steps: int | None = None,
