@@ -32,8 +32,9 @@ class Pi0Config(TransformerPolicyConfig):
     expert_mlp_dim: int = 96
     vision_mlp_dim: int = 128
     vocab_size: int = 512
-    # A local Hugging Face PaliGemma directory, or a pi0 / pi0.5 checkpoint saved by LeRobot (its
-    # model.safetensors): the weights the policy starts from. Never downloaded.
+    # A local Hugging Face PaliGemma directory, a pi0 / pi0.5 checkpoint saved by LeRobot (its
+    # model.safetensors), or openpi's own checkpoint directory (params/ + assets/; the openpi extra reads it):
+    # the weights the policy starts from. Never downloaded.
     pretrained_path: str | None = None
     # Where the tokenizer files are (default: pretrained_path when it holds them); without either, the
     # byte tokenizer (random-weight runs only).
@@ -46,6 +47,9 @@ class Pi0Config(TransformerPolicyConfig):
     # Where normalization statistics come from: "data" (the configured datasets) or "checkpoint" (the
     # pretrained_path directory's: LeRobot's saved normalizer, or openpi's norm_stats.json).
     stats_source: str = "data"
+    # An openpi checkpoint directory with several assets/<asset_id>/norm_stats.json: the one stats_source=checkpoint
+    # reads (openpi's data config's asset_id, e.g. droid).
+    openpi_asset_id: str | None = None
     # Loading pretrained weights that leave some of the policy's tensors unset (they keep their random
     # initialisation, named in the log) is an error unless this is true.
     allow_partial_load: bool = False

@@ -1,6 +1,6 @@
 """Pretrained weights and tokenizers for pi0 / pi0.5, from local files only.
 
-Two layouts load, through one explicit name table each (:data:`PALIGEMMA_NAMES`,
+Three layouts load, through one explicit name table each (:data:`PALIGEMMA_NAMES`,
 :data:`LEROBOT_NAMES`; regular expressions over the file's keys -> the policy's keys):
 
 - a Hugging Face PaliGemma directory (``config.json``, ``model.safetensors`` or its shards with
@@ -8,7 +8,10 @@ Two layouts load, through one explicit name table each (:data:`PALIGEMMA_NAMES`,
   starts from it; the action expert and action heads start fresh;
 - a pi0 / pi0.5 checkpoint saved by LeRobot (``model.safetensors`` whose keys start with
   ``model.paligemma_with_expert.``): every weight, strictly (its normalization statistics are
-  read by :mod:`slurmvla.policy.stats` when ``policy.stats_source=checkpoint``).
+  read by :mod:`slurmvla.policy.stats` when ``policy.stats_source=checkpoint``);
+- openpi's own checkpoint directory (``params/``, an orbax parameter tree, and ``assets/<id>/norm_stats.json``):
+  every weight, strictly, its tree mapped onto LeRobot's names first (:mod:`slurmvla.policy.openpi_ckpt`,
+  which needs the ``openpi`` extra) and then through :data:`LEROBOT_NAMES`.
 
 A key a table maps to ``None`` is known and deliberately unused (PaliGemma's LM head and final
 norm, SigLIP's pooling head, the last layer's prefix-output weights). Anything else that does not
@@ -28,6 +31,7 @@ import torch
 from torch import nn
 
 from slurmvla.config import PolicyConfig
+from slurmvla.policy import openpi_ckpt
 from slurmvla.policy.tokenizer import VOCAB_SIZE, ByteTokenizer
 from slurmvla.weights import base_parameters, copy_full_into
 
@@ -89,8 +93,9 @@ def _safetensors_files(path: Path) -> list[Path]:
     if single.exists():
         return [single]
     raise ValueError(f"policy.pretrained_path={str(path)!r} holds no model.safetensors (or "
-                     "model.safetensors.index.json with its shards): give a Hugging Face PaliGemma directory or a "
-                     "LeRobot pi0 / pi0.5 checkpoint directory")
+                     "model.safetensors.index.json with its shards) and no openpi params/: give a Hugging Face "
+                     "PaliGemma directory, a LeRobot pi0 / pi0.5 checkpoint directory or an openpi checkpoint "
+                     "directory")
 
 
 def check_pretrained_path(path: str | Path) -> list[Path]:
@@ -99,15 +104,50 @@ def check_pretrained_path(path: str | Path) -> list[Path]:
     root = Path(path).expanduser()
     if not root.exists():
         raise ValueError(f"policy.pretrained_path={str(path)!r} does not exist")
+    if openpi_ckpt.is_openpi_checkpoint(root):
+        openpi_ckpt.require_orbax(path)
+        return [root / "params"]
     return _safetensors_files(root)
 
 
+def _renamed(keys, table, path: str | Path, layout: str, label=str) -> dict[str, str]:
+    """``{policy key: file key}`` for ``keys`` through ``table``; a key that fits no entry fails naming it
+    (``label`` says where it is)."""
+    renamed, unknown = {}, []
+    for key in keys:
+        known, target = _rename(key, table)
+        if not known:
+            unknown.append(label(key))
+        elif target is not None:
+            renamed[target] = key
+    if unknown:
+        raise ValueError(f"policy.pretrained_path={str(path)!r}: {len(unknown)} key(s) fit no entry of the {layout} "
+                         f"name table (slurmvla/policy/pretrained.py), first: {unknown[:5]}")
+    for target in [t for t in renamed if t.startswith("tied:")]:
+        source = renamed.pop(target)
+        renamed.setdefault(target[len("tied:"):], source)
+    return renamed
+
+
+def read_openpi(path: str | Path) -> dict[str, torch.Tensor]:
+    """An openpi checkpoint directory's weights under LeRobot's names (``model.`` prefixed, as LeRobot saves
+    them)."""
+    root = Path(path).expanduser()
+    flat = openpi_ckpt.read_tree(root)
+    mapped = openpi_ckpt.lerobot_tensors(flat, str(root / "params"))
+    return {f"model.{k}": torch.from_numpy(v) for k, v in mapped.items()}
+
+
 def read_pretrained(path: str | Path) -> tuple[str, dict[str, torch.Tensor], list[Path]]:
-    """``(layout, tensors under the policy's names, files read)``; layout is ``"paligemma"`` or
-    ``"lerobot"``."""
+    """``(layout, tensors under the policy's names, files read)``; layout is ``"paligemma"``, ``"lerobot"``
+    or ``"openpi"``."""
     from safetensors import safe_open
 
     files = check_pretrained_path(path)
+    if openpi_ckpt.is_openpi_checkpoint(Path(path).expanduser()):
+        lerobot = read_openpi(path)
+        renamed = _renamed(lerobot, LEROBOT_NAMES, path, "openpi (mapped onto LeRobot's names)")
+        return "openpi", {target: lerobot[key] for target, key in renamed.items()}, files
     keys: dict[str, Path] = {}
     for f in files:
         try:
@@ -117,23 +157,11 @@ def read_pretrained(path: str | Path) -> tuple[str, dict[str, torch.Tensor], lis
             raise ValueError(f"policy.pretrained_path: cannot read {f} as safetensors ({e})") from None
     layout = "lerobot" if any("paligemma_with_expert." in k for k in keys) else "paligemma"
     table = LEROBOT_NAMES if layout == "lerobot" else PALIGEMMA_NAMES
-    renamed, unknown = {}, []
-    for key, f in keys.items():
-        known, target = _rename(key, table)
-        if not known:
-            unknown.append(f"{key} ({f.name})")
-        elif target is not None:
-            renamed[target] = (key, f)
-    if unknown:
-        raise ValueError(f"policy.pretrained_path={str(path)!r}: {len(unknown)} key(s) fit no entry of the {layout} "
-                         f"name table (slurmvla/policy/pretrained.py), first: {unknown[:5]}")
-    for target in [t for t in renamed if t.startswith("tied:")]:
-        source = renamed.pop(target)
-        renamed.setdefault(target[len("tied:"):], source)
+    renamed = _renamed(keys, table, path, layout, label=lambda k: f"{k} ({keys[k].name})")
     tensors: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[tuple[str, str]]] = {}
-    for target, (key, f) in renamed.items():
-        by_file.setdefault(f, []).append((target, key))
+    for target, key in renamed.items():
+        by_file.setdefault(keys[key], []).append((target, key))
     for f, pairs in by_file.items():
         with safe_open(str(f), "pt") as handle:
             for target, key in pairs:
@@ -162,10 +190,10 @@ def load_pretrained(policy: nn.Module, path: str | Path) -> str:
     def backbone(k: str) -> bool:
         return k.startswith(("vision.", "projector.", "embed_tokens.")) or ".backbone." in k
 
-    required = [k for k in own if layout == "lerobot" or backbone(k)]
+    required = [k for k in own if layout in ("lerobot", "openpi") or backbone(k)]
     missing = [k for k in required if k not in tensors]
     if missing and not policy.cfg.allow_partial_load:
-        hint = (" (policy.state_input=continuous has a state projection that LeRobot's pi0.5 does not)"
+        hint = (" (policy.state_input=continuous has a state projection that the published pi0.5 does not)"
                 if any(k.startswith("state_proj.") for k in missing) else "")
         raise ValueError(f"{where}: {len(missing)} tensor(s) policy={policy.cfg.name} needs are missing from the "
                          f"{layout} checkpoint{hint}, first: {missing[:5]}; policy.allow_partial_load=true keeps "
@@ -209,8 +237,8 @@ def lerobot_state_dict(policy: nn.Module, pretrained_path: str | Path | None = N
     ``PI05Policy`` state dict has, so LeRobot loads the file with ``strict=True``.
 
     Tensors LeRobot's model holds but that compute nothing its actions read (PaliGemma's LM head and
-    final norm, the last layer's prefix outputs, the expert's LM head) are taken from the LeRobot
-    checkpoint the policy started from when ``pretrained_path`` is one (an exact round trip), else
+    final norm, the last layer's prefix outputs, the expert's LM head) are taken from the LeRobot or
+    openpi checkpoint the policy started from when ``pretrained_path`` is one (an exact round trip), else
     written as LeRobot's model would tie or start them: the LM head equal to the token embeddings,
     the others zero."""
     cfg = policy.cfg
@@ -240,11 +268,17 @@ def lerobot_state_dict(policy: nn.Module, pretrained_path: str | Path | None = N
 
 
 def _lerobot_originals(path: str | Path | None, keys: set[str]) -> dict[str, torch.Tensor]:
-    """Those of ``keys`` a LeRobot checkpoint at ``path`` holds (nothing for another layout or no path)."""
+    """Those of ``keys`` a LeRobot checkpoint at ``path`` holds, or an openpi one maps to (nothing for another
+    layout, no path, or an openpi checkpoint where orbax is not installed)."""
     if not path:
         return {}
     from safetensors import safe_open
 
+    if openpi_ckpt.is_openpi_checkpoint(Path(path).expanduser()):
+        try:
+            return {k: v for k, v in read_openpi(path).items() if k in keys}
+        except ValueError:  # orbax is not installed here: the tensors are written as LeRobot's model starts them
+            return {}
     try:
         files = _safetensors_files(Path(path).expanduser())
     except ValueError:
@@ -275,8 +309,8 @@ def tokenizer_dir(cfg: PolicyConfig) -> Path | None:
     if cfg.pretrained_path:
         path = Path(cfg.pretrained_path).expanduser()
         if not path.exists():
-            _must_be_dir("policy.pretrained_path", cfg.pretrained_path, "a Hugging Face PaliGemma directory or a "
-                         "LeRobot pi0 / pi0.5 checkpoint directory")
+            _must_be_dir("policy.pretrained_path", cfg.pretrained_path, "a Hugging Face PaliGemma directory, a "
+                         "LeRobot pi0 / pi0.5 checkpoint directory or an openpi checkpoint directory")
         if path.is_dir() and any((path / f).exists() for f in TOKENIZER_FILES):
             return path
         where = f"none of {list(TOKENIZER_FILES)} is in it (it has: {_listing(path)})" if path.is_dir() else \

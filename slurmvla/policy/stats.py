@@ -23,9 +23,10 @@ def normalization_modes(cfg) -> tuple[tuple[str, str], tuple[str, str]]:
                  for k in ("state_normalization", "action_normalization"))
 
 
-def checkpoint_stats(path: str | Path) -> tuple[dict[str, dict[str, np.ndarray]], Path]:
+def checkpoint_stats(path: str | Path, asset_id: str | None = None) -> tuple[dict[str, dict[str, np.ndarray]], Path]:
     """``({"state": {...}, "action": {...}}, file)`` from a LeRobot checkpoint directory or an openpi
-    one (``norm_stats.json`` there or under ``assets/*/``)."""
+    one (``norm_stats.json`` there or under ``assets/<asset_id>/``: ``asset_id`` picks one where there are
+    several)."""
     root = Path(path).expanduser()
     root = root.parent if root.is_file() else root
     lerobot = sorted(root.glob("policy_preprocessor*normalizer_processor.safetensors"))
@@ -41,11 +42,18 @@ def checkpoint_stats(path: str | Path) -> tuple[dict[str, dict[str, np.ndarray]]
             elif feature == "action":
                 out["action"][stat] = value
         return out, lerobot[0]
-    candidates = [root / "norm_stats.json", *sorted(root.glob("assets/*/norm_stats.json"))]
+    assets = sorted(root.glob("assets/*/norm_stats.json"))
+    ids = [f.parent.name for f in assets]
+    if asset_id is not None:
+        if asset_id not in ids:
+            raise ValueError(f"policy.openpi_asset_id={asset_id!r}: {root / 'assets'} holds no {asset_id}/norm_stats.json; "
+                             f"its asset ids: {ids or 'none'}")
+        assets = [root / "assets" / asset_id / "norm_stats.json"]
+    candidates = [root / "norm_stats.json", *assets] if asset_id is None else assets
     found = [c for c in candidates if c.exists()]
     if len(found) > 1 and found[0] != root / "norm_stats.json":
-        raise ValueError(f"policy.stats_source=checkpoint: {root} holds several openpi norm_stats.json "
-                         f"({[str(f) for f in found]}); point policy.pretrained_path at the one directory")
+        raise ValueError(f"policy.stats_source=checkpoint: {root} holds several openpi norm_stats.json (assets "
+                         f"{ids}); pick one with policy.openpi_asset_id (one of {ids})")
     if not found:
         raise ValueError(f"policy.stats_source=checkpoint: {root} holds no normalization statistics (LeRobot's "
                          "policy_preprocessor_step_*_normalizer_processor.safetensors or openpi's norm_stats.json); "
@@ -63,7 +71,7 @@ def checkpoint_stats(path: str | Path) -> tuple[dict[str, dict[str, np.ndarray]]
 def checkpoint_normalization(cfg, state_dim: int, action_dim: int) -> tuple[dict[str, torch.Tensor], Path]:
     """The offset / scale buffers from the statistics saved beside ``policy.pretrained_path``, and their file."""
     (state_mode, state_knob), (action_mode, action_knob) = normalization_modes(cfg)
-    raw, where = checkpoint_stats(cfg.policy.pretrained_path)
+    raw, where = checkpoint_stats(cfg.policy.pretrained_path, getattr(cfg.policy, "openpi_asset_id", None))
     return {**offset_scale(raw["state"], state_mode, state_dim, "state", str(where), state_knob),
             **offset_scale(raw["action"], action_mode, action_dim, "action", str(where), action_knob)}, where
 
