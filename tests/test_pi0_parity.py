@@ -374,6 +374,6 @@ def test_a_lerobot_checkpoint_directory_without_its_tokenizer_or_at_an_unknown_s
     for args, expected in (([f"policy={NAMES[kind]}"], "holds no tokenizer"),
                            ([], "are not the published sizes")):
         with pytest.raises(SystemExit) as stop:
-            serve_main([str(folder), "--port", "0", *args])
+            serve_main([str(folder), "--host", "127.0.0.1", "--port", "0", *args])
         err = capsys.readouterr().err
         assert stop.value.code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
