@@ -12,4 +12,4 @@ PY=${PYTHON:-python3}
 RUN_DIR=${RUN_DIR:-outputs/demo/$(date +%Y-%m-%d_%H-%M-%S)}
 "$PY" -m slurmvla.train experiment=demo "hydra.run.dir=$RUN_DIR" "$@"
 "$PY" -m slurmvla.evaluate "$RUN_DIR"
-echo "serve it to openpi's client: python -m slurmvla.serve $RUN_DIR   (pip install -e '.[serve]')"
+echo "serve it to openpi's client: python -m slurmvla.serve $RUN_DIR --host 127.0.0.1   (pip install -e '.[serve]'; beyond this machine: SLURMVLA_API_KEY, docs/serving.md)"
