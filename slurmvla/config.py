@@ -39,6 +39,9 @@ DEVICES = ("auto", "cpu", "cuda")
 
 # What a checkpointed layer keeps besides its inputs (slurmvla/policy/recompute.py).
 CHECKPOINT_SAVES = ("inputs", "matmuls")
+# policy.gradient_checkpointing: on, off, or auto: the least recomputation the planner predicts fits the GPU,
+# chosen at start-up (slurmvla/planner/recompute_choice.py) and saved as the concrete setting.
+GRADIENT_CHECKPOINTING = (True, False, "auto")
 
 
 def check_choice(name: str, value: Any, choices: tuple) -> None:
@@ -187,7 +190,8 @@ class PolicyConfig:
     # A conditioning token and a mode embedding for data.mode=joint / forward_dynamics / inverse_dynamics.
     dynamics: bool = False
     num_inference_steps: int = 10
-    gradient_checkpointing: bool = False
+    # true, false, or auto (see GRADIENT_CHECKPOINTING): a bool once training starts.
+    gradient_checkpointing: Any = False
     # With gradient_checkpointing: checkpoint layers 0, k, 2k, ... of each stack (the rest keep their
     # activations), and what a checkpointed layer keeps: inputs (all recomputed) or matmuls (the outputs
     # of its matrix products and attention too; slurmvla/policy/recompute.py).
@@ -204,6 +208,9 @@ class PolicyConfig:
     rtc_training: RTCTrainingConfig = field(default_factory=RTCTrainingConfig)
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing == "auto"):
+            raise ValueError(f"policy.gradient_checkpointing={self.gradient_checkpointing!r} is not valid; choose one of "
+                             "[true, false, auto]")
         check_choice("policy.checkpoint_saves", self.checkpoint_saves, CHECKPOINT_SAVES)
         check_positive("policy.checkpoint_every", self.checkpoint_every)
         entry = POLICIES.get(self.name)
@@ -740,7 +747,7 @@ class Config:
 
     def __post_init__(self) -> None:
         check_choice("precision", self.precision, PRECISIONS)
-        if self.policy.gradient_checkpointing and not ENGINES.get(self.engine.name).activation_checkpointing:
+        if self.policy.gradient_checkpointing is True and not ENGINES.get(self.engine.name).activation_checkpointing:
             raise ValueError(
                 f"policy.gradient_checkpointing=true is refused with engine={self.engine.name!r}: torch activation "
                 "checkpointing under ZeRO-3 re-gathers partitioned parameters in the recomputation and is known to "

@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from slurmvla.compose import ArgumentParser, compose, group_options, program
+from slurmvla.config import Config
 from slurmvla.planner import PlanError
 from slurmvla.planner.fit import compare_engines, plan_engine, planner_for
 from slurmvla.planner.gpus import DEFAULT_MARGIN, GPU, GPUS
+from slurmvla.planner.recompute_choice import AUTO, choose
 from slurmvla.planner.report import format_comparison, format_plan
 from slurmvla.planner.step_time import DEFAULT_UTILIZATION
 
@@ -35,9 +37,20 @@ def run(overrides: list[str], gpu: GPU, nodes: int, gpus_per_node: int, compare:
     """The plan of the configuration the overrides compose, or (``compare``) of every engine that can run on
     this many GPUs; and the configured engine's name."""
     cfg = compose(overrides)
-    planner = planner_for(cfg)
+
+    def plan(c: Config) -> dict[str, Any]:
+        # policy.gradient_checkpointing=auto: the setting training would choose on this GPU, planned, and why.
+        choice = None
+        if getattr(c.policy, "gradient_checkpointing", None) == AUTO:
+            choice = choose(c, gpu, nodes, gpus_per_node, margin)
+            c = choice.setting.apply(c)
+        r = plan_engine(planner_for(c), c, gpu, nodes, gpus_per_node, margin, utilization)
+        if choice is not None:
+            r["auto_recompute"] = choice.line()
+        return r
+
     if not compare:
-        return [plan_engine(planner, cfg, gpu, nodes, gpus_per_node, margin, utilization)], cfg.engine.name
+        return [plan(cfg)], cfg.engine.name
     rows = []
     # An engine's file in conf/engine/ where it has one (an engine without is its schema's defaults); the
     # name last, over an engine.name among the overrides.
@@ -45,7 +58,7 @@ def run(overrides: list[str], gpu: GPU, nodes: int, gpus_per_node: int, compare:
     for name in compare_engines(nodes * gpus_per_node):
         try:
             variant = compose([*overrides, *([f"engine={name}"] if name in files else []), f"engine.name={name}"])
-            rows.append(plan_engine(planner, variant, gpu, nodes, gpus_per_node, margin, utilization))
+            rows.append(plan(variant))
         except ValueError as e:  # e.g. zero3 refuses gradient checkpointing; hsdp degrees that do not multiply
             rows.append({"engine": name, "refused": f"refused: {str(e).splitlines()[0]}"})
     return rows, cfg.engine.name

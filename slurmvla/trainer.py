@@ -44,6 +44,7 @@ from slurmvla.launch.runlock import RunDirInUse, RunLock
 from slurmvla.launch.runtime import apply_process_defaults, write_snapshot
 from slurmvla.logger import MetricLogger
 from slurmvla.optim import build_scheduler
+from slurmvla.planner.recompute_choice import resolve as resolve_recompute
 from slurmvla.policy import build_policy, policy_class
 from slurmvla.policy.graphed import compile_units
 from slurmvla.policy.stats import resolve_stats
@@ -178,7 +179,8 @@ class Trainer:
         self._batches = None
 
     def _build_model(self) -> None:
-        cfg = self.cfg
+        # policy.gradient_checkpointing=auto becomes a concrete setting here, the one the run saves.
+        cfg = self.cfg = resolve_recompute(self.cfg, self.device, self.env)
         # The same seed on every rank: every rank builds identical initial weights.
         seed_everything(cfg.trainer.seed)
         stats = resolve_stats(cfg, self.mixture, announce=self.env.is_main)

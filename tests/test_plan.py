@@ -168,7 +168,7 @@ def test_a_policy_fake_tensors_cannot_run_gets_the_analytic_estimate(monkeypatch
     def cannot(*args, **kwargs):
         raise RuntimeError("no fake kernel for this op")
 
-    monkeypatch.setattr(fit, "_LAST", [])  # no planner of an earlier test, with its measurements
+    monkeypatch.setattr(fit, "_LAST", {})  # no planner of an earlier test, with its measurements
     monkeypatch.setattr(FakeStep, "run", cannot)
     plan.main(["policy=small", "--gpu", "h100-80gb"])
     out = capsys.readouterr().out

@@ -71,9 +71,10 @@ class Planner:
         return self._flops
 
     def activations(self, cfg: Config, micro: int, compute: tuple[torch.dtype, torch.dtype],
-                    cast_inputs: bool = False) -> Activations:
+                    cast_inputs: bool = False, count_flops: bool = True) -> Activations:
         """Measured at two micro-batches: 1 and 2, or 2 and the configured one when it is larger (a fixed
-        part, e.g. a large embedding's gradient, dominates the smallest sizes); a straight line through them."""
+        part, e.g. a large embedding's gradient, dominates the smallest sizes); a straight line through them.
+        ``count_flops`` False: memory only (no FLOP-counting passes)."""
         t0 = time.perf_counter()
         if self.tensors.frozen == 0:  # nothing frozen: one arrangement serves every engine
             compute = (compute[0], compute[0])
@@ -88,7 +89,7 @@ class Planner:
             (b1, m1), (b2, m2) = sorted(points.items())
             per_sample = (m2 - m1) / (b2 - b1)
             fixed = m1 - per_sample * b1
-            model, issued = self.flops(cfg, compute) or (None, None)
+            model, issued = (self.flops(cfg, compute) if count_flops else None) or (None, None)
             return Activations(fixed, per_sample, points, "measured (fake tensors)", model, issued,
                                time.perf_counter() - t0, compute)
         per = analytic_activations(cfg, 1)
@@ -97,24 +98,30 @@ class Planner:
         return Activations(0.0, float(per), {}, f"analytic ESTIMATE (fake tensors failed: {self._fake_error})")
 
 
-_LAST: list[tuple[str, Planner]] = []
+# The planners of the last few policies planned, newest last: the engines of ``--compare``, or the recomputation
+# settings that policy.gradient_checkpointing=auto weighs (slurmvla.planner.recompute_choice) on each of them.
+_LAST: dict[str, Planner] = {}
+_KEEP = 8
 
 
 def planner_for(cfg: Config) -> Planner:
-    """The planner of this configuration's policy, reused when the previous call planned the same one (the
-    engines of ``--compare``, or several plans in one process)."""
+    """The planner of this configuration's policy, reused when a recent call planned the same one (the
+    engines of ``--compare``, the settings ``auto`` weighs, or several plans in one process)."""
     from omegaconf import OmegaConf
 
     key = f"{OmegaConf.to_yaml(OmegaConf.structured(cfg.policy))}|{cfg.data.mode}|{cfg.optim}"
-    if not (_LAST and _LAST[0][0] == key):
-        _LAST[:] = [(key, Planner(cfg))]
-    return _LAST[0][1]
+    planner = _LAST.pop(key, None) or Planner(cfg)
+    _LAST[key] = planner
+    while len(_LAST) > _KEEP:
+        _LAST.pop(next(iter(_LAST)))
+    return planner
 
 
 def plan_engine(planner: Planner, cfg: Config, gpu: GPU, nodes: int, gpus_per_node: int,
-                margin: float = DEFAULT_MARGIN, utilization: float = DEFAULT_UTILIZATION) -> dict[str, Any]:
+                margin: float = DEFAULT_MARGIN, utilization: float = DEFAULT_UTILIZATION,
+                estimate_time: bool = True) -> dict[str, Any]:
     """Every figure of one configuration on ``nodes x gpus_per_node`` GPUs (a PlanError when the
-    configuration cannot run there)."""
+    configuration cannot run there). ``estimate_time`` False: the memory figures only."""
     world = nodes * gpus_per_node
     entry = ENGINES.get(cfg.engine.name)
     if not entry.multi_process and world > 1:
@@ -124,7 +131,7 @@ def plan_engine(planner: Planner, cfg: Config, gpu: GPU, nodes: int, gpus_per_no
     accum = cfg.trainer.grad_accum_steps
     t = planner.tensors
     states = model_states(cfg, t, world, gpus_per_node)
-    acts = planner.activations(cfg, micro, states.compute, states.cast_inputs)
+    acts = planner.activations(cfg, micro, states.compute, states.cast_inputs, count_flops=estimate_time)
     budget = int((gpu.memory_bytes - RESERVED_BYTES) * (1 - margin))
 
     def peak_at(b: int) -> tuple[int, str]:
@@ -158,6 +165,8 @@ def plan_engine(planner: Planner, cfg: Config, gpu: GPU, nodes: int, gpus_per_no
         "world_size": world, "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu": gpu.name,
         "global_batch_size": global_batch, "micro_batch_size": micro, "grad_accum_steps": accum,
         "gradient_checkpointing": bool(getattr(cfg.policy, "gradient_checkpointing", False)),
+        "checkpoint_saves": getattr(cfg.policy, "checkpoint_saves", None),
+        "checkpoint_every": getattr(cfg.policy, "checkpoint_every", None),
         "lora": cfg.policy.lora.enabled,
         "parameters": {"total": t.trainable + t.frozen, "trainable": t.trainable, "frozen": t.frozen,
                        "trainable_tensors": t.trainable_tensors, "adapters": t.adapters,
@@ -176,7 +185,7 @@ def plan_engine(planner: Planner, cfg: Config, gpu: GPU, nodes: int, gpus_per_no
         "budget_bytes": budget, "fits": fits, "largest_micro_batch": largest, "to_fit": suggestion,
         "notes": list(states.notes),
     }
-    if acts.model_flops_per_sample:
+    if estimate_time and acts.model_flops_per_sample:
         result["time_estimate"] = time_estimate(acts.model_flops_per_sample, acts.issued_flops_per_sample, gpu,
                                                 cfg.precision, global_batch, world, utilization)
     return result

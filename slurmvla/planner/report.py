@@ -19,6 +19,14 @@ def _flops(n: float) -> str:
     return f"{n / 1e12:.2f} TFLOP" if n >= 1e11 else f"{n / 1e9:.3f} GFLOP"
 
 
+def _recompute(r: dict[str, Any]) -> str:
+    if not r["gradient_checkpointing"]:
+        return "off"
+    if r.get("checkpoint_saves") in (None, "inputs") and r.get("checkpoint_every") in (None, 1):
+        return "on"
+    return f"on (saves {r['checkpoint_saves']}, every {r['checkpoint_every']})"
+
+
 def format_plan(r: dict[str, Any]) -> str:
     p, a = r["parameters"], r["activations"]
     name, div = _unit(max(r["peak_bytes"], r["budget_bytes"] if r["peak_bytes"] >= GiB / 4 else 0))
@@ -29,7 +37,7 @@ def format_plan(r: dict[str, Any]) -> str:
     lines: list[str | tuple[str, float]] = [
         f"policy={r['policy']} ({_count(p['total'])} parameters: {_count(p['trainable'])} trainable, "
         f"{_count(p['frozen'])} frozen{', LoRA adapters' if p['adapters'] else ''}), precision={r['precision']}, "
-        f"engine={r['engine']}, gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}",
+        f"engine={r['engine']}, gradient checkpointing {_recompute(r)}",
         f"{r['world_size']} x {r['gpu']} ({r['nodes']} node(s) x {r['gpus_per_node']} GPU(s)); global batch "
         f"{r['global_batch_size']} = micro {r['micro_batch_size']} x accumulation {r['grad_accum_steps']} x "
         f"{r['world_size']} GPU(s)",
@@ -72,6 +80,8 @@ def format_plan(r: dict[str, Any]) -> str:
             f"step takes ~{est['step_s']:.3g} s, {est['samples_per_s']:.3g} samples/s, MFU {100 * est['mfu']:.0f}% "
             "(communication and data loading not modelled)")
     lines += [f"note: {n}" for n in r["notes"]]
+    if r.get("auto_recompute"):
+        lines.append(r["auto_recompute"])
     # The figures' column sits after the longest label: a label is never cut.
     width = max(64, *(len(x[0]) for x in lines if isinstance(x, tuple)))
 
@@ -107,5 +117,6 @@ def format_comparison(rows: list[dict[str, Any]]) -> str:
                  "parameters, buckets, fp32 gradient copies); activ.: measured at the configured micro-batch; accum: "
                  "the fewest grad_accum_steps that fit and keep the global batch; step s: an ESTIMATE at the assumed "
                  "utilization")
+    lines += [f"{r['engine']}: {r['auto_recompute']}" for r in ok if r.get("auto_recompute")]
     return "\n".join(lines)
 
