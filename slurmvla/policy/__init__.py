@@ -8,6 +8,7 @@ alone. The contract and the builders import torch when first used."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from slurmvla.config import PolicyConfig
@@ -43,6 +44,10 @@ def build_policy(cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None = None
     from slurmvla.policy.base import construct
     from slurmvla.weights import parameters_on_meta, supports_deferred_init
 
+    if getattr(cfg, "gradient_checkpointing", None) == "auto":
+        # Training makes auto concrete before it builds (slurmvla.planner.recompute_choice); a policy built
+        # anywhere else (checks, inference) has no GPU budget to fit and gets the policy's switch as a bool: off.
+        cfg = dataclasses.replace(cfg, gradient_checkpointing=False)
     cls = policy_class(cfg)
     with parameters_on_meta() if on_meta and supports_deferred_init(cls) else contextlib.nullcontext():
         policy = construct(cls, cfg, stats)

@@ -1,0 +1,130 @@
+"""policy.gradient_checkpointing=auto: the least recomputation the planner predicts fits, judged against the
+planner's own figures for each setting (computed here with plan_engine, not taken from the choice), a rule on
+made-up peaks, a CPU run, and the error for a value that is none of true / false / auto.
+
+The expected choices at pi0.5's published size (bf16, micro-batch 16) are what the planner predicts: on one H200
+and on 8 x 80 GB under FSDP every activation fits (no recomputation); under ZeRO-3 the engine refuses activation
+checkpointing; on one 80 GB H100 the choice is the cheapest setting whose peak is within the budget, the next
+cheaper one over it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import yaml
+
+from slurmvla.compose import compose
+from slurmvla.planner.fit import plan_engine, planner_for
+from slurmvla.planner.gpus import GPUS, GiB
+from slurmvla.planner.recompute_choice import FULL, NONE, Setting, choose, deepest_stack, matmuls
+from slurmvla.trainer import Trainer
+
+PI05 = ["policy=pi05", "precision=bf16"]
+
+
+def planned(cfg, setting: Setting, gpu: str, nodes: int = 1, gpus_per_node: int = 1) -> tuple[int, int]:
+    """The planner's (peak, budget) of ``setting``, asked directly."""
+    c = setting.apply(cfg)
+    r = plan_engine(planner_for(c), c, GPUS[gpu], nodes, gpus_per_node, estimate_time=False)
+    return r["peak_bytes"], r["budget_bytes"]
+
+
+def ladder(cfg) -> list[Setting]:
+    """Every setting in order of cost: none, matmuls at each checkpoint_every from the deepest stack's depth
+    down to 1, full."""
+    return [NONE, *(matmuls(k) for k in range(deepest_stack(cfg), 0, -1)), FULL]
+
+
+@pytest.mark.slow
+def test_one_h200_recomputes_nothing_at_the_published_size():
+    cfg = compose([*PI05, "trainer.global_batch_size=16"])
+    assert cfg.policy.gradient_checkpointing == "auto" and cfg.trainer.micro_batch_size(1) == 16
+    choice = choose(cfg, GPUS["h200-141gb"])
+    peak, budget = planned(cfg, NONE, "h200-141gb")
+    assert peak <= budget
+    assert choice.setting == NONE and choice.fits
+    assert "fits" in choice.line() and "h200-141gb" in choice.line() and "allocator margin" in choice.line()
+
+
+@pytest.mark.slow
+def test_eight_80gb_gpus_recompute_nothing_under_fsdp_and_zero3():
+    for engine in ("fsdp_full", "zero3"):
+        cfg = compose([*PI05, f"engine={engine}", "trainer.global_batch_size=128"])
+        assert cfg.trainer.micro_batch_size(8) == 16
+        choice = choose(cfg, GPUS["h100-80gb"], 1, 8)
+        assert choice.setting == NONE, (engine, choice.line())
+        if engine == "zero3":
+            assert "refuses activation checkpointing" in choice.reason and not choice.peaks
+        else:
+            peak, budget = planned(cfg, NONE, "h100-80gb", 1, 8)
+            assert peak <= budget and choice.peaks[NONE] == peak
+
+
+@pytest.mark.slow
+def test_one_h100_gets_the_cheapest_setting_that_fits():
+    cfg = compose([*PI05, "trainer.global_batch_size=16"])
+    choice = choose(cfg, GPUS["h100-80gb"])
+    settings = ladder(cfg)
+    i = settings.index(choice.setting)
+    peak, budget = planned(cfg, choice.setting, "h100-80gb")
+    assert peak <= budget, choice.line()
+    assert i > 0, "the planner predicts that pi0.5 keeping every activation at micro-batch 16 fits an 80 GB GPU"
+    cheaper_peak, _ = planned(cfg, settings[i - 1], "h100-80gb")
+    assert cheaper_peak > budget, (settings[i - 1], cheaper_peak / GiB, budget / GiB)
+    assert planned(cfg, NONE, "h100-80gb")[0] > budget
+    assert str(choice.setting) in choice.line() and f"{peak / GiB:.2f} GiB" in choice.line()
+
+
+@pytest.mark.parametrize("budget_gib", [1, 10, 19, 20, 25, 39, 40, 41, 55, 60, 100])
+def test_the_choice_is_the_first_setting_in_order_of_cost_that_fits(budget_gib):
+    """Made-up peaks, falling as more is recomputed (a hand rule: 10 GiB of model states; activations 50 GiB
+    kept whole, 30 GiB / k with matmuls kept, 10 GiB recomputed whole): the choice is the first of the ladder
+    under the budget, found by a plain scan here."""
+    cfg = compose(["policy=pi05_tiny", "policy.depth=6", "policy.vision_depth=9"])
+
+    def peak(c) -> tuple[int, int]:
+        p = c.policy
+        if not p.gradient_checkpointing:
+            acts = 50
+        elif p.checkpoint_saves == "matmuls":
+            acts = 20 + 30 / p.checkpoint_every
+        else:
+            acts = 0
+        return int((10 + acts) * GiB), budget_gib * GiB
+
+    choice = choose(cfg, GPUS["h100-80gb"], peak=peak)
+    fitting = [s for s in ladder(cfg) if peak(s.apply(cfg))[0] <= budget_gib * GiB]
+    assert choice.setting == (fitting[0] if fitting else FULL)
+    assert choice.fits == bool(fitting)
+
+
+def test_no_gpu_and_refusing_engines_recompute_nothing_and_true_is_still_refused():
+    cfg = compose(["policy=pi05_tiny"])
+    assert choose(cfg, None).setting == NONE and "no GPU" in choose(cfg, None).line()
+    assert compose(["policy=pi05", "engine=zero3"]).policy.gradient_checkpointing == "auto"
+    with pytest.raises(ValueError, match="refused with engine='zero3'"):
+        compose(["policy=pi05", "engine=zero3", "policy.gradient_checkpointing=true"])
+
+
+def test_a_value_other_than_true_false_auto_is_one_clear_error():
+    with pytest.raises(ValueError, match=r"policy.gradient_checkpointing='sometimes' is not valid; choose one of "
+                                         r"\[true, false, auto\]"):
+        compose(["policy.gradient_checkpointing=sometimes"])
+
+
+def test_a_cpu_run_with_auto_trains_and_saves_a_concrete_setting(make_cfg, tmp_path, caplog):
+    cfg = make_cfg("policy=pi05_tiny", "policy.gradient_checkpointing=auto", "trainer.max_steps=2",
+                   "checkpoint.every_steps=0", "trainer.device=cpu")
+    with caplog.at_level(logging.INFO, logger="slurmvla"):
+        trainer = Trainer(cfg, tmp_path / "run")
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+    saved = yaml.safe_load((tmp_path / "run" / "config.resolved.yaml").read_text())["policy"]
+    assert saved["gradient_checkpointing"] is False
+    assert trainer.cfg.policy.gradient_checkpointing is False and trainer.policy.gradient_checkpointing is False
+    said = [r.getMessage() for r in caplog.records if "gradient_checkpointing=auto" in r.getMessage()]
+    assert len(said) == 1 and "no GPU" in said[0]
