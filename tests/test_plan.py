@@ -235,7 +235,8 @@ def test_engine_rules_follow_the_shard_counts():
 
 
 def test_pi05_full_fine_tuning_does_not_fit_a_24gb_gpu_under_single(capsys):
-    plan.main(["policy=pi05", "precision=bf16", "trainer.global_batch_size=4", "--gpu", "rtx4090-24gb"])
+    plan.main(["policy=pi05", "precision=bf16", "trainer.global_batch_size=4", "policy.gradient_checkpointing=true",
+               "--gpu", "rtx4090-24gb"])
     out = capsys.readouterr().out
     assert "engine=single" in out and "3.244B parameters" in out
     assert "DOES NOT FIT" in out and "largest micro-batch that fits: none" in out
@@ -244,8 +245,9 @@ def test_pi05_full_fine_tuning_does_not_fit_a_24gb_gpu_under_single(capsys):
 
 def test_pi05_on_eight_h100s_every_engine(capsys, tmp_path):
     out_json = tmp_path / "plan.json"
-    plan.main(["policy=pi05", "precision=bf16", "engine=fsdp_full", "trainer.global_batch_size=32", "--gpu",
-               "h100-80gb", "--nodes", "1", "--gpus-per-node", "8", "--compare", "--json", str(out_json)])
+    plan.main(["policy=pi05", "precision=bf16", "engine=fsdp_full", "trainer.global_batch_size=32",
+               "policy.gradient_checkpointing=true", "--gpu", "h100-80gb", "--nodes", "1", "--gpus-per-node", "8",
+               "--compare", "--json", str(out_json)])
     out = capsys.readouterr().out
     assert "8 x h100-80gb" in out and "engine=fsdp_full" in out and "FITS" in out
     rows = {r["engine"]: r for r in json.loads(out_json.read_text())["plans"]}

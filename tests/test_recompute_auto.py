@@ -15,6 +15,7 @@ import logging
 import pytest
 import yaml
 
+from slurmvla import plan
 from slurmvla.compose import compose
 from slurmvla.planner.fit import plan_engine, planner_for
 from slurmvla.planner.gpus import GPUS, GiB
@@ -106,6 +107,17 @@ def test_no_gpu_and_refusing_engines_recompute_nothing_and_true_is_still_refused
     assert compose(["policy=pi05", "engine=zero3"]).policy.gradient_checkpointing == "auto"
     with pytest.raises(ValueError, match="refused with engine='zero3'"):
         compose(["policy=pi05", "engine=zero3", "policy.gradient_checkpointing=true"])
+
+
+def test_the_plan_shows_what_auto_chooses(capsys):
+    plan.main(["policy=pi05_tiny", "policy.gradient_checkpointing=auto", "--gpu", "h100-80gb"])
+    out = capsys.readouterr().out
+    assert "gradient checkpointing off" in out and "FITS" in out
+    assert "policy.gradient_checkpointing=auto -> none (policy.gradient_checkpointing=false): it fits" in out
+    plan.main(["policy=pi05_tiny", "policy.gradient_checkpointing=auto", "engine=zero3", "--gpu", "h100-80gb",
+               "--gpus-per-node", "2", "--compare"])
+    out = capsys.readouterr().out
+    assert "zero3: policy.gradient_checkpointing=auto -> none" in out and "refuses activation checkpointing" in out
 
 
 def test_a_value_other_than_true_false_auto_is_one_clear_error():
