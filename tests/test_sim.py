@@ -399,6 +399,19 @@ def test_rtc_requests_carry_the_old_chunk_and_the_delay_and_a_server_without_rtc
         run_served(PolicyServer(_Recording(["sync", "async"]), "127.0.0.1", 0), cfg, [0], None)
 
 
+def test_one_server_serves_several_sets_of_episodes_one_after_another(replay_run):
+    """run_served starts and stops the server around each set of episodes (benchmarks/rtc.py: one set per mode
+    and delay): each set gets the answers the first got, same seeds, same episodes."""
+    from slurmvla.config import RolloutConfig
+    from slurmvla.inference.build import build_server
+    from slurmvla.inference.closed_loop import run_served
+
+    server = build_server(str(replay_run), ["serve.host=127.0.0.1", "serve.port=0"], environ={})
+    cfg = RolloutConfig(first_seed=0, episodes=1, height=HEIGHT, width=WIDTH, videos=0, max_steps=20)
+    runs = [run_served(server, cfg, [0], None) for _ in range(3)]
+    assert [[e["return"] for e in r] for r in runs[1:]] == [[e["return"] for e in runs[0]]] * 2
+
+
 def test_rollout_runs_async_with_a_delay_from_the_command_line_overrides(replay_run, tmp_path):
     summary = run(str(replay_run), ["rollout.first_seed=0", "rollout.episodes=1", "rollout.execution=async",
                                     "rollout.delay_steps=4", "rollout.max_steps=30", f"rollout.height={HEIGHT}",

@@ -73,8 +73,12 @@ class PolicyServer:
         if max_request_bytes is None:
             max_request_bytes = getattr(policy, "max_request_bytes", None) or DEFAULT_MAX_REQUEST_BYTES
         self.max_size = int(max_request_bytes)
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slurmvla-serve")
+        self.workers = workers
+        self.pool = self._new_pool()
         self.requests = 0
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="slurmvla-serve")
 
     def metadata(self) -> dict:
         if self._metadata is not None:
@@ -200,7 +204,10 @@ class PolicyServer:
             if ready is not None:
                 ready.set()
             await stop.wait()
+        # Its requests finished, the pool's threads end; a later run (the closed loop serves one server for
+        # several sets of episodes) gets a new pool.
         self.pool.shutdown(wait=True)
+        self.pool = self._new_pool()
 
 
 def address(host: str, port: int) -> str:
