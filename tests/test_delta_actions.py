@@ -266,6 +266,7 @@ def test_pi05_full_droid_makes_openpis_choices():
     assert list(d.action_keys) == ["action.joint_position", "action.gripper_position"]
     assert list(d.state_keys) == ["observation.state.joint_position", "observation.state.gripper_position"]
     assert d.success_only and d.keep_ranges.semantics == "frame"
+    assert d.augment == "openpi"  # preprocess_observation(train=True): every openpi training config
     assert (p.name, p.state_input, p.state_normalization, p.action_normalization, p.stats_source) == \
         ("pi05", "discrete", "quantile", "quantile", "data")
     assert (p.action_horizon, p.max_action_dim, p.action_dim, p.state_dim) == \
