@@ -16,9 +16,8 @@ from slurmvla.data.delta import delta_dims, to_absolute, to_delta
 from slurmvla.data.mixture import Mixture
 from slurmvla.evaluate import evaluate
 from slurmvla.export import export
-from slurmvla.inference.load import Loaded, load_exported
+from slurmvla.inference.load import load_exported
 from slurmvla.inference.runner import PolicyRunner
-from slurmvla.policy import build_policy
 from slurmvla.policy.rtc import Guidance
 from slurmvla.trainer import Trainer
 from tests.conftest import policy_spec
@@ -216,14 +215,9 @@ def test_a_trained_delta_policy_serves_its_chunk_plus_the_state(delta_cfg, sampl
 
 @pytest.fixture(scope="module")
 def delta_runner(tmp_path_factory):
-    cfg = compose(["experiment=demo", f"data.root={tmp_path_factory.mktemp('unused')}", "serve.seed=7",
-                   DROID_MASK_OVERRIDE])
-    torch.manual_seed(0)
-    policy = build_policy(cfg.policy).eval()
-    with torch.no_grad():
-        policy.action_offset.uniform_(-1, 1)
-        policy.action_scale.uniform_(0.5, 2)
-    return PolicyRunner(Loaded(policy, cfg, 0, "test"))
+    from tests.test_rtc import demo_runner
+
+    return demo_runner(tmp_path_factory.mktemp("unused"), DROID_MASK_OVERRIDE)
 
 
 def test_rtc_requests_send_absolute_previous_actions_which_become_deltas(delta_runner):

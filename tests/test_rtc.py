@@ -171,15 +171,20 @@ def test_the_graphed_sampler_replays_rtc_requests_from_static_tensors_or_runs_th
 
 # -- the protocol -----------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory):
-    cfg = compose(["experiment=demo", f"data.root={tmp_path_factory.mktemp('unused')}", "serve.seed=7"])
+def demo_runner(root, *overrides: str) -> PolicyRunner:
+    """The demo's tiny policy behind a runner (serve.seed=7), its action statistics moved off the identity."""
+    cfg = compose(["experiment=demo", f"data.root={root}", "serve.seed=7", *overrides])
     torch.manual_seed(0)
     policy = build_policy(cfg.policy).eval()
     with torch.no_grad():
         policy.action_offset.uniform_(-1, 1)
         policy.action_scale.uniform_(0.5, 2)
     return PolicyRunner(Loaded(policy, cfg, 0, "test"))
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    return demo_runner(tmp_path_factory.mktemp("unused"))
 
 
 def droid_obs(runner: PolicyRunner, seed: int) -> dict:
