@@ -58,28 +58,31 @@ class Guidance:
         if not self.max_guidance >= 0:
             raise ValueError(f"rtc max_guidance={self.max_guidance} must be >= 0")
 
-    def guide(self, offset: torch.Tensor, scale: torch.Tensor, width: int | None = None) -> Guide:
-        """The per-call :class:`Guide` in the policy's action space: normalized as ``(a - offset) / scale``
-        (the policy's action statistics) and zero-padded to ``width`` action dims (pi0's ``max_action_dim``),
-        the padded dims carrying no weight."""
+    def _target(self, offset: torch.Tensor, scale: torch.Tensor, width: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw previous chunk (fp32, on the statistics' device) and it normalized as ``(a - offset) / scale``
+        (the policy's action statistics), zero-padded to ``width`` action dims (pi0's ``max_action_dim``)."""
         prev = self.prev_actions.to(offset.device, torch.float32)
         target = (prev - offset) / scale
         dims = target.shape[-1]
-        width = width or dims
-        weights = prefix_weights(self.delay.to(prev.device), self.overlap.to(prev.device), prev.shape[1],
-                                 self.schedule)[:, :, None].expand(*target.shape).contiguous()
-        if width > dims:
+        if width and width > dims:
             target = torch.nn.functional.pad(target, (0, width - dims))
-            weights = torch.nn.functional.pad(weights, (0, width - dims))
+        return prev, target
+
+    def guide(self, offset: torch.Tensor, scale: torch.Tensor, width: int | None = None) -> Guide:
+        """The per-call :class:`Guide` in the policy's action space (:meth:`_target`), the padded dims carrying
+        no weight."""
+        prev, target = self._target(offset, scale, width)
+        dims = prev.shape[-1]
+        weights = prefix_weights(self.delay.to(prev.device), self.overlap.to(prev.device), prev.shape[1],
+                                 self.schedule)[:, :, None].expand(*prev.shape).contiguous()
+        if target.shape[-1] > dims:
+            weights = torch.nn.functional.pad(weights, (0, target.shape[-1] - dims))
         return Guide(target, weights, prev, self.delay.to(prev.device), self.max_guidance)
 
     def prefix(self, offset: torch.Tensor, scale: torch.Tensor, width: int | None = None) -> Prefix:
-        """Training-time RTC's conditioning in the policy's action space (normalized, zero-padded to
-        ``width``): the previous chunk's first ``d`` actions, given clean on every flow step."""
-        prev = self.prev_actions.to(offset.device, torch.float32)
-        target = (prev - offset) / scale
-        if width and width > target.shape[-1]:
-            target = torch.nn.functional.pad(target, (0, width - target.shape[-1]))
+        """Training-time RTC's conditioning in the policy's action space (:meth:`_target`): the previous chunk's
+        first ``d`` actions, given clean on every flow step."""
+        prev, target = self._target(offset, scale, width)
         delay = torch.minimum(self.delay, self.overlap).to(prev.device)
         return Prefix(target, prefix_mask(delay, prev.shape[1]), prev)
 
