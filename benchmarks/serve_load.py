@@ -18,8 +18,9 @@ replies that equal none of them (a policy with observation history is not checke
 connection's past). Latency is per request at the client (send to reply), pooled over the clients: p50, p99,
 and the worst client's p99. The server's RSS before and after each N (psutil).
 
-``--soak N``: N requests spread over ``--soak-clients`` clients, the server's RSS and USS sampled about 40
-times on the way; flat when the mean of the last quarter of the samples is within 2 % (and 8 MiB) of the
+``--soak N``: N requests spread over ``--soak-clients`` clients, each opening a new connection every
+``--soak-reconnect`` requests (a session per connection is made and dropped), the server's RSS and USS sampled
+about 40 times on the way; flat when the mean of the last quarter of the samples is within 2 % (and 8 MiB) of the
 first quarter's.
 
 The client threads share this process's interpreter (and, on a small machine, the server's cores): on a
@@ -64,9 +65,11 @@ def seed_of(client: int, k: int) -> int:
     return 1000 + client * PER_CLIENT + k
 
 
-def run_clients(port: int, n: int, requests: int, seconds: float, progress: list[int] | None = None) -> tuple[list[Client], float]:
+def run_clients(port: int, n: int, requests: int, seconds: float, progress: list[int] | None = None,
+                reconnect_every: int = 0) -> tuple[list[Client], float]:
     """``n`` openpi clients in threads, connected first, then started together; each sends up to ``requests``
-    observations or stops after ``seconds``. Returns the clients and the wall time of the sending."""
+    observations or stops after ``seconds`` (``reconnect_every`` > 0: a new connection after that many).
+    Returns the clients and the wall time of the sending."""
     import websockets
     from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
@@ -92,6 +95,9 @@ def run_clients(port: int, n: int, requests: int, seconds: float, progress: list
             for r in range(requests):
                 if time.perf_counter() > deadline:
                     break
+                if reconnect_every and r and r % reconnect_every == 0:
+                    conns[c.index]._ws.close()
+                    conns[c.index] = WebsocketClientPolicy("127.0.0.1", port)
                 c.sent += 1
                 t0 = time.perf_counter()
                 reply = conns[c.index].infer(observations[c.index][r % PER_CLIENT])
@@ -141,12 +147,12 @@ def memory(pid: int) -> tuple[int, int]:
     return info.rss, info.uss
 
 
-def soak(port: int, pid: int, total: int, n: int, seconds: float) -> None:
+def soak(port: int, pid: int, total: int, n: int, seconds: float, reconnect_every: int) -> None:
     progress = [0]
     samples: list[tuple[int, float, int, int]] = []  # (replies so far, seconds, rss, uss)
     done = threading.Event()
     t0 = time.perf_counter()
-    interval = max(0.25, seconds / 400)
+    interval = 0.5
 
     def sample() -> None:
         step = max(1, total // 40)
@@ -159,14 +165,15 @@ def soak(port: int, pid: int, total: int, n: int, seconds: float) -> None:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    clients, wall = run_clients(port, n, total // n, seconds, progress)
+    clients, wall = run_clients(port, n, total // n, seconds, progress, reconnect_every)
     done.set()
     sampler.join()
     samples.append((progress[0], time.perf_counter() - t0, *memory(pid)))
     replies = sum(len(c.replies) for c in clients)
     lost = sum(c.sent - len(c.replies) for c in clients if not c.refused)
-    print(f"soak: {replies} requests over {n} clients in {wall:.0f} s ({replies / wall:.1f} req/s), lost {lost}, "
-          f"{len(samples)} memory samples")
+    connections = n * -(-(total // n) // reconnect_every) if reconnect_every else n
+    print(f"soak: {replies} requests over {n} clients ({connections} connections) in {wall:.0f} s "
+          f"({replies / wall:.1f} req/s), lost {lost}, {len(samples)} memory samples")
     print(f"{'requests':>9s} {'s':>7s} {'RSS MiB':>9s} {'USS MiB':>9s}")
     for i in np.linspace(0, len(samples) - 1, min(len(samples), 9)).round().astype(int):
         done_n, s, rss, uss = samples[i]
@@ -193,6 +200,8 @@ def main() -> None:
     parser.add_argument("--soak", type=int, default=0, help="instead: this many requests, the server's memory sampled")
     parser.add_argument("--soak-clients", type=int, default=4)
     parser.add_argument("--soak-seconds", type=float, default=1800.0)
+    parser.add_argument("--soak-reconnect", type=int, default=100,
+                        help="each soak client opens a new connection after this many requests (0: never)")
     parser.add_argument("--source", help="serve this (a run directory, a checkpoint, an exported file) instead")
     parser.add_argument("--serve-args", default="", help="more arguments for python -m slurmvla.serve, e.g. "
                                                          "'--max-connections 4'")
@@ -214,14 +223,14 @@ def main() -> None:
 
     proc, port = start_server(source, args.threads, *args.serve_args.split())
     try:
+        run_clients(port, 1, PER_CLIENT, args.seconds)  # warm-up: the server's first requests allocate
         if args.soak:
-            soak(port, proc.pid, args.soak, args.soak_clients, args.soak_seconds)
+            soak(port, proc.pid, args.soak, args.soak_clients, args.soak_seconds, args.soak_reconnect)
             return
         history = runner.history > 1
         references = None if history else {
             seed_of(i, k): runner.infer(observation(seed_of(i, k)))["actions"]
             for i in range(max(args.clients)) for k in range(PER_CLIENT)}
-        run_clients(port, 1, PER_CLIENT, args.seconds)  # warm-up: the server's first requests allocate
         print(f"{args.requests_per_client} requests per client (at most {args.seconds:g} s per N)")
         print(f"{'N':>3s} {'p50 ms':>8s} {'p99 ms':>8s} {'worst p99':>9s} {'req/s':>7s} {'replies':>7s} {'lost':>5s} "
               f"{'out-of-order':>12s} {'wrong':>5s} {'refused':>7s} {'RSS before':>10s} {'RSS after':>10s}")
