@@ -19,9 +19,10 @@ connection's past). Latency is per request at the client (send to reply), pooled
 and the worst client's p99. The server's RSS before and after each N (psutil).
 
 ``--soak N``: N requests spread over ``--soak-clients`` clients, each opening a new connection every
-``--soak-reconnect`` requests (a session per connection is made and dropped), the server's RSS and USS sampled
-about 40 times on the way; flat when the mean of the last quarter of the samples is within 2 % (and 8 MiB) of the
-first quarter's.
+``--soak-reconnect`` requests (a session per connection is made and dropped), the server's RSS, anonymous RSS
+(heap: where a leak grows) and USS sampled about 40 times on the way; flat when the median of the last quarter
+of the samples is within 2 % (or 8 MiB) of the first quarter's. USS also moves as other processes start and
+end sharing the server's libraries (on a shared machine, by several MiB), RSS and anonymous RSS do not.
 
 The client threads share this process's interpreter (and, on a small machine, the server's cores): on a
 2-core CPU the figures are the machine's, not the server's alone.
@@ -141,15 +142,22 @@ def check(clients: list[Client], references: dict[int, np.ndarray] | None) -> di
     return {"lost": lost, "out_of_order": out_of_order, "wrong": wrong}
 
 
-def memory(pid: int) -> tuple[int, int]:
-    """The server's RSS and USS (its own pages, shared libraries not counted), bytes."""
+def memory(pid: int) -> tuple[int, int, int]:
+    """The server's RSS, anonymous RSS (its heap and stacks: where a leak grows; Linux's RssAnon) and USS (its
+    pages no other process maps, which also moves as other processes start and end sharing its libraries),
+    bytes."""
     info = psutil.Process(pid).memory_full_info()
-    return info.rss, info.uss
+    anon = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                anon = int(line.split()[1]) * 1024
+    return info.rss, anon, info.uss
 
 
 def soak(port: int, pid: int, total: int, n: int, seconds: float, reconnect_every: int) -> None:
     progress = [0]
-    samples: list[tuple[int, float, int, int]] = []  # (replies so far, seconds, rss, uss)
+    samples: list[tuple[int, float, int, int, int]] = []  # (replies so far, seconds, rss, anon, uss)
     done = threading.Event()
     t0 = time.perf_counter()
     interval = 0.5
@@ -174,17 +182,17 @@ def soak(port: int, pid: int, total: int, n: int, seconds: float, reconnect_ever
     connections = n * -(-(total // n) // reconnect_every) if reconnect_every else n
     print(f"soak: {replies} requests over {n} clients ({connections} connections) in {wall:.0f} s "
           f"({replies / wall:.1f} req/s), lost {lost}, {len(samples)} memory samples")
-    print(f"{'requests':>9s} {'s':>7s} {'RSS MiB':>9s} {'USS MiB':>9s}")
+    print(f"{'requests':>9s} {'s':>7s} {'RSS MiB':>9s} {'anon MiB':>9s} {'USS MiB':>9s}")
     for i in np.linspace(0, len(samples) - 1, min(len(samples), 9)).round().astype(int):
-        done_n, s, rss, uss = samples[i]
-        print(f"{done_n:9d} {s:7.1f} {rss / MiB:9.1f} {uss / MiB:9.1f}")
+        done_n, s, rss, anon, uss = samples[i]
+        print(f"{done_n:9d} {s:7.1f} {rss / MiB:9.1f} {anon / MiB:9.1f} {uss / MiB:9.1f}")
     q = max(1, len(samples) // 4)
     verdicts = []
-    for name, col in (("RSS", 2), ("USS", 3)):
-        first = np.mean([x[col] for x in samples[:q]])
-        last = np.mean([x[col] for x in samples[-q:]])
+    for name, col in (("RSS", 2), ("anon RSS", 3), ("USS", 4)):
+        first = np.median([x[col] for x in samples[:q]])
+        last = np.median([x[col] for x in samples[-q:]])
         flat = abs(last - first) <= max(0.02 * first, 8 * MiB)
-        verdicts.append(f"{name} first quarter {first / MiB:.1f} MiB, last quarter {last / MiB:.1f} MiB "
+        verdicts.append(f"{name} median of the first quarter {first / MiB:.1f} MiB, of the last {last / MiB:.1f} MiB "
                         f"({(last - first) / MiB:+.1f} MiB): {'flat' if flat else 'NOT flat'}")
     print("; ".join(verdicts))
     for c in clients:
