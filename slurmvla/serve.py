@@ -29,7 +29,8 @@ Overload gets an answer, never an unbounded backlog: at most ``serve.max_connect
 handshake with 503 and a body naming the limit and the option. At most ``serve.max_pending``
 (``--max-pending``, default 32) requests, over all connections, are being answered or waiting for the
 policy at once; one more gets a text frame naming the limit and the option (openpi's client raises it),
-and its connection closes with code 1013 (try again later). The clients admitted keep their latency.
+and its connection closes with code 1013 (try again later). A request admitted waits behind at most
+max_pending - 1 others.
 
 Closed to strangers: with an API key (``serve.api_key_env``, default ``$SLURMVLA_API_KEY``, and/or
 ``serve.api_key_file``) a connection must send ``Authorization: Api-Key <key>`` (what openpi's
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             value = getattr(args, key)
             if value is None:
                 continue
-            if not value.strip().isdigit() or int(value) < 1:
+            if not value.strip().isdecimal() or int(value) < 1:
                 raise ValueError(f"{flag} {value!r} is not valid: give an integer >= 1 (serve.{key})")
             overrides.append(f"serve.{key}={int(value)}")
         try:

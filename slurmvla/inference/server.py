@@ -19,7 +19,7 @@ once; one more is refused at the HTTP handshake with 503 (Service Unavailable, `
 naming the limit and its option (openpi's client raises it as ``InvalidStatus``). At most ``max_pending``
 requests, over all connections, are being answered or waiting for the policy at once; one more gets a text
 frame saying so (openpi's client raises it) and its connection closes with code 1013 (try again later), so
-the clients admitted keep their latency. Each refusal logs one line.
+a request admitted waits behind at most ``max_pending - 1`` others. Each refusal logs one line.
 
 Closed to strangers: with an :class:`slurmvla.inference.auth.ApiKey` a connection must send
 ``Authorization: Api-Key <key>``; one without it, or with another key, is refused with HTTP 401 / 403
