@@ -48,6 +48,36 @@ def observation(seed: int) -> dict:
     }
 
 
+def start_server(source: Path, threads: int, *args: str) -> tuple[subprocess.Popen, int]:
+    """``python -m slurmvla.serve SOURCE`` on a free port of 127.0.0.1 with ``threads`` torch threads; returns
+    its process and port once it listens (its output drained meanwhile). Stop it by its PID."""
+    proc = subprocess.Popen([sys.executable, "-m", "slurmvla.serve", str(source), "--host", "127.0.0.1", "--port", "0",
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        m = re.search(r"on ws://127\.0\.0\.1:(\d+)", line)
+        if m:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            return proc, int(m.group(1))
+    proc.wait(15)
+    raise SystemExit("the server did not start:\n" + "".join(lines)[-3000:])
+
+
+def export_random(cfg, device: str) -> tuple[Path, int]:
+    """The configured policy with random weights (seed 0), exported to a temporary file as
+    ``python -m slurmvla.export`` writes one; returns the file and the parameter count."""
+    source = Path(tempfile.mkdtemp(prefix="slurmvla-serve-bench-")) / "policy.safetensors"
+    torch.manual_seed(0)
+    # Built where it runs, no fp32 copy on the host first (the full sizes on a GPU), when the policy can be.
+    policy = place(build_policy(cfg.policy, on_meta=True), torch.device(device))
+    yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    save_file({k: v.contiguous() for k, v in policy.state_dict().items()}, str(source),
+              metadata={"config_yaml": yaml, "step": "0", "engine": "none"})
+    return source, sum(p.numel() for p in policy.parameters())
+
+
 def percentiles(ms: list[float]) -> tuple[float, float]:
     return float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
 
@@ -88,18 +118,8 @@ def main() -> None:
     args = parser.parse_intermixed_args()
     torch.set_num_threads(args.threads)
     cfg = compose(args.overrides)
-    tmp = Path(tempfile.mkdtemp(prefix="slurmvla-serve-bench-"))
-    source = tmp / "policy.safetensors"
-    torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    # Built where it runs, no fp32 copy on the host first (the full sizes on a GPU), when the policy can be.
-    policy = place(build_policy(cfg.policy, on_meta=True), torch.device(device))
-    yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    save_file({k: v.contiguous() for k, v in policy.state_dict().items()}, str(source),
-              metadata={"config_yaml": yaml, "step": "0", "engine": "none"})
-    params = sum(p.numel() for p in policy.parameters())
-
-    del policy
+    source, params = export_random(cfg, device)
     # The reference: the policy alone on the batch the server would build, in this process, loaded as the
     # server loads it (its device, bf16 weights under precision=bf16 on a GPU).
     runner = build_runner(str(source), [], device=device)
@@ -114,19 +134,8 @@ def main() -> None:
         if i >= 5:
             alone.append((time.perf_counter() - t0) * 1000)
 
-    proc = subprocess.Popen([sys.executable, "-m", "slurmvla.serve", str(source), "--host", "127.0.0.1", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    proc, port = start_server(source, args.threads)
     try:
-        port = None
-        for line in proc.stdout:
-            m = re.search(r"on ws://127\.0\.0\.1:(\d+)", line)
-            if m:
-                port = int(m.group(1))
-                break
-        if port is None:
-            raise SystemExit("the server did not start")
-        threading.Thread(target=proc.stdout.read, daemon=True).start()
         rows = [("policy alone (in process)", *percentiles(alone), 1000 / statistics.median(alone))]
         for n in (1, 4):
             lat, rps = clients(port, n, args.requests)

@@ -638,6 +638,12 @@ class ServeConfig:
     # slurmvla.inference.runner.default_max_request_bytes): 4 x one observation, each camera counted at the
     # policy's image size or 1280 x 720 RGB, whichever is larger, plus 16 MiB.
     max_request_mb: float | None = None
+    # Overload gets an answer, never an unbounded backlog (slurmvla.inference.server). max_connections:
+    # connections served at once; one more is refused at the handshake with HTTP 503 naming this option.
+    # max_pending: requests being answered or waiting for the policy at once, over all connections; one more
+    # gets a text frame naming this option and its connection closes with code 1013 (try again later).
+    max_connections: int = 64
+    max_pending: int = 32
     # API key (clients send "Authorization: Api-Key <key>", openpi's WebsocketClientPolicy(..., api_key=...)).
     # The NAME of an environment variable holding the key; the default one may be unset (no key
     # from it), any other name must be set. null: no key from the environment.
@@ -665,6 +671,11 @@ class ServeConfig:
         if self.max_request_mb is not None and not (0 < self.max_request_mb < float("inf")):
             raise ValueError(f"serve.max_request_mb={self.max_request_mb} is not a size: give a number of MiB > 0 "
                              "(e.g. 64), or null for the default derived from the policy's observation size")
+        for name in ("max_connections", "max_pending"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"serve.{name}={value!r} is not valid: give an integer >= 1 (default "
+                                 f"{getattr(ServeConfig, name)})")
         if self.api_key_env is not None and not (self.api_key_env.isascii() and self.api_key_env.replace("_", "a").isalnum()
                                                and not self.api_key_env[0].isdigit()):
             # Not echoed: a key put here by mistake must not reach the terminal or a log.

@@ -1,6 +1,7 @@
 """Serve a trained policy to robots over openpi's websocket protocol.
 
-    python -m slurmvla.serve SOURCE [--host H] [--port 8000] [--max-request-mb MB] [overrides ...]
+    python -m slurmvla.serve SOURCE [--host H] [--port 8000] [--max-request-mb MB] [--max-connections N]
+                                [--max-pending N] [overrides ...]
 
 ``SOURCE``: a file written by ``python -m slurmvla.export``, a checkpoint folder, a run directory
 or a LeRobot pi0 / pi0.5 checkpoint directory (its weights, statistics and config). Overrides change the run's config (``serve.cameras=[...]``, ``policy.num_inference_steps=5``).
@@ -22,6 +23,14 @@ The default limit is derived from the policy (:func:`default_max_request_bytes`)
 whichever is larger, plus the state as float64 and 64 KiB of prompt), plus 16 MiB. At most
 ``MAX_QUEUE`` frames wait per connection while the policy runs (openpi's protocol is one request, one
 reply; a client that pipelines is held back by TCP flow control).
+
+Overload gets an answer, never an unbounded backlog: at most ``serve.max_connections``
+(``--max-connections``, default 64) connections are served at once; one more is refused at the HTTP
+handshake with 503 and a body naming the limit and the option. At most ``serve.max_pending``
+(``--max-pending``, default 32) requests, over all connections, are being answered or waiting for the
+policy at once; one more gets a text frame naming the limit and the option (openpi's client raises it),
+and its connection closes with code 1013 (try again later). A request admitted waits behind at most
+max_pending - 1 others.
 
 Closed to strangers: with an API key (``serve.api_key_env``, default ``$SLURMVLA_API_KEY``, and/or
 ``serve.api_key_file``) a connection must send ``Authorization: Api-Key <key>`` (what openpi's
@@ -57,6 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, help="port to listen on (serve.port, default 8000; 0: a free one)")
     parser.add_argument("--max-request-mb", help="largest request accepted, in MiB (serve.max_request_mb; default: "
                                                  "derived from the policy's observation size, see above)")
+    parser.add_argument("--max-connections", help="connections served at once; one more gets HTTP 503 "
+                                                  "(serve.max_connections, default 64)")
+    parser.add_argument("--max-pending", help="requests answered or waiting at once, over all connections; one more "
+                                              "gets an error frame and close code 1013 (serve.max_pending, default 32)")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. serve.cameras=[...] policy.num_inference_steps=5")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -70,6 +83,13 @@ def main(argv: list[str] | None = None) -> None:
             except ValueError:
                 raise ValueError(f"--max-request-mb {args.max_request_mb!r} is not a number of MiB (e.g. 64)") from None
             overrides.append(f"serve.max_request_mb={args.max_request_mb}")
+        for flag, key in (("--max-connections", "max_connections"), ("--max-pending", "max_pending")):
+            value = getattr(args, key)
+            if value is None:
+                continue
+            if not value.strip().isdecimal() or int(value) < 1:
+                raise ValueError(f"{flag} {value!r} is not valid: give an integer >= 1 (serve.{key})")
+            overrides.append(f"serve.{key}={int(value)}")
         try:
             import msgpack  # noqa: F401
             import websockets  # noqa: F401

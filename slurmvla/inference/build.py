@@ -57,4 +57,5 @@ def build_server(source: str, overrides: list[str], device: str | None = None,
         log.warning("serve.max_request_mb=%s is below one observation at the policy's image size (%.2f MiB): "
                     "requests will be refused", serve.max_request_mb, runner.observation_bytes() / MiB)
     return PolicyServer(runner, serve.host, serve.port, api_key=api_key, api_key_env=serve.api_key_env,
-                        allow_unauthenticated=serve.allow_unauthenticated)
+                        allow_unauthenticated=serve.allow_unauthenticated, max_connections=serve.max_connections,
+                        max_pending=serve.max_pending)

@@ -14,6 +14,13 @@ line naming the limit and the option, other connections go on. At most ``MAX_QUE
 connection while the policy runs (openpi's protocol is one request, one reply; a client that pipelines is
 held back by TCP flow control).
 
+Overload gets an answer, never an unbounded backlog: at most ``max_connections`` connections are served at
+once; one more is refused at the HTTP handshake with 503 (Service Unavailable, ``Retry-After``) and a body
+naming the limit and its option (openpi's client raises it as ``InvalidStatus``). At most ``max_pending``
+requests, over all connections, are being answered or waiting for the policy at once; one more gets a text
+frame saying so (openpi's client raises it) and its connection closes with code 1013 (try again later), so
+a request admitted waits behind at most ``max_pending - 1`` others. Each refusal logs one line.
+
 Closed to strangers: with an :class:`slurmvla.inference.auth.ApiKey` a connection must send
 ``Authorization: Api-Key <key>``; one without it, or with another key, is refused with HTTP 401 / 403
 before the websocket opens.
@@ -42,6 +49,9 @@ MiB = 2**20
 MAX_QUEUE = 2
 # The request-size limit of a policy that names none (no max_request_bytes attribute).
 DEFAULT_MAX_REQUEST_BYTES = 64 * MiB
+# The admission limits of a server given none (serve.max_connections, serve.max_pending have the same defaults).
+DEFAULT_MAX_CONNECTIONS = 64
+DEFAULT_MAX_PENDING = 32
 
 
 @runtime_checkable
@@ -59,11 +69,15 @@ class PolicyServer:
     (default: ``policy.metadata()``, or nothing); ``max_request_bytes``: the request-size limit (default:
     ``policy.max_request_bytes``, else ``DEFAULT_MAX_REQUEST_BYTES``); ``api_key_env``: the variable the
     messages about a server without a key name. Without ``api_key``, a ``host`` beyond this machine is refused
-    (ValueError, :func:`slurmvla.inference.auth.check_exposure`) unless ``allow_unauthenticated``."""
+    (ValueError, :func:`slurmvla.inference.auth.check_exposure`) unless ``allow_unauthenticated``.
+    ``max_connections``: connections served at once, one more is refused with HTTP 503; ``max_pending``:
+    requests being answered or waiting at once, over all connections, one more is refused with a text frame
+    and close code 1013."""
 
     def __init__(self, policy: InferencePolicy, host: str, port: int, workers: int = 4, api_key: ApiKey | None = None,
                  metadata: dict | None = None, max_request_bytes: int | None = None,
-                 api_key_env: str | None = DEFAULT_KEY_ENV, allow_unauthenticated: bool = False):
+                 api_key_env: str | None = DEFAULT_KEY_ENV, allow_unauthenticated: bool = False,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, max_pending: int = DEFAULT_MAX_PENDING):
         if not callable(getattr(policy, "infer", None)):
             raise TypeError(f"a PolicyServer serves an object with infer(obs) -> dict; {type(policy).__name__} has none")
         check_exposure(host, api_key, allow_unauthenticated, api_key_env)
@@ -73,9 +87,18 @@ class PolicyServer:
         if max_request_bytes is None:
             max_request_bytes = getattr(policy, "max_request_bytes", None) or DEFAULT_MAX_REQUEST_BYTES
         self.max_size = int(max_request_bytes)
+        for name, value in (("max_connections", max_connections), ("max_pending", max_pending)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"serve.{name}={value!r} is not valid: give an integer >= 1")
+        self.max_connections, self.max_pending = max_connections, max_pending
         self.workers = workers
         self.pool = self._new_pool()
         self.requests = 0
+        # Admission, kept on the event loop's thread (no lock): the connections admitted at the handshake and
+        # not yet closed, and the requests received and not yet answered.
+        self.admitted: set = set()
+        self.pending = 0
+        self.refused_connections = self.refused_requests = 0
 
     def _new_pool(self) -> ThreadPoolExecutor:
         return ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="slurmvla-serve")
@@ -110,6 +133,12 @@ class PolicyServer:
         return out, infer_ms
 
     async def _handle(self, ws) -> None:
+        try:
+            await self._serve_connection(ws)
+        finally:
+            self.admitted.discard(ws)
+
+    async def _serve_connection(self, ws) -> None:
         import websockets
 
         loop = asyncio.get_running_loop()
@@ -125,6 +154,17 @@ class PolicyServer:
                     self._log_too_big(peer, getattr(ws.protocol, "parser_exc", None) or e.sent.reason)
                 break
             start = time.monotonic()
+            if self.pending >= self.max_pending:
+                self.refused_requests += 1
+                log.warning("refused a request from %s: %d requests are being answered or waiting, the limit "
+                            "(serve.max_pending=%d); its connection closes with 1013 (try again later)", peer,
+                            self.pending, self.max_pending)
+                await self._refuse(ws, f"server busy: {self.pending} requests are already being answered or waiting, "
+                                   f"the limit serve.max_pending={self.max_pending}; reconnect and try again later, or "
+                                   "raise serve.max_pending (--max-pending N) on the server",
+                                   websockets.frames.CloseCode.TRY_AGAIN_LATER)
+                break
+            self.pending += 1
             try:
                 out, infer_ms = await loop.run_in_executor(self.pool, self._step, raw, session)
             except ValueError as e:
@@ -135,6 +175,8 @@ class PolicyServer:
                 log.exception("inference failed for %s", peer)
                 await self._refuse(ws, traceback.format_exc(), websockets.frames.CloseCode.INTERNAL_ERROR)
                 break
+            finally:
+                self.pending -= 1
             timing = {"infer_ms": infer_ms, "total_ms": (time.monotonic() - start) * 1000}
             if prev_total_ms is not None:
                 timing["prev_total_ms"] = prev_total_ms
@@ -161,9 +203,34 @@ class PolicyServer:
                     self.max_size)
 
     def _process_request(self, connection, request):
-        """Before the websocket opens: the health check (open to all), then the API key."""
+        """Before the websocket opens: the health check (open to all), then the API key, then room for one more
+        connection."""
         if request.path == "/healthz":
             return connection.respond(http.HTTPStatus.OK, "OK\n")
+        refused = self._check_key(connection, request)
+        return refused if refused is not None else self._admit(connection)
+
+    def _admit(self, connection):
+        """Admitted (None) while fewer than ``max_connections`` are open, else HTTP 503 naming the limit."""
+        from websockets.protocol import State
+
+        # A connection whose handshake failed after this check never reaches the handler: dropped once closed.
+        self.admitted = {c for c in self.admitted if c.protocol.state is not State.CLOSED}
+        if len(self.admitted) < self.max_connections:
+            self.admitted.add(connection)
+            return None
+        self.refused_connections += 1
+        log.warning("refused a connection from %s: %d connections open, the limit (serve.max_connections=%d)",
+                    connection.remote_address, len(self.admitted), self.max_connections)
+        response = connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE,
+                                      f"server busy: {len(self.admitted)} connections open, the limit "
+                                      f"serve.max_connections={self.max_connections}; try again later, or raise "
+                                      "serve.max_connections (--max-connections N) on the server\n")
+        response.headers["Retry-After"] = "1"
+        return response
+
+    def _check_key(self, connection, request):
+        """None when the request carries the key (or none is needed), else the HTTP 401 / 403 refusal."""
         if self.api_key is None:
             return None
         header = request.headers.get("Authorization")
@@ -195,7 +262,8 @@ class PolicyServer:
             self.port = server.sockets[0].getsockname()[1]
             key = f"API key required (from {self.api_key.source})" if self.api_key is not None else "no API key"
             print(f"serving {self._describe()} on {address(self.host, self.port)}; health check: GET /healthz; {key}; "
-                  f"requests up to {self.max_size / MiB:.4g} MiB", flush=True)
+                  f"requests up to {self.max_size / MiB:.4g} MiB; at most {self.max_connections} connections and "
+                  f"{self.max_pending} pending requests", flush=True)
             if self.api_key is None and not is_local(self.host):
                 log.warning("listening on %s without an API key (serve.allow_unauthenticated=true): anyone who can reach "
                             "this port can drive the policy; export %s (or set serve.api_key_file) and pass it to the client "
