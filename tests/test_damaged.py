@@ -1,0 +1,215 @@
+"""data.on_damaged: a damaged video costs the episodes it holds, not the run; ranks stay in step; resume is
+bitwise; the share limit stops a wrong copy; inspect --scan lists the damaged files. Against counts taken
+from the dataset's own metadata."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from slurmvla import inspect
+from slurmvla.checkpoint import list_checkpoints
+from slurmvla.data.damaged import DAMAGED, SUBSTITUTE
+from slurmvla.data.loader import TrainData, build_validation_loader
+from slurmvla.data.mixture import Mixture
+from slurmvla.data.readers import EpisodeStream
+from slurmvla.trainer import Trainer
+
+from .conftest import policy_spec, run_until
+
+CAMERA = "observation.images.wrist_left"
+# 437 samples in the sample data (12 episodes): 23 micro-batches of 19 cover one epoch with none left out.
+ONE_EPOCH = ["trainer.global_batch_size=19", "trainer.max_steps=23", "data.stream_cache_episodes=0",
+             "checkpoint.every_steps=0", "trainer.log_every_steps=1", "data.max_damaged_share=0.5"]
+
+
+def _episodes_by_file(root: Path) -> dict[int, list[int]]:
+    """The metadata's own word: episode indices per video file index of CAMERA."""
+    table = pa.concat_tables([pq.read_table(p, columns=["episode_index", f"videos/{CAMERA}/file_index"])
+                              for p in sorted((root / "meta" / "episodes").glob("**/*.parquet"))])
+    out: dict[int, list[int]] = {}
+    for e, f in zip(table["episode_index"].to_pylist(), table[f"videos/{CAMERA}/file_index"].to_pylist()):
+        out.setdefault(f, []).append(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def damaged_root(sample_root, tmp_path_factory) -> tuple[Path, Path, list[int]]:
+    """A copy of the sample data whose last video file of one camera is cut in half; (root, file, its episodes)."""
+    root = tmp_path_factory.mktemp("damaged") / "data"
+    shutil.copytree(sample_root, root)
+    last = max(_episodes_by_file(root))
+    video = root / "videos" / CAMERA / "chunk-000" / f"file-{last:03d}.mp4"
+    with open(video, "r+b") as fh:
+        fh.truncate(video.stat().st_size // 2)
+    return root, video, sorted(_episodes_by_file(root)[last])
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(cfg, run, stop_at=None) -> Trainer:
+    trainer = Trainer(cfg, run)
+    try:
+        trainer.fit(stop_at=stop_at)
+    finally:
+        trainer.close()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def straight(damaged_root, tmp_path_factory, request):
+    """One epoch on the damaged copy, uninterrupted, with the warnings it logged."""
+    from slurmvla.compose import compose
+
+    root, _, _ = damaged_root
+    run = tmp_path_factory.mktemp("straight") / "run"
+    handler = _Collect()
+    logging.getLogger("slurmvla").addHandler(handler)
+    try:
+        _train(compose(_base(root)), run)
+    finally:
+        logging.getLogger("slurmvla").removeHandler(handler)
+    return run, handler.messages
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _base(root: Path, *more: str) -> list[str]:
+    return [f"data.root={root}", "data.num_workers=0", "logging.wandb.mode=disabled", "trainer.progress_bar=false",
+            *ONE_EPOCH, *more]
+
+
+def test_training_skips_the_episodes_of_a_damaged_video_once_each_and_counts_them(damaged_root, straight):
+    root, video, episodes = damaged_root
+    run, warnings = straight
+    skipped = [m for m in warnings if m.startswith("skipping")]
+    assert len(skipped) == len(episodes) == 2, skipped
+    for e in episodes:
+        assert sum(str(video) in m and f"(episode {e} of droid_sample)" in m for m in skipped) == 1, skipped
+    records = _records(run)
+    assert records[-1]["step"] == 23
+    # One epoch, no sample left out: each damaged episode is met once.
+    assert sum(r["damaged_episodes"] for r in records) == len(episodes)
+
+
+def test_a_resumed_run_skips_the_same_episodes_and_ends_bitwise_equal(damaged_root, straight, tmp_path):
+    from slurmvla.compose import compose
+
+    root, _, episodes = damaged_root
+    first_run, _ = straight
+    # Stop right after the first step that met a damaged episode (its later samples still to come).
+    met_at = next(r["step"] for r in _records(first_run) if r["damaged_episodes"])
+    run = tmp_path / "run"
+    _train(compose(_base(root)), run, stop_at=met_at)
+    second = _train(compose(_base(root)), run)
+    assert second.resumed_from is not None and second.resumed_from.name == f"step_{met_at:08d}"
+    a = load_file(str(list_checkpoints(first_run / "checkpoints")[-1] / "model.safetensors"))
+    b = load_file(str(list_checkpoints(run / "checkpoints")[-1] / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["damaged_episodes"] for r in _records(run)] == [r["damaged_episodes"] for r in _records(first_run)]
+    assert sum(r["damaged_episodes"] for r in _records(run)) == len(episodes)
+
+
+def test_the_stream_keeps_every_shards_count_and_resumes_exactly_through_workers(damaged_root, make_cfg):
+    """Two ranks x two worker processes: every rank yields its batches; a resume at every position yields
+    the rest bitwise, substitutes included."""
+    root, _, episodes = damaged_root
+    cfg = make_cfg(f"data.root={root}", "data.num_workers=2", "data.stream_cache_episodes=0",
+                   "data.max_damaged_share=0.5")
+    mixture = Mixture(cfg.data, policy_spec(cfg, image_size=32, text_len=24), 0)
+    whole = {r: list(TrainData(mixture, cfg.data, 4, r, 2, 0).iterate(0, 0)) for r in (0, 1)}
+    expected = EpisodeStream(mixture, 4, 0, 2, 2).batches_per_epoch
+    assert all(len(b) == expected for b in whole.values())
+    met = sum(int(b[DAMAGED].sum()) for r in whole for b in whole[r])
+    # Each damaged episode is met once per shard its samples fall in.
+    pos = [int(np.flatnonzero(mixture.sources[0].meta.episodes["episode_index"] == e)[0]) for e in episodes]
+    stream = EpisodeStream(mixture, 4, 0, 2, 2)
+    assert met >= len(episodes) and met == sum(int(np.isin(p, stream.shard_order(0, s)[1])) for p in pos
+                                               for s in range(4))
+    assert any(bool(b[SUBSTITUTE].any()) for r in whole for b in whole[r])
+    rank = next(r for r in whole if any(bool(b[SUBSTITUTE].any()) for b in whole[r]))
+    for p in (1, expected // 2, expected - 1):
+        resumed = list(TrainData(mixture, cfg.data, 4, rank, 2, 0).iterate(0, p))
+        assert len(resumed) == expected - p
+        for x, y in zip(resumed, whole[rank][p:]):
+            assert torch.equal(x["images"], y["images"]) and torch.equal(x["episode_index"], y["episode_index"])
+
+
+def test_two_ranks_over_gloo_stay_in_step_past_a_damaged_video(damaged_root, tmp_path):
+    root, video, episodes = damaged_root
+    run = tmp_path / "run"
+    code, log = run_until([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "slurmvla.train", "engine=ddp", *_base(root, "trainer.global_batch_size=38",
+                                                                      "trainer.max_steps=11", "data.num_workers=1"),
+                           f"hydra.run.dir={run}"], 300, "two ranks with a damaged video")
+    assert code == 0, log[-4000:]
+    records = _records(run)
+    assert records[-1]["step"] == 11 and sum(r["damaged_episodes"] for r in records) >= len(episodes)
+    assert str(video) in log
+
+
+def test_too_many_damaged_episodes_stop_the_run_with_one_line(damaged_root, tmp_path):
+    root, video, _ = damaged_root
+    code, log = run_until([sys.executable, "-m", "slurmvla.train", *_base(root, "data.max_damaged_share=0.01"),
+                           f"hydra.run.dir={tmp_path / 'run'}"], 300, "training past the share limit")
+    assert code == 1, log[-3000:]
+    assert "Traceback" not in log
+    error = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "data.max_damaged_share=0.01" in error[0] and str(video) in error[0], log[-3000:]
+
+
+def test_on_damaged_error_keeps_stopping_at_the_first_damaged_file(damaged_root, make_cfg):
+    root, video, _ = damaged_root
+    cfg = make_cfg(f"data.root={root}", "data.on_damaged=error", "data.stream_cache_episodes=0")
+    data = TrainData(Mixture(cfg.data, policy_spec(cfg, image_size=32, text_len=24), 0), cfg.data, 8, 0, 1, 0)
+    with pytest.raises(ValueError, match=str(video)):
+        list(data.iterate(0, 0))
+    with pytest.raises(ValueError, match=r"data.on_damaged='ignore' is not valid; choose one of \['skip', 'error'\]"):
+        make_cfg("data.on_damaged=ignore")
+
+
+def test_validation_replaces_and_marks_the_samples_of_damaged_episodes(damaged_root, make_cfg):
+    root, video, episodes = damaged_root
+    cfg = make_cfg(f"data.root={root}")
+    mixture = Mixture(cfg.data, policy_spec(cfg, image_size=32, text_len=24), 0)
+    loader = build_validation_loader(mixture, cfg.data, 16, split="all")
+    batches = list(loader)
+    substitute = torch.cat([b[SUBSTITUTE] for b in batches])
+    shown = torch.cat([b["episode_index"] for b in batches])
+    lengths = mixture.sources[0].meta.episodes["length"]
+    ids = mixture.sources[0].meta.episodes["episode_index"]
+    assert int(substitute.sum()) == sum(int(n) for e, n in zip(ids, lengths) if e in episodes)
+    assert not np.isin(shown[substitute].numpy(), episodes).any()
+    assert sum(int(b[DAMAGED].sum()) for b in batches) == len(episodes)
+
+
+def test_inspect_scan_lists_exactly_the_damaged_files(damaged_root, sample_root, capsys):
+    root, video, episodes = damaged_root
+    with pytest.raises(SystemExit) as e:
+        inspect.main(["--scan", f"data.root={root}"])
+    assert e.value.code == 1
+    out = capsys.readouterr().out
+    damaged = [line for line in out.splitlines() if line.startswith("damaged: ")]
+    assert damaged == [f"damaged: {video}: {damaged[0].split(': ', 2)[2]}"] if damaged else False
+    assert damaged[0].endswith(f"episodes {', '.join(map(str, episodes))}")
+    inspect.main(["--scan", f"data.root={sample_root}"])
+    assert "every data file reads" in capsys.readouterr().out
