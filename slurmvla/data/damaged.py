@@ -165,6 +165,28 @@ class DamageCount:
             self.total, self.first = int(state["total"]), list(state["first"])
 
 
+def pop_marks(batch: dict) -> tuple[torch.Tensor, list[str]]:
+    """A batch's SUBSTITUTE flags and damaged files, popped (validation and evaluate: the policy never sees them)."""
+    batch.pop(DAMAGED, None)
+    files = [f for f in batch.pop(DAMAGED_FILES, None) or [] if f]
+    return batch.pop(SUBSTITUTE, torch.zeros(0, dtype=torch.bool)), files
+
+
+def leave_out(values: dict[str, torch.Tensor], substitute: torch.Tensor, num_real: int
+              ) -> tuple[dict[str, torch.Tensor], int]:
+    """Per-sample ``values`` reordered so the real samples that are no substitute come first, and their number
+    (the rest stays as padding: every rank keeps its length for the gather)."""
+    keep = (torch.arange(len(substitute)) < num_real) & ~substitute.bool()
+    order = torch.cat([keep.nonzero().flatten(), (~keep).nonzero().flatten()])
+    return {k: v[order.to(v.device)] for k, v in values.items()}, int(keep.sum())
+
+
+def say_skipped(what: str, files: Sequence[str]) -> None:
+    if files:
+        log.warning("%s left out the samples of %d damaged episode(s) (data.on_damaged=skip): %s", what, len(files),
+                    "; ".join(files))
+
+
 # -- the scan: every file checked up front ----------------------------------------------------------
 
 

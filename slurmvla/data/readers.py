@@ -295,8 +295,8 @@ class ValidationDataset(Dataset):
             if self._window is not None:
                 self._window[3].close()
                 self._window = None
-            what, new = self._damaged.met(source, e, err)
-            met = [what] if new else []
+            what, _ = self._damaged.met(source, e, err)  # an episode's rows are contiguous: met once a pass
+            met = [what]
             val = source.val_index
             index = val if val.ep_count[e] > 0 and len(val.episodes) > 1 else source.index
             sub = stand_in(source, index, seeded_rng("substitute", "validation", d, e), self._damaged, e, None)
