@@ -213,3 +213,22 @@ def test_inspect_scan_lists_exactly_the_damaged_files(damaged_root, sample_root,
     assert damaged[0].endswith(f"episodes {', '.join(map(str, episodes))}")
     inspect.main(["--scan", f"data.root={sample_root}"])
     assert "every data file reads" in capsys.readouterr().out
+
+
+def test_the_map_loader_serves_deterministic_substitutes(damaged_root, make_cfg):
+    root, _, episodes = damaged_root
+    cfg = make_cfg(f"data.root={root}", "data.loader=map", "data.num_workers=1", "data.max_damaged_share=0.5")
+    mixture = Mixture(cfg.data, policy_spec(cfg, image_size=32, text_len=24), 0)
+    data = TrainData(mixture, cfg.data, 16, 0, 1, 0)
+    whole = list(data.iterate(0, 0))
+    assert len(whole) == data.batches_per_epoch
+    substitute = torch.cat([b[SUBSTITUTE] for b in whole])
+    shown = torch.cat([b["episode_index"] for b in whole])
+    assert substitute.any() and not np.isin(shown.numpy(), episodes).any()
+    # Every sample of the damaged episodes the epoch draws is a substitute, and no other.
+    lengths = dict(zip(mixture.sources[0].meta.episodes["episode_index"].tolist(),
+                       mixture.sources[0].meta.episodes["length"].tolist()))
+    assert int(substitute.sum()) <= sum(lengths[e] for e in episodes)
+    again = list(TrainData(mixture, cfg.data, 16, 0, 1, 0).iterate(0, 3))
+    for x, y in zip(again, whole[3:]):
+        assert torch.equal(x["images"], y["images"]) and torch.equal(x["episode_index"], y["episode_index"])
