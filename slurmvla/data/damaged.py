@@ -107,6 +107,8 @@ def stand_in(source: LeRobotSource, index: SampleIndex, rng: np.random.Generator
     episodes = index.episodes[index.episodes != exclude]
     tried = episodes[rng.permutation(len(episodes))[:SUBSTITUTE_TRIES]]
     for pos in tried.tolist():
+        if (source.dataset_index, pos) in damaged.known:  # it would fail again: the same choice, sooner
+            continue
         try:
             return StandIn(source, index, pos, load(pos))
         except DataError as e:

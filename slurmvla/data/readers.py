@@ -227,16 +227,18 @@ class MapDataset(Dataset):
         if self._cache is None:
             self._cache = _EpisodeCache(self.mixture.sources, self.cache_size)
         repeat = int(plan.repeat[piece[0]])
-        try:
-            return mark(source.sample(self._cache.get(d, e), t, epoch, repeat, train=True))
-        except DataError as err:
-            # Counted once per episode and worker process (a sample of it is met at every position it holds).
-            what, new = self._damaged.met(source, e, err)
-            met = [what] if new else []
-            rng = seeded_rng("substitute", self.mixture.seed, epoch, g)
-            sub = stand_in(source, source.train_index, rng, self._damaged, e, met if new else None,
-                           lambda pos: self._cache.get(d, pos))
-            return mark(sub.sample(g, epoch, repeat, train=True), met, True)
+        met: list[str] = []
+        # An episode found damaged is not read again; it is counted once per worker process (a sample of it
+        # is met at every position it holds).
+        if (d, e) not in self._damaged.known:
+            try:
+                return mark(source.sample(self._cache.get(d, e), t, epoch, repeat, train=True))
+            except DataError as err:
+                met.append(self._damaged.met(source, e, err)[0])
+        rng = seeded_rng("substitute", self.mixture.seed, epoch, g)
+        sub = stand_in(source, source.train_index, rng, self._damaged, e, met if met else None,
+                       lambda pos: self._cache.get(d, pos))
+        return mark(sub.sample(g, epoch, repeat, train=True), met, True)
 
 
 SPLITS = ("val", "all")
