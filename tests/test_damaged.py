@@ -156,7 +156,15 @@ def test_the_stream_keeps_every_shards_count_and_resumes_exactly_through_workers
 
 
 def test_two_ranks_over_gloo_stay_in_step_past_a_damaged_video(damaged_root, tmp_path):
+    from slurmvla.compose import compose
+    from slurmvla.policy import sample_spec
+
     root, video, episodes = damaged_root
+    cfg = compose(_base(root, "trainer.global_batch_size=38"))
+    mixture = Mixture(cfg.data, sample_spec(cfg.policy), cfg.trainer.seed)
+    pos = [int(np.flatnonzero(mixture.sources[0].meta.episodes["episode_index"] == e)[0]) for e in episodes]
+    shares = [EpisodeStream(mixture, 19, r, 2, 1).shard_order(0, r)[1] for r in (0, 1)]
+    assert np.isin(pos, shares[0]).all() and not np.isin(pos, shares[1]).any(), "the damage is on rank 0's share only"
     run = tmp_path / "run"
     code, log = run_until([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "-m", "slurmvla.train", "engine=ddp", *_base(root, "trainer.global_batch_size=38",
@@ -164,7 +172,7 @@ def test_two_ranks_over_gloo_stay_in_step_past_a_damaged_video(damaged_root, tmp
                            f"hydra.run.dir={run}"], 300, "two ranks with a damaged video")
     assert code == 0, log[-4000:]
     records = _records(run)
-    assert records[-1]["step"] == 11 and sum(r["damaged_episodes"] for r in records) >= len(episodes)
+    assert records[-1]["step"] == 11 and sum(r["damaged_episodes"] for r in records) == len(episodes)
     assert str(video) in log
 
 
