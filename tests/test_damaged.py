@@ -56,6 +56,22 @@ def damaged_root(sample_root, tmp_path_factory) -> tuple[Path, Path, list[int]]:
     return root, video, sorted(_episodes_by_file(root)[last])
 
 
+@pytest.fixture(scope="module")
+def mid_damaged_root(sample_root, tmp_path_factory) -> tuple[Path, Path, list[int]]:
+    """Like damaged_root, but the file opens and its frames decode up to the middle of its first episode,
+    whose stream is overwritten with zeros from there: damage met after samples of the episode went out."""
+    root = tmp_path_factory.mktemp("mid_damaged") / "data"
+    shutil.copytree(sample_root, root)
+    last = max(_episodes_by_file(root))
+    video = root / "videos" / CAMERA / "chunk-000" / f"file-{last:03d}.mp4"
+    data = bytearray(video.read_bytes())
+    start, end = data.find(b"mdat"), data.find(b"moov")
+    lo, hi = start + (end - start) // 2, start + (end - start) * 7 // 10
+    data[lo:hi] = bytes(hi - lo)
+    video.write_bytes(bytes(data))
+    return root, video, sorted(_episodes_by_file(root)[last])
+
+
 def _records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -130,10 +146,11 @@ def test_a_resumed_run_skips_the_same_episodes_and_ends_bitwise_equal(damaged_ro
     assert sum(r["damaged_episodes"] for r in _records(run)) == len(episodes)
 
 
-def test_the_stream_keeps_every_shards_count_and_resumes_exactly_through_workers(damaged_root, make_cfg):
-    """Two ranks x two worker processes: every rank yields its batches; a resume at every position yields
-    the rest bitwise, substitutes included."""
-    root, _, episodes = damaged_root
+def test_the_stream_keeps_every_shards_count_and_resumes_exactly_through_workers(mid_damaged_root, make_cfg):
+    """Two ranks x two worker processes, a video damaged mid-episode: every rank yields its batches; resumed
+    before, at and after the batch that met the damage (a position inside the damaged piece: the resumed
+    stream must find the damage again before it), the rest comes bitwise, substitutes included."""
+    root, _, episodes = mid_damaged_root
     cfg = make_cfg(f"data.root={root}", "data.num_workers=2", "data.stream_cache_episodes=0",
                    "data.max_damaged_share=0.5")
     mixture = Mixture(cfg.data, policy_spec(cfg, image_size=32, text_len=24), 0)
@@ -146,13 +163,21 @@ def test_the_stream_keeps_every_shards_count_and_resumes_exactly_through_workers
     stream = EpisodeStream(mixture, 4, 0, 2, 2)
     assert met >= len(episodes) and met == sum(int(np.isin(p, stream.shard_order(0, s)[1])) for p in pos
                                                for s in range(4))
-    assert any(bool(b[SUBSTITUTE].any()) for r in whole for b in whole[r])
-    rank = next(r for r in whole if any(bool(b[SUBSTITUTE].any()) for b in whole[r]))
-    for p in (expected // 2,):
+    for rank, batches in whole.items():  # noqa: B007 (the rank found is used below)
+        real = torch.cat([b["episode_index"][~b[SUBSTITUTE]] for b in batches])
+        # Samples of the first damaged episode went out before its damage was met.
+        if bool(torch.cat([b[SUBSTITUTE] for b in batches]).any()) and bool((real == episodes[0]).any()):
+            break
+    else:
+        pytest.fail("no rank yielded samples of the damaged episode before substitutes")
+    at = next(i for i, b in enumerate(batches) if int(b[DAMAGED].sum()))
+    for p in sorted({max(at - 1, 0), at, at + 1, at + 3} & set(range(expected))):
         resumed = list(TrainData(mixture, cfg.data, 4, rank, 2, 0).iterate(0, p))
         assert len(resumed) == expected - p
-        for x, y in zip(resumed, whole[rank][p:]):
+        assert sum(int(b[DAMAGED].sum()) for b in resumed) == sum(int(b[DAMAGED].sum()) for b in batches[p:])
+        for x, y in zip(resumed, batches[p:]):
             assert torch.equal(x["images"], y["images"]) and torch.equal(x["episode_index"], y["episode_index"])
+            assert torch.equal(x["noise"], y["noise"]) and torch.equal(x[SUBSTITUTE], y[SUBSTITUTE])
 
 
 def test_two_ranks_over_gloo_stay_in_step_past_a_damaged_video(damaged_root, tmp_path):

@@ -139,10 +139,11 @@ class EpisodeStream(IterableDataset):
             return
         # A piece is opened once, as a window that decodes its frames forward and holds only those
         # a later sample of it can still need, and closed after its last sample. Its window spans
-        # all its samples in the shard: a resumed stream opens a piece it had begun as the
-        # uninterrupted one did and re-requests the frames of its samples before the position, so
-        # damage (data.on_damaged) is met at the same sample. Per-piece bookkeeping is vectorised;
-        # per-sample values are walked in chunks (never a Python object per sample of the shard).
+        # all its samples in the shard: a resumed stream opens a piece it had begun over the same
+        # frames, so its decoder meets damage (data.on_damaged) in the same block as the uninterrupted
+        # one, and it re-requests the frames of the piece's samples before the position (frames it
+        # decodes anyway), so damage met there is known as counted already. Per-piece bookkeeping is
+        # vectorised; per-sample values are walked in chunks (never a Python object per sample).
         local = piece - piece.min()
         remaining = np.bincount(local[skip:], minlength=int(local.max()) + 1)
         begun = np.bincount(local[:skip], minlength=len(remaining)) > 0
