@@ -221,19 +221,30 @@ def test_on_damaged_error_keeps_stopping_at_the_first_damaged_file(damaged_root,
         make_cfg("data.on_damaged=ignore")
 
 
-def test_validation_replaces_and_marks_the_samples_of_damaged_episodes(damaged_root, make_cfg):
+def test_validation_replaces_the_samples_of_damaged_episodes_and_leaves_them_out(damaged_root, make_cfg, caplog):
+    from slurmvla.eval import validate
+    from slurmvla.policy import build_policy
+
     root, video, episodes = damaged_root
-    cfg = make_cfg(f"data.root={root}")
-    mixture = Mixture(cfg.data, policy_spec(cfg, image_size=32, text_len=24), 0)
-    loader = build_validation_loader(mixture, cfg.data, 16, split="all")
+    cfg = make_cfg(f"data.root={root}", "policy.image_size=32")
+    mixture = Mixture(cfg.data, policy_spec(cfg), 0)
+    loader = build_validation_loader(mixture, cfg.data, 32, split="all")
     batches = list(loader)
     substitute = torch.cat([b[SUBSTITUTE] for b in batches])
     shown = torch.cat([b["episode_index"] for b in batches])
-    lengths = mixture.sources[0].meta.episodes["length"]
-    ids = mixture.sources[0].meta.episodes["episode_index"]
-    assert int(substitute.sum()) == sum(int(n) for e, n in zip(ids, lengths) if e in episodes)
+    lengths = dict(zip(mixture.sources[0].meta.episodes["episode_index"].tolist(),
+                       mixture.sources[0].meta.episodes["length"].tolist()))
+    damaged_samples = sum(lengths[e] for e in episodes)
+    assert int(substitute.sum()) == damaged_samples
     assert not np.isin(shown[substitute].numpy(), episodes).any()
     assert sum(int(b[DAMAGED].sum()) for b in batches) == len(episodes)
+    # The pass runs every sample (the same forward passes) and leaves the substitutes out of its metrics.
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="slurmvla"):
+        metrics = validate(build_policy(cfg.policy), loader, torch.device("cpu"), mixture)
+    assert metrics["val/num_samples"] == sum(lengths.values()) - damaged_samples
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("validation left out")]
+    assert len(said) == 1 and str(video) in said[0] and f"{len(episodes)} damaged episode(s)" in said[0]
 
 
 def test_inspect_scan_lists_exactly_the_damaged_files(damaged_root, sample_root, capsys):
