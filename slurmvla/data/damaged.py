@@ -9,8 +9,9 @@ and split, the first in an order seeded by where the slot is, never by timing:
   mid-way (its frames decode forward, so samples of it may have gone out already) gives its remaining
   slots to the substitute of ``(seed, epoch, piece)``, whose sample for shard slot ``s`` is its
   ``s mod count``-th. A shard yields exactly its sample count, so every rank yields the same number of
-  batches. A resumed stream re-requests the frames of the pieces it had begun (decoding, no samples), so
-  it meets damage at the same slot as the uninterrupted stream and yields the same samples;
+  batches. A resumed stream opens the pieces it had begun over the same frames, so its decoders meet
+  damage where the uninterrupted stream's did and it yields the same samples; it re-requests the frames
+  of their samples before its position, so damage met there is not counted again;
 - the map-style reader: the substitute of ``(seed, epoch, position)``;
 - validation and ``python -m slurmvla.evaluate``: the substitute of ``(dataset, episode)``; its samples
   are marked and left out of the metrics, and the files are reported.
