@@ -300,6 +300,7 @@ class KeepRangesConfig:
         check_choice("data.keep_ranges.semantics", self.semantics, ("frame", "window"))
 
 
+ON_DAMAGED = ("skip", "error")
 DATA_LOADERS = ("stream", "map")
 # The sample dataset's generator revision (part of its cache folder's name): a changed generator
 # writes a new copy instead of reusing an older one.
@@ -405,9 +406,19 @@ class DataConfig:
     # Decoded episodes a stream worker keeps across epochs (0: decode every epoch). Worth it only
     # when a worker's share of the data fits in memory (the sample dataset); DROID's does not.
     stream_cache_episodes: int = 0
+    # A data file that cannot be read (a video that does not decode, a parquet cut short): skip the
+    # episodes it holds, each with one warning, their samples replaced deterministically so every rank keeps
+    # its batch count (slurmvla/data/damaged.py); or error, the first one stopping the run.
+    on_damaged: str = "skip"
+    # Under skip, more damaged episodes than this share of the episodes the run reads stops it: many damaged
+    # files mean the copy is wrong.
+    max_damaged_share: float = 0.001
 
     def __post_init__(self) -> None:
         check_positive("data.num_workers", self.num_workers, allow_zero=True)
+        check_choice("data.on_damaged", self.on_damaged, ON_DAMAGED)
+        if not 0.0 <= self.max_damaged_share <= 1.0:
+            raise ValueError(f"data.max_damaged_share={self.max_damaged_share!r} is not valid; it must be in [0, 1]")
         check_positive("data.sample_episodes", self.sample_episodes)
         check_positive("data.weight", self.weight)
         check_positive("data.num_obs_history", self.num_obs_history)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from slurmvla.compose import ArgumentParser, program
+from slurmvla.data.damaged import pop_marks
 from slurmvla.data.delta import current_state, to_absolute
 from slurmvla.data.loader import build_validation_loader, to_device
 from slurmvla.data.mixture import Mixture
@@ -66,24 +67,29 @@ def evaluate(loaded: Loaded, split: str = "val", seed: int = 0, batch_size: int 
     cols: dict[str, list] = defaultdict(list)
     num_real = loader.dataset.num_real
     seen = 0
+    damaged: list[str] = []
     for i, batch in enumerate(loader):
+        substitute, files = pop_marks(batch)
+        damaged += files
         batch = to_device(batch, device)
         out = policy(batch)
         # What the server would give it, with the noise of this batch's seed (the same on any device).
         pred = seeded_sample_actions(sampler, spec, inference_fields(batch), seed * 1_000_003 + i)
         take = min(len(pred), num_real - seen)
         seen += take
+        # Samples standing in for damaged episodes (data.on_damaged=skip) are left out.
+        keep = ~substitute[:take].bool()
         for key, value in per_sample(out, batch, mixture.control_modes, torch.float64, take).items():
-            cols[key].append(value.cpu())
+            cols[key].append(value.cpu()[keep])
         pred, actions = pred[:take].double().cpu(), batch["actions"][:take].double().cpu()
         if cfg.data.delta_actions:  # back to the commands the robot would get (the same errors; plots in its units)
             state = current_state(batch["state"][:take]).double().cpu()
             pred, actions = (to_absolute(a, state, cfg.data.delta_actions) for a in (pred, actions))
-        cols["pred"].append(pred)
-        cols["actions"].append(actions)
-        cols["mask"].append(batch["action_mask"][:take].cpu())
+        cols["pred"].append(pred[keep])
+        cols["actions"].append(actions[keep])
+        cols["mask"].append(batch["action_mask"][:take].cpu()[keep])
         for key in ("episode_index", "frame_index"):  # for the plots: which episode, where along it
-            cols[key].append(batch[key][:take].cpu())
+            cols[key].append(batch[key][:take].cpu()[keep])
     v = {k: torch.cat(x).numpy() for k, x in cols.items()}
     val = bucket({k: torch.as_tensor(x) for k, x in v.items() if "/" in k or k in ("dataset_index", "control_mode", "mode")},
                  mixture.names, mixture.control_modes, list(mixture.weights))
@@ -98,6 +104,8 @@ def evaluate(loaded: Loaded, split: str = "val", seed: int = 0, batch_size: int 
         "by_control_mode": {m: _errors(v, v["control_mode"] == c, scale, names)
                             for c, m in enumerate(mixture.control_modes) if (v["control_mode"] == c).any()},
         "validation_loss": {k.removeprefix("val/"): x for k, x in val.items()},
+        # Damaged episodes skipped (data.on_damaged=skip): their samples are not in the numbers above.
+        "skipped_damaged": damaged,
     }
     return metrics, v
 
@@ -228,6 +236,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{metrics['num_samples']} samples ({args.split}): chunk MSE {metrics['chunk_mse']:.4f}, first step "
           f"{metrics['first_step_mse']:.4f} (normalized); validation loss "
           f"{metrics['validation_loss'].get('loss', float('nan')):.4f}")
+    if metrics["skipped_damaged"]:
+        print(f"skipped {len(metrics['skipped_damaged'])} damaged episode(s) (data.on_damaged=skip): "
+              + "; ".join(metrics["skipped_damaged"]))
     for path in written:
         print(f"wrote {path}")
 

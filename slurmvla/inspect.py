@@ -2,6 +2,12 @@
 
     python -m slurmvla.inspect [the same overrides as slurmvla.train]
     python -m slurmvla.inspect data.root=/data/droid data.keep_ranges.path=... data.keep_ranges.episode_id_to_path=...
+    python -m slurmvla.inspect --scan [overrides]
+
+--scan: check every data file of every dataset instead, each once: every video opened and all its frames
+decoded (not converted; threads in parallel; about the time one epoch spends decoding, so minutes to hours
+on DROID), every data parquet read whole. Prints each damaged file with its reason and the episodes it
+holds and exits 1 when there is any (0 when every file reads): what data.on_damaged=skip would skip.
 
 Per dataset: format version, episodes and frames in total, episodes and frames kept by the filters,
 episodes whose keep-ranges key could not be built, samples per epoch under each keep-ranges
@@ -17,10 +23,11 @@ import sys
 
 from slurmvla.compose import compose
 from slurmvla.config import Config
+from slurmvla.data.damaged import scan
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.source import LeRobotSource, dataset_specs
 from slurmvla.data.synthetic import ensure_sample_dataset
-from slurmvla.errors import boundary
+from slurmvla.errors import FAILED, boundary
 from slurmvla.policy import sample_spec
 
 
@@ -57,6 +64,19 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in args):
         print(__doc__)
+        return
+    if "--scan" in args:
+        with boundary():
+            cfg = compose([a for a in args if a != "--scan"])
+            ensure_sample_dataset(cfg.data)
+            mixture = Mixture(cfg.data, sample_spec(cfg.policy), cfg.trainer.seed)
+            found = scan(mixture.sources)
+        for f in found:
+            shown = ", ".join(map(str, f.episodes[:20])) + (f", ... ({len(f.episodes)})" if len(f.episodes) > 20 else "")
+            print(f"damaged: {f.path}: {f.reason}; {f.dataset} episodes {shown}")
+        print(f"{len(found)} damaged file(s)" if found else "every data file reads")
+        if found:
+            sys.exit(FAILED)
         return
     with boundary():
         summary = summarize(compose(args))

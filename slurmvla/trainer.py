@@ -23,6 +23,7 @@ from tqdm import tqdm
 from slurmvla.checkpoint import CheckpointManager
 from slurmvla.collectives import agree, check_same_fields, gather_objects
 from slurmvla.config import Config
+from slurmvla.data.damaged import DamageCount
 from slurmvla.data.loader import TrainData, build_validation_loader, to_device
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.synthetic import ensure_sample_dataset
@@ -167,6 +168,7 @@ class Trainer:
         cls.check_data(cfg.policy, self.mixture.features)
         self.data = TrainData(self.mixture, cfg.data, self.micro_batch_size, self.env.rank, self.env.world_size, seed,
                               pin_memory=self.device.type == "cuda")
+        self.damaged = DamageCount(cfg.data, self.mixture.episodes_per_epoch)
         self.val_loader = build_validation_loader(self.mixture, cfg.data, self.micro_batch_size, self.env.rank,
                                                   self.env.world_size)
         if self.env.is_main:
@@ -231,7 +233,7 @@ class Trainer:
                 continue
             self.batches_in_epoch += 1
             timer.mark("data wait")
-            batch = to_device(self._host_part(batch), self.device)
+            batch = to_device(self._host_part(self.damaged.take(batch)), self.device)
             timer.mark("host->device")
             return batch
 
@@ -432,6 +434,7 @@ class Trainer:
             "grad_norm": float(window["grad_norm"]) / steps,
             "samples_per_s": steps * self.cfg.trainer.global_batch_size / max(elapsed, 1e-9),
             "epoch": self.epoch,
+            "damaged_episodes": self.damaged.reduce(self.epoch),  # every rank's, since the last record
         }
         distinct = set(lrs.values())
         metrics["lr"] = max(distinct)
@@ -448,13 +451,15 @@ class Trainer:
         return {
             "step": self.step,
             "epoch": self.epoch,
-            "data": {"batches_in_epoch": self.batches_in_epoch, "layout": self.data.layout},
+            "data": {"batches_in_epoch": self.batches_in_epoch, "layout": self.data.layout,
+                     "damaged": self.damaged.state_dict()},
             "scheduler": self.scheduler.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.epoch = state["step"], state["epoch"]
         self.batches_in_epoch = self.data.resume_position(state["data"])
+        self.damaged.load_state_dict(state["data"].get("damaged"))
         self.scheduler.load_state_dict(state["scheduler"])
         self._batches = None
 

@@ -163,7 +163,8 @@ def test_a_missing_video_found_while_training_is_one_line(damaged, tmp_path):
     """Start-up opens no video: a missing one is found when first read, here in a data loader worker."""
     video = sorted((damaged / "videos").glob("*/chunk-000/file-000.mp4"))[0]
     video.unlink()
-    res = cli("slurmvla.train", f"data.root={damaged}", "data.num_workers=1", "logging.wandb.mode=disabled",
+    res = cli("slurmvla.train", f"data.root={damaged}", "data.num_workers=1", "data.on_damaged=error",
+              "logging.wandb.mode=disabled",
               "trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.progress_bar=false",
               f"hydra.run.dir={tmp_path / 'run'}")
     assert res.returncode == 1
@@ -264,14 +265,34 @@ def test_evaluate_names_a_missing_video_read_in_a_worker(trained_run, damaged, c
     video = sorted((damaged / "videos").glob("*/chunk-000/file-000.mp4"))[0]
     video.unlink()
     fails(capsys, lambda: evaluate.main([str(trained_run), "--split", "all", "--plot-episodes", "0",
-                                         f"data.root={damaged}", "data.num_workers=1"]), f"video {video} does not exist")
+                                         f"data.root={damaged}", "data.num_workers=1", "data.on_damaged=error"]),
+          f"video {video} does not exist")
+
+
+def test_evaluate_skips_a_damaged_data_file_and_says_so(trained_run, damaged, capsys):
+    """Under data.on_damaged=skip (the default) evaluate reports the damaged episodes and leaves them out."""
+    import pyarrow.parquet as pq
+
+    data = sorted((damaged / "data").glob("**/*.parquet"))[0]
+    held = sorted(set(pq.read_table(data, columns=["episode_index"])["episode_index"].to_pylist()))
+    data.write_bytes(data.read_bytes()[:300])
+    evaluate.main([str(trained_run), "--split", "all", "--plot-episodes", "0", "--out", str(damaged.parent / "eval"),
+                   f"data.root={damaged}", "data.max_damaged_share=1"])
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("skipped")]
+    assert len(said) == 1 and said[0].startswith(f"skipped {len(held)} damaged episode(s)") and str(data) in said[0]
+    metrics = json.loads((damaged.parent / "eval" / "metrics.json").read_text())
+    episodes = pq.read_table(next((damaged / "meta" / "episodes").glob("**/*.parquet")), columns=["episode_index", "length"])
+    lengths = dict(zip(episodes["episode_index"].to_pylist(), episodes["length"].to_pylist()))
+    assert metrics["num_samples"] == sum(n for e, n in lengths.items() if e not in held)
+    assert len(metrics["skipped_damaged"]) == len(held)
 
 
 def test_evaluate_names_a_corrupted_data_file(trained_run, damaged, capsys):
     data = sorted((damaged / "data").glob("**/*.parquet"))[0]  # the first episodes': read first
     data.write_bytes(data.read_bytes()[:300])
     fails(capsys, lambda: evaluate.main([str(trained_run), "--split", "all", "--plot-episodes", "0",
-                                         f"data.root={damaged}"]), str(data), "cannot be read as parquet")
+                                         f"data.root={damaged}", "data.on_damaged=error"]), str(data),
+          "cannot be read as parquet")
 
 
 # -- the sample-data writer and the launch helpers --------------------------------------------------

@@ -76,13 +76,15 @@ def reading(path: Path, what: str = "parquet"):
     try:
         yield
     except FileNotFoundError:
-        raise DataError(f"{path} does not exist, but the dataset's metadata names it (an incomplete copy?)") from None
+        raise DataError(f"{path} does not exist, but the dataset's metadata names it (an incomplete copy?)",
+                        path) from None
     except IsADirectoryError:
-        raise DataError(f"{path} is a directory, but the dataset needs it to be a file ({what})") from None
+        raise DataError(f"{path} is a directory, but the dataset needs it to be a file ({what})", path) from None
     except (OSError, pa.ArrowException) as e:
         reason = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
         reason = reason.replace(f"Could not open Parquet input source '{path}': ", "")  # the path, said once
-        raise DataError(f"{path} cannot be read as {what} ({reason}); the file is damaged or incomplete") from None
+        raise DataError(f"{path} cannot be read as {what} ({reason}); the file is damaged or incomplete",
+                        path) from None
 
 
 def read_table(path: Path, columns: list[str] | None = None) -> pa.Table:
@@ -306,8 +308,8 @@ class LeRobotMetadata:
             columns = read_rows(path, ["index", *keys], ("index", lo, hi))
             order = np.argsort(columns["index"], kind="stable")
         if len(order) != hi - lo:
-            raise ValueError(f"{path}: episode {int(self.episodes['episode_index'][pos])} has {len(order)} rows, "
-                             f"its metadata says {hi - lo}")
+            raise DataError(f"{path}: episode {int(self.episodes['episode_index'][pos])} has {len(order)} rows, "
+                            f"its metadata says {hi - lo}", path)
         return {k: columns[k][order] for k in keys}
 
     def episode_constant_from_stats(self, key: str) -> np.ndarray | None:

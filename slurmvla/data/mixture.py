@@ -93,6 +93,11 @@ class Mixture:
         return sorted({s.spec.control_mode for s in self.sources})
 
     @property
+    def episodes_per_epoch(self) -> int:
+        """Training episodes the datasets with a quota hold (an epoch reads each about once)."""
+        return int(sum(len(s.train_index.episodes) for s, q in zip(self.sources, self.quota) if q > 0))
+
+    @property
     def samples_per_epoch(self) -> int:
         return int(self.quota.sum())
 

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
+from slurmvla.data import DataError
+from slurmvla.data.damaged import Damaged, StandIn, mark, stand_in
 from slurmvla.data.index import SampleIndex
 from slurmvla.data.mixture import Mixture, Plan, seeded_rng
 from slurmvla.data.source import Episode, LeRobotSource
@@ -67,6 +69,7 @@ class EpisodeStream(IterableDataset):
         # epoch, so they can keep decoded episodes (data.stream_cache_episodes) across epochs.
         self._where = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._kept = _EpisodeCache(mixture.sources, mixture.cfg.stream_cache_episodes)
+        self._damaged = Damaged(mixture.cfg)
 
     @property
     def epoch(self) -> int:
@@ -132,32 +135,59 @@ class EpisodeStream(IterableDataset):
         shard = self.rank * self.num_workers + logical
         d, e, t, rep, piece = self.shard_order(epoch, shard)
         skip = first_batch * self.batch_size
-        d, e, t, rep, piece = d[skip:], e[skip:], t[skip:], rep[skip:], piece[skip:]
-        if len(piece) == 0:
+        if skip >= len(piece):
             return
         # A piece is opened once, as a window that decodes its frames forward and holds only those
-        # a later sample of it can still need, and closed after its last sample. Per-piece
-        # bookkeeping is vectorised; per-sample values are walked in chunks (never a Python object
-        # per sample of the whole shard).
+        # a later sample of it can still need, and closed after its last sample. Its window spans
+        # all its samples in the shard: a resumed stream opens a piece it had begun over the same
+        # frames, so its decoder meets damage (data.on_damaged) in the same block as the uninterrupted
+        # one, and it re-requests the frames of the piece's samples before the position (frames it
+        # decodes anyway), so damage met there is known as counted already. Per-piece bookkeeping is
+        # vectorised; per-sample values are walked in chunks (never a Python object per sample).
         local = piece - piece.min()
-        remaining = np.bincount(local)
+        remaining = np.bincount(local[skip:], minlength=int(local.max()) + 1)
+        begun = np.bincount(local[:skip], minlength=len(remaining)) > 0
         first = np.full(len(remaining), np.iinfo(np.int64).max)
         last = np.full(len(remaining), -1)
         np.minimum.at(first, local, t)
         np.maximum.at(last, local, t)
         open_pieces: dict[int, Episode] = {}
+        stand_ins: dict[int, StandIn] = {}  # pieces found damaged: their substitutes
         try:
-            for lo in range(0, len(piece), 4096):
-                chunk = zip(d[lo : lo + 4096].tolist(), e[lo : lo + 4096].tolist(), t[lo : lo + 4096].tolist(),
-                            rep[lo : lo + 4096].tolist(), local[lo : lo + 4096].tolist())
-                for ds, ep, frame, r, p in chunk:
-                    loaded = open_pieces.get(p)
-                    if loaded is None:
-                        loaded = open_pieces[p] = self._open(ds, ep, int(first[p]), int(last[p]))
-                    yield self.mixture.sources[ds].sample(loaded, frame, epoch, r, train=True)
+            for lo in range(skip, len(piece), 4096):
+                chunk = zip(range(lo, lo + 4096), d[lo : lo + 4096].tolist(), e[lo : lo + 4096].tolist(),
+                            t[lo : lo + 4096].tolist(), rep[lo : lo + 4096].tolist(), local[lo : lo + 4096].tolist())
+                for slot, ds, ep, frame, r, p in chunk:
+                    source = self.mixture.sources[ds]
+                    met: list[str] = []
+                    if p not in stand_ins:
+                        before = False  # damage met before the position was counted then
+                        try:
+                            loaded = open_pieces.get(p)
+                            if loaded is None:
+                                before = bool(begun[p])
+                                loaded = open_pieces[p] = self._open(ds, ep, int(first[p]), int(last[p]))
+                                for earlier in t[:skip][local[:skip] == p].tolist() if before else ():
+                                    loaded.images(source.history_frames(earlier))
+                                before = False
+                            sample = source.sample(loaded, frame, epoch, r, train=True)
+                        except DataError as err:
+                            what, _ = self._damaged.met(source, ep, err)
+                            if not before:
+                                met.append(what)
+                            if p in open_pieces:
+                                open_pieces.pop(p).close()
+                            rng = seeded_rng("substitute", self.mixture.seed, epoch, int(piece[slot]))
+                            # A damaged candidate is not counted here: its own slots count it.
+                            stand_ins[p] = stand_in(source, source.train_index, rng, self._damaged, ep, None)
+                    if p in stand_ins:
+                        sample = stand_ins[p].sample(slot, epoch, r, train=True)
+                    yield mark(sample, met, p in stand_ins)
                     remaining[p] -= 1
                     if remaining[p] == 0:
-                        open_pieces.pop(p).close()
+                        stand_ins.pop(p, None)
+                        if p in open_pieces:
+                            open_pieces.pop(p).close()
         finally:
             for loaded in open_pieces.values():
                 loaded.close()
@@ -178,6 +208,7 @@ class MapDataset(Dataset):
         self.cache_size = cache_size
         self._plans: dict[int, Plan] = {}
         self._cache: _EpisodeCache | None = None
+        self._damaged = Damaged(mixture.cfg)
 
     def __len__(self) -> int:
         return self.mixture.samples_per_epoch
@@ -196,7 +227,19 @@ class MapDataset(Dataset):
         t = int(source.train_index.frames_of(np.asarray([e]), k)[0])
         if self._cache is None:
             self._cache = _EpisodeCache(self.mixture.sources, self.cache_size)
-        return source.sample(self._cache.get(d, e), t, epoch, int(plan.repeat[piece[0]]), train=True)
+        repeat = int(plan.repeat[piece[0]])
+        met: list[str] = []
+        # An episode found damaged is not read again; it is counted once per worker process (a sample of it
+        # is met at every position it holds).
+        if (d, e) not in self._damaged.known:
+            try:
+                return mark(source.sample(self._cache.get(d, e), t, epoch, repeat, train=True))
+            except DataError as err:
+                met.append(self._damaged.met(source, e, err)[0])
+        rng = seeded_rng("substitute", self.mixture.seed, epoch, g)
+        sub = stand_in(source, source.train_index, rng, self._damaged, e, met if met else None,
+                       lambda pos: self._cache.get(d, pos))
+        return mark(sub.sample(g, epoch, repeat, train=True), met, True)
 
 
 SPLITS = ("val", "all")
@@ -231,19 +274,37 @@ class ValidationDataset(Dataset):
             ends = np.append(starts, len(self.rows)) - 1
             self._episode_last = np.repeat(self.rows[ends, 2], np.diff(np.concatenate([[0], ends + 1])))
         self._window: tuple[int, int, int, Episode] | None = None  # (dataset, episode, last frame served, window)
+        self._damaged = Damaged(mixture.cfg)
+        self._stand_in: tuple[int, int, StandIn] | None = None  # (dataset, damaged episode, its substitute)
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict:
         d, e, t = (int(v) for v in self.rows[i])
-        if self._window is None or self._window[:2] != (d, e) or t < self._window[2]:
+        source = self.mixture.sources[d]
+        if self._stand_in is not None and self._stand_in[:2] == (d, e):
+            return mark(self._stand_in[2].sample(i, self.EPOCH), (), True)
+        try:
+            if self._window is None or self._window[:2] != (d, e) or t < self._window[2]:
+                if self._window is not None:
+                    self._window[3].close()
+                    self._window = None
+                self._window = (d, e, t, source.open_episode(e, t, int(self._episode_last[i])))
+            window = self._window[3]
+            self._window = (d, e, t, window)
+            return mark(source.sample(window, t, self.EPOCH))
+        except DataError as err:
             if self._window is not None:
                 self._window[3].close()
-            self._window = (d, e, t, self.mixture.sources[d].open_episode(e, t, int(self._episode_last[i])))
-        window = self._window[3]
-        self._window = (d, e, t, window)
-        return self.mixture.sources[d].sample(window, t, self.EPOCH)
+                self._window = None
+            what, _ = self._damaged.met(source, e, err)  # an episode's rows are contiguous: met once a pass
+            met = [what]
+            val = source.val_index
+            index = val if val.ep_count[e] > 0 and len(val.episodes) > 1 else source.index
+            sub = stand_in(source, index, seeded_rng("substitute", "validation", d, e), self._damaged, e, None)
+            self._stand_in = (d, e, sub)
+            return mark(sub.sample(i, self.EPOCH), met, True)
 
 
 class EpochSampler(Sampler[tuple[int, int]]):

@@ -389,6 +389,10 @@ class LeRobotSource:
         # Seeded by (seed, dataset, episode, frame): the same on every worker, world size and resume.
         return options[seeded_int(self.seed, self.dataset_index, episode.pos, t) % len(options)]
 
+    def history_frames(self, t: int) -> np.ndarray:
+        """The frames the sample starting at ``t`` shows (its history, clipped at the episode start)."""
+        return np.maximum(t + self.history_offsets, 0)
+
     def sample(self, episode: Episode, t: int, epoch: int, repeat: int = 0, train: bool = False) -> dict:
         """The sample starting at frame ``t``. Its training randomness (flow-matching noise and time,
         the mode under data.mode=joint, and with ``train`` the image augmentation, data.augment) is a
@@ -403,7 +407,7 @@ class LeRobotSource:
             actions = to_delta(actions, episode.state[t], cfg.delta_actions)
         hist = t + self.history_offsets
         hist_ok = hist >= 0
-        hist = np.maximum(hist, 0)
+        hist = self.history_frames(t)
         images = episode.images(hist)  # [n_hist, cams, H, W, 3]
         image_mask = hist_ok[:, None] & episode.present[None, :]
         state = episode.state[hist]

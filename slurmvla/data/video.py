@@ -44,12 +44,13 @@ class FrameReader:
             self._container = av.open(str(path))
         except FileNotFoundError:
             raise DataError(f"video {path} does not exist, but the dataset's metadata names it (an incomplete "
-                            "copy?)") from None
+                            "copy?)", path) from None
         except (OSError, av.error.FFmpegError) as e:
-            raise DataError(f"video {path} cannot be opened ({_reason(e)}); the file is damaged or not a video") from None
+            raise DataError(f"video {path} cannot be opened ({_reason(e)}); the file is damaged or not a video",
+                            path) from None
         if not self._container.streams.video:
             self.close()
-            raise DataError(f"video {path} has no video stream")
+            raise DataError(f"video {path} has no video stream", path)
         stream = self._container.streams.video[0]
         # One decoding thread per decoder: the cameras decode in parallel on read_concurrently's pool
         # and the loader's workers run side by side. FFmpeg's automatic count is one thread per core for
@@ -57,7 +58,11 @@ class FrameReader:
         # by default): thousands of threads per worker on a many-core node, each with its own buffers.
         stream.codec_context.thread_count = DECODER_THREADS
         if from_ts > 0:
-            self._container.seek(int(from_ts / stream.time_base), stream=stream, backward=True, any_frame=False)
+            try:
+                self._container.seek(int(from_ts / stream.time_base), stream=stream, backward=True, any_frame=False)
+            except av.error.FFmpegError as e:
+                self.close()
+                raise DataError(f"{path}: the video cannot be read to {from_ts:.3f} s ({_reason(e)})", path) from None
         self._time_base = float(stream.time_base)
         self._frames = self._container.decode(stream)
         self._ahead: tuple[int, av.VideoFrame] | None = None  # a frame decoded past the last block
@@ -76,7 +81,7 @@ class FrameReader:
                     frame = next(self._frames, None)
                 except av.error.FFmpegError as e:  # a damaged stream past the header
                     self.close()
-                    raise DataError(f"{self.path}: the video cannot be decoded ({_reason(e)})") from None
+                    raise DataError(f"{self.path}: the video cannot be decoded ({_reason(e)})", self.path) from None
                 if frame is None:
                     break
                 if frame.pts is None:
@@ -98,7 +103,8 @@ class FrameReader:
             missing = int((~filled).sum())
             t0, t1 = self.from_ts + start / self.fps, self.from_ts + end / self.fps
             self.close()
-            raise DataError(f"{self.path}: {missing} of {n} frames in [{t0:.3f}, {t1:.3f}) s could not be decoded")
+            raise DataError(f"{self.path}: {missing} of {n} frames in [{t0:.3f}, {t1:.3f}) s could not be decoded",
+                            self.path)
         self.next = end
         return out
 

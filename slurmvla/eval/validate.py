@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from slurmvla.collectives import check_same_fields, gather_dict
+from slurmvla.collectives import check_same_fields, gather_dict, gather_objects
+from slurmvla.data.damaged import leave_out, pop_marks, say_skipped
 from slurmvla.data.loader import to_device
 from slurmvla.data.mixture import Mixture
 from slurmvla.registry import SAMPLE_MODES
@@ -36,10 +37,15 @@ def validate(policy: torch.nn.Module, loader, device: torch.device, mixture: Mix
     was_training = policy.training
     policy.eval()
     columns: dict[str, list[torch.Tensor]] = defaultdict(list)
+    substitutes: list[torch.Tensor] = []
+    damaged: list[str] = []
     try:
         for i, batch in enumerate(loader):
             if should_stop is not None and should_stop():
                 return None
+            substitute, files = pop_marks(batch)
+            substitutes.append(substitute)
+            damaged += files
             if i == 0:  # the trainer's first-batch rule: a field some ranks lack stops all, naming it
                 check_same_fields(batch.keys(), what="validation batch")
             batch = to_device(host_part(batch) if host_part is not None else batch, device)
@@ -50,7 +56,12 @@ def validate(policy: torch.nn.Module, loader, device: torch.device, mixture: Mix
     finally:
         policy.train(was_training)
     values = {k: torch.cat(v) for k, v in columns.items()}
-    gathered = gather_dict(values, loader.dataset.num_real)
+    # Samples standing in for damaged episodes (data.on_damaged=skip) are left out of the metrics, and said.
+    values, count = leave_out(values, torch.cat(substitutes), loader.dataset.num_real)
+    everyone = gather_objects(damaged)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        say_skipped("validation", sorted({f for files in everyone for f in files}))
+    gathered = gather_dict(values, count)
     if gathered is None:
         return None
     return bucket(gathered, mixture.names, control_modes, list(mixture.weights))
