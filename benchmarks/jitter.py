@@ -120,7 +120,7 @@ class SmClock:
     else nothing: :attr:`source` says which."""
 
     def __init__(self, device: torch.device):
-        self.source, self.lib, self.handle, self.why = None, None, None, ""
+        self.source, self.handle, self.why = None, None, ""
         try:
             lib = ctypes.CDLL("libnvidia-ml.so.1")
             if lib.nvmlInit_v2() != 0:
@@ -130,12 +130,16 @@ class SmClock:
             handle = ctypes.c_void_p()
             if lib.nvmlDeviceGetHandleByPciBusId_v2(ctypes.c_char_p(bus), ctypes.byref(handle)) != 0:
                 raise OSError(f"no NVML device at PCI {bus.decode()}")
-            self.lib, self.handle, self.source = lib, handle, "nvml"
+            self.get_clock = lib.nvmlDeviceGetClockInfo
+            # The same call under its newer name and its older one (both: device, unsigned long long *).
+            self.get_reasons = getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None) \
+                or getattr(lib, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+            self.handle, self.source = handle, "nvml"
             if self.read()[0] is None:
                 raise OSError("nvmlDeviceGetClockInfo failed")
             return
         except Exception as e:  # noqa: BLE001 - optional: no driver library, an older one, no PCI ids
-            self.lib, self.handle, self.source, self.why = None, None, None, f"NVML: {e}"
+            self.handle, self.source, self.why = None, None, f"NVML: {e}"
         try:
             torch.cuda.clock_rate(device)
             self.source = "torch.cuda.clock_rate"
@@ -143,15 +147,18 @@ class SmClock:
             self.why += f"; torch.cuda.clock_rate: {e}"
 
     def read(self) -> tuple[float | None, int]:
-        """(SM MHz, clock-event reasons bitmask; -1 where unknown)."""
-        if self.source == "nvml":
-            mhz, reasons = ctypes.c_uint(), ctypes.c_ulonglong()
-            if self.lib.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(mhz)) != 0:  # 1: NVML_CLOCK_SM
-                return None, -1
-            ok = self.lib.nvmlDeviceGetCurrentClocksThrottleReasons(self.handle, ctypes.byref(reasons)) == 0
-            return float(mhz.value), int(reasons.value) if ok else -1
-        if self.source is not None:
-            return float(torch.cuda.clock_rate()), -1
+        """(SM MHz, clock-event reasons bitmask; -1 where unknown); (None, -1) where the read fails."""
+        try:
+            if self.source == "nvml":
+                mhz, reasons = ctypes.c_uint(), ctypes.c_ulonglong()
+                if self.get_clock(self.handle, 1, ctypes.byref(mhz)) != 0:  # 1: NVML_CLOCK_SM
+                    return None, -1
+                ok = self.get_reasons is not None and self.get_reasons(self.handle, ctypes.byref(reasons)) == 0
+                return float(mhz.value), int(reasons.value) if ok else -1
+            if self.source is not None:
+                return float(torch.cuda.clock_rate()), -1
+        except Exception:  # noqa: BLE001 - optional: a failed read is a missing figure, not a failed run
+            pass
         return None, -1
 
 
@@ -316,6 +323,9 @@ def summary(rec: Records) -> dict:
     if not np.isnan(rec.sm_mhz).all():
         out["sm_mhz"] = {"min": float(np.nanmin(rec.sm_mhz)), "p50": float(np.nanmedian(rec.sm_mhz)),
                          "max": float(np.nanmax(rec.sm_mhz))}
+    if (rec.clock_reasons >= 0).any():  # NVML's clock-event reasons (e.g. 0x1 idle, 0x4 power cap, 0x20/0x40 thermal)
+        masks = collections.Counter(hex(int(m)) for m in rec.clock_reasons if m >= 0)
+        out["clock_reasons"] = dict(masks.most_common())
     gcs = rec.gc_gen >= 0
     out["gc"] = {"calls_with_pass": int(gcs.sum()), "by_generation": {g: int((rec.gc_gen == g).sum()) for g in range(3)},
                  "ms_max": float(rec.gc_ms.max()), "passes_between_calls": rec.gc_outside}
@@ -380,7 +390,8 @@ def table(name: str, rec: Records) -> str:
                  f"{gcs['ms_max']:.2f} ms, {gcs['passes_between_calls']} between calls; allocator: retries in "
                  f"{s['allocator']['calls_with_retries']}, reserved changed in {s['allocator']['calls_reserving']}, "
                  f"cudaMalloc in {s['allocator']['calls_with_cudamalloc']} calls"
-                 + (f"; SM clock {s['sm_mhz']['min']:.0f}-{s['sm_mhz']['max']:.0f} MHz" if "sm_mhz" in s else ""))
+                 + (f"; SM clock {s['sm_mhz']['min']:.0f}-{s['sm_mhz']['max']:.0f} MHz" if "sm_mhz" in s else "")
+                 + (f" (clock-event reasons, calls: {s['clock_reasons']})" if "clock_reasons" in s else ""))
     grew = ", ".join(f"{k} {v}" for k, v in w["stage_grew"].items())
     lines.append(f"    slowest {w['calls']}: +{w['excess_ms']:.2f} ms over the median; stage that grew: {grew}; with a gc "
                  f"pass {w['with_gc']} (gen 2: {w['with_gc_gen2']}, mean {w['gc_ms']:.2f} ms); allocator retry "

@@ -135,3 +135,11 @@ def test_instrumented_runner_gives_the_same_actions_and_accounts_every_stage(jit
     assert not {"read", "read_rtc", "batch", "act", "absolute"} & set(vars(runner))
     assert not {"sample_actions", "_text"} & set(vars(runner.policy)) and runner.spec == type(runner.policy).sample_spec(cfg.policy)
     assert np.array_equal(runner.infer(obs)["actions"], plain)
+
+
+def test_sm_clock_reads_nothing_without_a_gpu(jitter):
+    """No NVML and no GPU (this CPU): no source, a reason, and reads that give nothing rather than fail."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU: the clock may be readable")
+    sm = jitter.SmClock(torch.device("cpu"))
+    assert sm.source is None and sm.why and sm.read() == (None, -1)
