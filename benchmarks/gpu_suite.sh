@@ -54,7 +54,7 @@ section() {
         denoise) run denoise "${SUITE_LIMIT_DENOISE:-200}" python3 benchmarks/sample_latency.py "${PI05[@]}" \
             policy.denoise_attention=matmul --modes eager,graph,compile_graph --iters 30 --kernels 12 ;;
         jitter) run jitter "${SUITE_LIMIT_JITTER:-200}" python3 benchmarks/sample_latency.py "${PI05[@]}" --jitter \
-            --modes graph,compile_graph --iters 500 --variants full,nogc,replay --json "$OUT/jitter.json" ;;
+            --modes graph,compile_graph --iters 500 --variants full,nogc,replay --deadline $(( ${SUITE_LIMIT_JITTER:-200} - 15 )) --json "$OUT/jitter.json" ;;
         train) run train "${SUITE_LIMIT_TRAIN:-150}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
             profile.kernels=15 ;;
         compile) run compile "${SUITE_LIMIT_COMPILE:-200}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \

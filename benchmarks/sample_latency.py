@@ -90,12 +90,16 @@ def main() -> None:
     parser.add_argument("--jitter", action="store_true", help="where the latency tail comes from: per-call stages, "
                         "the collector, the allocator, the clock (see above)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"with --jitter, of {list(VARIANTS)}")
+    parser.add_argument("--deadline", type=float, metavar="S", help="with --jitter, skip a variant that would not end "
+                        "within S seconds of the start (its calls at the last p50), so that a time limit leaves a "
+                        "finished table")
     parser.add_argument("--server", action="store_true", help="also time the server through openpi's client")
     parser.add_argument("--json", help="write the figures here too")
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="per mode, the N most expensive kernels of 5 calls under torch's profiler, and their kinds")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
+    args.start = time.perf_counter()
     bad = [v for v in args.variants.split(",") if v not in VARIANTS]
     if bad:
         parser.error(f"--variants: {bad[0]!r} is not a variant; choose from {list(VARIANTS)}")
@@ -220,7 +224,13 @@ def jitter(loaded: Loaded, batch: dict, ctx, autocast: bool, cuda: bool, args) -
             same = np.array_equal(session.infer(obs)["actions"], plain)
         print(f"{mode}: first call {row['first_call_s']:.1f} s; timing wrappers change no action: {same}", flush=True)
         row["same_actions_instrumented"] = bool(same)
+        p50 = None
         for variant in args.variants.split(","):
+            left = None if args.deadline is None else args.deadline - (time.perf_counter() - args.start)
+            if left is not None and p50 is not None and (args.iters + 10) * p50 / 1000 > left:
+                print(f"  {variant}: skipped, {args.iters} calls at {p50:.1f} ms would not end within --deadline "
+                      f"{args.deadline:.0f} s ({left:.0f} s left)", flush=True)
+                continue
             call = jitter_call(variant, runner, session, obs, batch, ctx, clock, inst, cuda)
             if variant in ("full", "nogc", "act"):
                 with inst:
@@ -228,6 +238,7 @@ def jitter(loaded: Loaded, batch: dict, ctx, autocast: bool, cuda: bool, args) -
             else:
                 rec = measure(call, args.iters, clock, cuda, inst, sm)
             print(table(variant, rec), flush=True)
+            p50 = float(np.median(rec.total))
             row["variants"][variant] = {"summary": summary(rec), "slowest": slowest(rec),
                                         "calls": {"total": np.round(rec.total, 4).tolist(),
                                                   "gc_ms": np.round(rec.gc_ms, 4).tolist(),
