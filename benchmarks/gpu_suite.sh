@@ -9,6 +9,9 @@
 #             client, and the kernels of each
 #   unfused   the graphed modes with serve.fused_projections=false (latency runs them fused, the default)
 #   denoise   the graphed modes with policy.denoise_attention=matmul (latency runs sdpa, the default)
+#   jitter    where the graphed modes' p99 comes from: 500 served calls (PolicyRunner under serve.cuda_graph, then
+#             serve.compile too) split into stages, with the collector, the allocator and the SM clock per call;
+#             the same with the collector off and with the graph replayed alone (sample_latency.py --jitter)
 #   train     python -m slurmvla.profile at micro-batch 16: phases, MFU, start-up, kernels
 #   compile   the same with trainer.compile=true
 #   efficient the compiled step with the memory-efficient attention kernel first (policy.attention_kernels)
@@ -50,6 +53,8 @@ section() {
             serve.fused_projections=false --modes eager,graph,compile_graph --iters 30 --kernels 12 ;;
         denoise) run denoise "${SUITE_LIMIT_DENOISE:-200}" python3 benchmarks/sample_latency.py "${PI05[@]}" \
             policy.denoise_attention=matmul --modes eager,graph,compile_graph --iters 30 --kernels 12 ;;
+        jitter) run jitter "${SUITE_LIMIT_JITTER:-200}" python3 benchmarks/sample_latency.py "${PI05[@]}" --jitter \
+            --modes graph,compile_graph --iters 500 --variants full,nogc,replay --deadline $(( ${SUITE_LIMIT_JITTER:-200} - 15 )) --json "$OUT/jitter.json" ;;
         train) run train "${SUITE_LIMIT_TRAIN:-150}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
             profile.kernels=15 ;;
         compile) run compile "${SUITE_LIMIT_COMPILE:-200}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
@@ -70,7 +75,7 @@ section() {
             --json "$OUT/rtc_cost.json" ;;
         inference_tests) run inference_tests "${SUITE_LIMIT_INFERENCE_TESTS:-90}" python3 -m pytest -q -p no:cacheprovider \
             tests/test_gpu.py -k "graph or server or never_waits" ;;
-        *) echo "unknown section $1; choose from tests latency unfused denoise train compile efficient bucket sac batch load rtc inference_tests lerobot" >&2; exit 2 ;;
+        *) echo "unknown section $1; choose from tests latency unfused denoise jitter train compile efficient bucket sac batch load rtc inference_tests lerobot" >&2; exit 2 ;;
     esac
 }
 

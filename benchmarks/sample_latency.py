@@ -20,6 +20,17 @@ call), and the largest difference of its actions from ``eager``'s (same weights,
 both through CUDA graphs (of the compiled layers when ``compile_graph`` ran): p50 of both and their
 difference. On a CPU only the eager modes run. Every mode runs with pi0 / pi0.5's projections fused as the server
 runs them (``serve.fused_projections``; ``serve.fused_projections=false`` times them unfused).
+
+``--jitter``: where the latency tail comes from (benchmarks/jitter.py). Per mode (default ``graph,compile_graph``
+on a GPU, ``eager`` on a CPU), ``--iters`` (default 500) calls of the server's path, a session's
+``infer(obs)`` on a :class:`PolicyRunner` (under ``serve.cuda_graph`` / ``serve.compile`` for the graphed
+modes), each split into the runner's stages (preprocess / prompt / h2d / launch / sync / post), with the
+collector's passes, the caching allocator's retries and cudaMalloc calls, CUDA events around the sampler and
+the SM clock; then the slowest 1 % attributed to the stage that grew over its median and to collector passes.
+``--variants`` (default ``full,nogc,act,replay``) repeats the loop in the same warm state with the collector
+frozen and disabled (``nogc``), with the observation prepared once (``act``: ``runner.act`` alone) and with the
+sampler alone (``replay``: the captured graph replayed; eager: ``sample_actions`` on a prepared batch), and
+says which of them brings p99 / p50 within 1.15.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import time
 
 import numpy as np
 import torch
+from jitter import Instrumented, SmClock, StageClock, measure, slowest, summary, table, verdict
 
 from slurmvla.compose import compose
 from slurmvla.data.prepare import observation_batch, prepare_image
@@ -45,6 +57,7 @@ from slurmvla.policy import build_policy
 from slurmvla.policy.base import seeded_sample_actions
 from slurmvla.profile import kernel_table
 
+VARIANTS = ("full", "nogc", "act", "replay")
 CAMERAS = ["observation/exterior_image_1_left", "observation/exterior_image_2_left", "observation/wrist_image_left"]
 
 
@@ -71,14 +84,29 @@ def timed(fn, iters: int, cuda: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iters", type=int, default=100)
-    parser.add_argument("--modes", default="eager_autocast,eager,graph,compile_graph")
+    parser.add_argument("--iters", type=int, help="timed calls per mode (default 100; 500 with --jitter)")
+    parser.add_argument("--modes", help="default eager_autocast,eager,graph,compile_graph; with --jitter graph,compile_graph "
+                        "(a CPU: eager)")
+    parser.add_argument("--jitter", action="store_true", help="where the latency tail comes from: per-call stages, "
+                        "the collector, the allocator, the clock (see above)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"with --jitter, of {list(VARIANTS)}")
+    parser.add_argument("--deadline", type=float, metavar="S", help="with --jitter, skip a variant that would not end "
+                        "within S seconds of the start (its calls at the last p50), so that a time limit leaves a "
+                        "finished table")
     parser.add_argument("--server", action="store_true", help="also time the server through openpi's client")
     parser.add_argument("--json", help="write the figures here too")
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="per mode, the N most expensive kernels of 5 calls under torch's profiler, and their kinds")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
+    args.start = time.perf_counter()
+    bad = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if bad:
+        parser.error(f"--variants: {bad[0]!r} is not a variant; choose from {list(VARIANTS)}")
+    args.iters = args.iters or (500 if args.jitter else 100)
+    if args.modes is None:
+        args.modes = ("graph,compile_graph" if torch.cuda.is_available() else "eager") if args.jitter \
+            else "eager_autocast,eager,graph,compile_graph"
     cfg = compose([*args.overrides, f"serve.cameras=[{','.join(CAMERAS)}]"])
     args.fused = cfg.serve.fused_projections  # serve.fused_projections=false: as the server would run
     cuda = torch.cuda.is_available()
@@ -103,6 +131,10 @@ def main() -> None:
     batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
     autocast = cuda and cfg.precision == "bf16"
     ctx = (lambda: torch.autocast("cuda", torch.bfloat16)) if autocast else torch.no_grad
+
+    if args.jitter:
+        jitter(loaded, batch, ctx, autocast, cuda, args)
+        return
 
     results, eager = {}, None
     for mode in args.modes.split(","):
@@ -158,6 +190,109 @@ def run_mode(mode: str, policy, spec, batch: dict, ctx, autocast: bool, cuda: bo
     if args.kernels:
         row["kernel_table"] = kernel_table(call, torch.device("cuda" if cuda else "cpu"), args.kernels, calls=5)
     return row
+
+
+def jitter(loaded: Loaded, batch: dict, ctx, autocast: bool, cuda: bool, args) -> None:
+    """``--jitter``: per mode, the variants' tables and the verdict; JSON (``--json``) rewritten after each mode."""
+    policy, cfg = loaded.policy, loaded.cfg
+    cfg.serve.seed = 0  # the same noise every call, as a fixed serve.seed gives
+    device = torch.device("cuda" if cuda else "cpu")
+    sm = SmClock(device) if cuda else None
+    if sm is not None:
+        print(f"SM clock: {sm.source or 'not read (' + sm.why + ')'}", flush=True)
+    out = {"policy": cfg.policy.name, "device": str(device), "gpu": torch.cuda.get_device_name() if cuda else None,
+           "torch": torch.__version__, "iters": args.iters, "sm_clock": sm.source if sm else None, "modes": {}}
+    print(f"jitter: {args.iters} calls per variant; stages in ms (exclusive), the slowest 1 % against each stage's "
+          f"median" + ("" if cuda else "; a CPU's figures, not a GPU's"), flush=True)
+    for mode in args.modes.split(","):
+        if mode != "eager_autocast" and autocast and next(policy.parameters()).dtype != torch.bfloat16:
+            lower_weights(policy, torch.bfloat16)
+        if mode.endswith("graph") and not cuda:
+            print(f"{mode}: skipped (no GPU)", flush=True)
+            continue
+        if args.fused:
+            fuse_projections(policy)
+        sampler = None if mode.startswith("eager") else GraphedSampler(policy, compile=mode == "compile_graph")
+        runner = PolicyRunner(loaded, sampler)  # as build_runner makes it under serve.cuda_graph / serve.compile
+        session, obs = runner.session(), observation()
+        t1 = time.perf_counter()
+        plain = session.infer(obs)["actions"]
+        row = {"first_call_s": time.perf_counter() - t1, "variants": {}}
+        clock = StageClock()
+        inst = Instrumented(runner, clock, cuda)
+        with inst:
+            same = np.array_equal(session.infer(obs)["actions"], plain)
+        print(f"{mode}: first call {row['first_call_s']:.1f} s; timing wrappers change no action: {same}", flush=True)
+        row["same_actions_instrumented"] = bool(same)
+        p50 = None
+        for variant in args.variants.split(","):
+            left = None if args.deadline is None else args.deadline - (time.perf_counter() - args.start)
+            if left is not None and p50 is not None and (args.iters + 10) * p50 / 1000 > left:
+                print(f"  {variant}: skipped, {args.iters} calls at {p50:.1f} ms would not end within --deadline "
+                      f"{args.deadline:.0f} s ({left:.0f} s left)", flush=True)
+                continue
+            call = jitter_call(variant, runner, session, obs, batch, ctx, clock, inst, cuda)
+            if variant in ("full", "nogc", "act"):
+                with inst:
+                    rec = measure(call, args.iters, clock, cuda, inst, sm, no_gc=variant == "nogc")
+            else:
+                rec = measure(call, args.iters, clock, cuda, inst, sm)
+            print(table(variant, rec), flush=True)
+            p50 = float(np.median(rec.total))
+            row["variants"][variant] = {"summary": summary(rec), "slowest": slowest(rec),
+                                        "calls": {"total": np.round(rec.total, 4).tolist(),
+                                                  "gc_ms": np.round(rec.gc_ms, 4).tolist(),
+                                                  "device_ms": [None if np.isnan(x) else round(float(x), 4)
+                                                                for x in rec.device_ms],
+                                                  "sm_mhz": [None if np.isnan(x) else float(x) for x in rec.sm_mhz]}}
+        ratios = {v: r["summary"]["p99_over_p50"] for v, r in row["variants"].items()}
+        row["verdict"] = verdict(ratios)
+        print(f"  {mode}: p99/p50 " + ", ".join(f"{v} {x:.2f}" for v, x in ratios.items()) + f" -> {row['verdict']}",
+              flush=True)
+        out["modes"][mode] = row
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+
+
+def jitter_call(variant: str, runner: PolicyRunner, session, obs: dict, batch: dict, ctx, clock: StageClock,
+                inst: Instrumented, cuda: bool):
+    """One call of ``variant``: the session's ``infer`` (full, nogc); ``runner.act`` on a batch prepared once (act);
+    the sampler alone (replay): the captured graph replayed, or (eager) ``sample_actions`` on a prepared batch."""
+    if variant in ("full", "nogc"):
+        return lambda: session.infer(obs)
+    if variant == "act":
+        host = runner.batch(collections.deque([runner.read(obs)], maxlen=1))
+        return lambda: runner.act(host)
+    sampler = runner.sampler
+    if isinstance(sampler, GraphedSampler):
+        entry = next(reversed(sampler.graphs.values()))  # the graph the calls above replayed
+
+        def replay():
+            inst._sampler_before()
+            entry.graph.replay()
+            inst._sampler_after()
+            torch.cuda.synchronize()
+        return replay
+    policy = runner.policy
+    on = {k: v.to(runner.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    prepare = getattr(policy, "prepare_inference", None)
+    prepared = prepare(on) if callable(prepare) else on
+    draw = next((d for d in runner.spec.draws if d.name == "noise"), None)
+    noise = None if draw is None else torch.randn((1, *draw.shape), generator=torch.Generator().manual_seed(0)).to(
+        runner.device)
+
+    def eager():
+        inst._sampler_before()
+        with torch.no_grad(), ctx():
+            if noise is None:
+                seeded_sample_actions(sampler, runner.spec, prepared, 0)
+            else:
+                sampler.sample_actions(prepared, noise=noise)
+        inst._sampler_after()
+        if cuda:
+            torch.cuda.synchronize()
+    return eager
 
 
 def server_overhead(loaded: Loaded, cfg, iters: int, cuda: bool) -> dict:
