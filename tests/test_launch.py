@@ -255,3 +255,23 @@ def test_restart_budget_holds_for_slurms_own_requeues():
     assert check(3).returncode == 0
     over = check(4)
     assert over.returncode == 1 and "job 41 was requeued 4 times, more than its budget SLURMVLA_MAX_RESTARTS=3" in over.stderr
+
+
+@pytest.mark.parametrize("codes", [(75, 75), (75, 3)])
+def test_torchrun_wrapper_says_a_stop_for_requeue_in_one_line_and_keeps_torchruns_report_for_a_failure(
+        tmp_path, codes):
+    """Every rank exiting with the requeue code is one line and that exit code; a rank exiting otherwise keeps
+    torchrun's report and its exit code 1 (the training run's own stop, with its step: tests/test_distributed.py)."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys\nsys.exit(int(os.environ['CODES'].split(',')[int(os.environ['LOCAL_RANK'])]))\n")
+    env = {**_clean_env(), "CODES": ",".join(map(str, codes)), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    res = subprocess.run([sys.executable, "-m", "slurmvla.launch.torchrun", "--standalone", "--nproc_per_node=2",
+                          str(script)], env=env, capture_output=True, text=True, timeout=180)
+    lines = (res.stdout + res.stderr).strip().splitlines()
+    if codes == (75, 75):
+        assert res.returncode == 75 and lines == [
+            "slurmvla: run stopped for requeue (exit 75); its checkpoint is saved and the same command resumes it"], lines
+    else:
+        assert res.returncode == 1 and "ChildFailedError" in res.stderr and "exitcode  : 3" in res.stderr, res.stderr
+        assert "for requeue" not in res.stderr

@@ -33,8 +33,8 @@ SUPPORTED_VERSIONS = ("v2.1", "v3.0")
 def _system_pool_in_child() -> None:
     """In a forked child (a data-loader worker), Arrow allocates through the C library's malloc instead of
     its default pool (mimalloc). The child's mimalloc carries on in the segments it inherited from the
-    parent, so its first episode read wrote into (copied) about 4 MiB of the parent's pages per worker
-    (docs/benchmarks.md, the loader's memory); a worker's reads (one episode's columns) are small."""
+    parent, and its first episode read copied about 1.7 MiB more of the parent's pages into the worker's
+    private memory (docs/benchmarks.md, the loader's memory); a worker's reads (one episode's columns) are small."""
     pa.set_memory_pool(pa.system_memory_pool())
 
 
