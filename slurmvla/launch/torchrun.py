@@ -77,5 +77,6 @@ def main(argv: list[str]) -> int:
             held.release(agent_log)
         agent_log.removeFilter(held)
 
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
