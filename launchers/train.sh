@@ -16,9 +16,11 @@ _slurmvla_train() {
   local py=${PYTHON:-python3}
   local nproc tail_file
   nproc=$("$py" -m slurmvla.launch nproc-per-node) || return $?
-  # The agent does not handle SIGTERM (SLURM's preemption signal reaches every process of the step; the
-  # trainers checkpoint and stop, and the agent ends with them instead of killing them 30 s later).
-  local -a cmd=("$py" -m torch.distributed.run "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT" "--nproc_per_node=$nproc")
+  # torchrun (slurmvla.launch.torchrun: torch.distributed.run, but a run whose ranks all stopped for a requeue ends
+  # with one line and exit code 75, not torchrun's failure report). The agent does not handle SIGTERM (SLURM's
+  # preemption signal reaches every process of the step; the trainers checkpoint and stop, and the agent ends
+  # with them instead of killing them 30 s later).
+  local -a cmd=("$py" -m slurmvla.launch.torchrun "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT" "--nproc_per_node=$nproc")
   if [ -n "${NNODES:-}" ] && [ -n "${NODE_RANK:-}" ] && [ -n "${MASTER_ADDR:-}" ]; then
     cmd+=("--nnodes=$NNODES" "--node_rank=$NODE_RANK" "--master_addr=$MASTER_ADDR" "--master_port=${MASTER_PORT:-29500}")
   fi

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from slurmvla.compose import check_overrides, config_dir, to_config
 from slurmvla.errors import FAILED, USAGE, Failure, boundary, exit_with
 from slurmvla.launch.grace import SIGNAL_DELAY_ENV
-from slurmvla.launch.preempt import REQUEUE_EXIT_CODE, PreemptionFlag
+from slurmvla.launch.preempt import REQUEUE_EXIT_CODE, PreemptionFlag, report_stop
 
 __all__ = ["cli", "config_dir", "main"]
 
@@ -60,6 +60,7 @@ def main(cfg: DictConfig) -> float | None:
         # Checkpoint written. Under submitit its handler requeues now (and exits on rank 0); on the
         # sbatch path the batch script requeues on this exit code (SystemExit passes Hydra).
         trainer.preempt.hand_over()
+        report_stop(trainer.step)
         sys.exit(REQUEUE_EXIT_CODE)
     return metrics.get("loss")
 

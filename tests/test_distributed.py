@@ -32,6 +32,7 @@ from slurmvla.config import EngineConfig
 from slurmvla.engine.fsdp import hsdp_degrees
 from slurmvla.export import export
 from slurmvla.launch import DistEnv
+from slurmvla.launch.preempt import REQUEUE_EXIT_CODE
 from slurmvla.registry import ENGINES
 from slurmvla.trainer import Trainer
 
@@ -383,17 +384,26 @@ def test_sharding_without_wrap_units_is_an_error():
         engine.shard(NoUnits())
 
 
-def _torchrun_train(args: list[str], timeout: int = 300) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "slurmvla.train", *args],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+def _torchrun_train(args: list[str], launcher: bool = False) -> subprocess.Popen:
+    """Two ranks under torchrun; with ``launcher``, through launchers/train.sh (its torchrun wrapper) as a job runs."""
+    if launcher:
+        cmd = ["bash", "launchers/train.sh", *args]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("NNODES", "NODE_RANK", "MASTER_", "DRY_RUN",
+                                                                        "EXTRA_TAIL_OVERRIDES", "SLURM"))}
+        env.update(NPROC_PER_NODE="2", PYTHON=sys.executable)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "slurmvla.train", *args]
+        env = dict(os.environ)
+    return subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env={**env, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 @pytest.mark.slow
 def test_preemption_signal_on_one_rank_checkpoints_all_and_resumes_exactly(matrix_root, tmp_path):
     """USR2 to rank 1 only: the ranks agree, save together, stop; a restart ends where an
-    uninterrupted run ends, bitwise."""
+    uninterrupted run ends, bitwise. The preempted run goes through launchers/train.sh: its torchrun says
+    so in one line and exits with the requeue code, no failure report."""
     import time
 
     import psutil
@@ -404,23 +414,27 @@ def test_preemption_signal_on_one_rank_checkpoints_all_and_resumes_exactly(matri
     assert straight.wait(timeout=300) == 0, straight.stdout.read()[-3000:]
 
     run = tmp_path / "preempted"
-    job = _torchrun_train([*common, f"hydra.run.dir={run}"])
+    job = _torchrun_train([*common, f"hydra.run.dir={run}"], launcher=True)
     deadline = time.monotonic() + 120
     while not (run / "checkpoints" / "step_00000010").exists():
         assert job.poll() is None and time.monotonic() < deadline, "training did not reach step 10"
         time.sleep(0.05)
-    workers = psutil.Process(job.pid).children()
-    rank1 = [w for w in workers if "LOCAL_RANK" in w.environ() and w.environ()["LOCAL_RANK"] == "1"]
+    workers = [p for p in psutil.Process(job.pid).children(recursive=True) if "slurmvla.train" in p.cmdline()]
+    rank1 = [w for w in workers if w.environ().get("LOCAL_RANK") == "1"]
     assert len(rank1) == 1
     rank1[0].send_signal(signal.SIGUSR2)
     log, _ = job.communicate(timeout=120)
-    assert job.returncode != 0, "a preempted run must not look finished to the launcher"
+    assert job.returncode == REQUEUE_EXIT_CODE, log[-5000:]
+    stop_lines = [line for line in log.splitlines() if "for requeue (exit 75)" in line]
+    assert "Traceback" not in log and "ChildFailedError" not in log and "FAILED" not in log, log[-5000:]
     # rank 0 had no signal of its own: it counts from rank 1's and names it
     assert "preemption signal on another rank (SIGUSR2, " in log, log[-5000:]
     assert re.search(r"stopped at step \d+, [\d.]+ s after SIGUSR2 on another rank: checkpoint", log), log[-5000:]
     stopped = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")]
     stopped_at = max(int(n.split("_")[1]) for n in stopped)
     assert 10 <= stopped_at < 40 and not (run / "FINISHED").exists()
+    assert stop_lines == [f"slurmvla: run stopped at step {stopped_at} for requeue (exit 75); its checkpoint is saved "
+                          "and the same command resumes it"], log[-5000:]
 
     resumed = _torchrun_train([*common, f"hydra.run.dir={run}"])
     log, _ = resumed.communicate(timeout=300)

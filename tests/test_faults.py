@@ -37,8 +37,8 @@ BASE = ["data.num_workers=0", "logging.wandb.mode=disabled", "trainer.progress_b
 
 
 def cli(args: list[str], timeout: int = 300, env: dict | None = None, nproc: int = 0) -> subprocess.CompletedProcess:
-    """``python -m slurmvla.train ARGS``, or under torchrun with ``nproc`` ranks."""
-    launcher = [] if nproc == 0 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    """``python -m slurmvla.train ARGS``, or under torchrun with ``nproc`` ranks (launchers/train.sh's torchrun)."""
+    launcher = [] if nproc == 0 else ["-m", "slurmvla.launch.torchrun", "--standalone", f"--nproc_per_node={nproc}"]
     return subprocess.run([sys.executable, *launcher, "-m", "slurmvla.train", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
@@ -172,6 +172,9 @@ def test_disk_filling_during_a_save_is_an_error_naming_the_path_and_leaves_no_pa
     worker_tracebacks = [line for line in res.stderr.splitlines() if "Traceback" in line
                          and (nproc == 0 or line.startswith("[rank"))]
     assert not worker_tracebacks, res.stderr[-3000:]
+    if nproc:  # a failure that is no stop for a requeue keeps torchrun's report of the failed ranks
+        assert "ChildFailedError" in res.stderr and "exitcode  : 1" in res.stderr, res.stderr[-3000:]
+        assert "for requeue" not in res.stderr
     assert f"no space left on device under {where}" in error[0] and "there is no earlier checkpoint" in error[0]
     assert "it needs at least" in error[0]
     assert list(where.iterdir()) == [] and not (run / "FINISHED").exists()

@@ -255,3 +255,36 @@ def test_restart_budget_holds_for_slurms_own_requeues():
     assert check(3).returncode == 0
     over = check(4)
     assert over.returncode == 1 and "job 41 was requeued 4 times, more than its budget SLURMVLA_MAX_RESTARTS=3" in over.stderr
+
+
+@pytest.mark.parametrize("codes", [(75, 75), (75, 3)])
+def test_torchrun_wrapper_says_a_stop_for_requeue_in_one_line_and_keeps_torchruns_report_for_a_failure(
+        tmp_path, codes):
+    """Every rank exiting with the requeue code is one line and that exit code; a rank exiting otherwise keeps
+    torchrun's report and its exit code 1 (the training run's own stop, with its step: tests/test_distributed.py)."""
+    # Like the trainers after their save, the ranks ignore the SIGTERM torchrun sends the ranks still running
+    # once one has exited (its warning is held back too); a rank exiting with 75 waits for the other's start (and,
+    # when that one fails, its exit), so a SIGTERM never finds a rank before it ignores it.
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "rank = int(os.environ['LOCAL_RANK'])\n"
+        "code = int(os.environ['CODES'].split(',')[rank])\n"
+        "open(os.path.join(sys.argv[1], f'rank{rank}'), 'w').close()\n"
+        "other, deadline = os.path.join(sys.argv[1], f'rank{1 - rank}'), time.monotonic() + 60\n"
+        "while code == 75 and not os.path.exists(other) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
+        "sys.exit(code)\n")
+    env = {**_clean_env(), "CODES": ",".join(map(str, codes)), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    res = subprocess.run([sys.executable, "-m", "slurmvla.launch.torchrun", "--standalone", "--nproc_per_node=2",
+                          str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=180)
+    lines = (res.stdout + res.stderr).strip().splitlines()
+    if codes == (75, 75):
+        assert res.returncode == 75 and lines == [
+            "slurmvla: run stopped for requeue (exit 75); its checkpoint is saved and the same command resumes it"], lines
+    else:
+        assert res.returncode == 1 and "ChildFailedError" in res.stderr and "exitcode  : 3" in res.stderr, res.stderr
+        assert "failed (exitcode: " in res.stderr  # the agent's own line, held back, then logged
+        assert "for requeue" not in res.stderr

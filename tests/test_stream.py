@@ -281,3 +281,22 @@ def test_a_data_worker_starts_with_the_parents_objects_frozen():
 
     loader = torch.utils.data.DataLoader(_FrozenCount(), num_workers=1, multiprocessing_context="fork")
     assert int(next(iter(loader))) > 1000
+
+
+class _ArrowPool(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> str:
+        return pa.default_memory_pool().backend_name
+
+
+def test_a_data_worker_reads_parquet_through_the_system_allocator():
+    """A forked worker's Arrow pool is malloc (slurmvla.data.lerobot), not the parent's mimalloc, whose
+    inherited segments its first reads copied into the worker's private memory; the parent keeps its pool."""
+    import slurmvla.data.lerobot  # noqa: F401  (registers the fork hook, as the data layer always does)
+
+    parent = pa.default_memory_pool().backend_name
+    loader = torch.utils.data.DataLoader(_ArrowPool(), num_workers=1, multiprocessing_context="fork",
+                                         collate_fn=lambda items: items[0])
+    assert next(iter(loader)) == "system" and pa.default_memory_pool().backend_name == parent

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,17 @@ from slurmvla.data import DataError
 from slurmvla.data.keep_ranges import read_json
 
 SUPPORTED_VERSIONS = ("v2.1", "v3.0")
+
+
+def _system_pool_in_child() -> None:
+    """In a forked child (a data-loader worker), Arrow allocates through the C library's malloc instead of
+    its default pool (mimalloc). The child's mimalloc carries on in the segments it inherited from the
+    parent, and its first episode read copied about 1.7 MiB more of the parent's pages into the worker's
+    private memory (docs/benchmarks.md, the loader's memory); a worker's reads (one episode's columns) are small."""
+    pa.set_memory_pool(pa.system_memory_pool())
+
+
+os.register_at_fork(after_in_child=_system_pool_in_child)
 
 
 @dataclass(frozen=True)

@@ -54,17 +54,26 @@ def resize_frame(frame: av.VideoFrame, size: int | None, mode: str = "pad") -> n
 
     ``mode``: ``pad`` (scale to fit, centred on black; a square frame is just scaled) or ``squash``
     (stretch to the square). One of :data:`slurmvla.registry.IMAGE_RESIZE_MODES`."""
+    picture, top, left = fitted_picture(frame, size, mode)
+    if size is None or picture.shape[:2] == (size, size):
+        return picture
+    out = np.zeros((size, size, 3), dtype=np.uint8)
+    out[top : top + picture.shape[0], left : left + picture.shape[1]] = picture
+    return out
+
+
+def fitted_picture(frame: av.VideoFrame, size: int | None, mode: str = "pad") -> tuple[np.ndarray, int, int]:
+    """:func:`resize_frame`'s picture without the black around it, and where it goes in the
+    ``[size, size, 3]`` image: ``(picture, top, left)``."""
     if size is None:
-        return frame.to_ndarray(format="rgb24", threads=SWS_THREADS)
+        return frame.to_ndarray(format="rgb24", threads=SWS_THREADS), 0, 0
     if mode == "squash" or frame.width == frame.height:
-        return frame.to_ndarray(format="rgb24", width=size, height=size, threads=SWS_THREADS)
+        return frame.to_ndarray(format="rgb24", width=size, height=size, threads=SWS_THREADS), 0, 0
     if mode != "pad":
         raise ValueError(f"data.image_resize={mode!r} is not valid; choose one of {list(IMAGE_RESIZE_MODES)}")
     h, w = padded_size(frame.height, frame.width, size)
-    out = np.zeros((size, size, 3), dtype=np.uint8)
-    top, left = (size - h) // 2, (size - w) // 2
-    out[top : top + h, left : left + w] = frame.to_ndarray(format="rgb24", width=w, height=h, threads=SWS_THREADS)
-    return out
+    picture = frame.to_ndarray(format="rgb24", width=w, height=h, threads=SWS_THREADS)
+    return picture, (size - h) // 2, (size - w) // 2
 
 
 def prepare_image(image: np.ndarray, size: int | None, name: str = "image", mode: str = "pad") -> np.ndarray:

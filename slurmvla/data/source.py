@@ -112,7 +112,9 @@ class EpisodeWindow(Episode):
         self.frame_shape = (len(present), *frame_shape)  # [cams, H, W, 3] of one frame
         self.readers = readers  # per camera: a FrameReader, or None for an absent camera (black, masked)
         self.end = first_frame + num_frames
-        self.blocks: list[tuple[int, np.ndarray]] = []  # (first frame, [n, cams, H, W, 3]), oldest first
+        # (first frame, frames, per camera its pictures [n, h, w, 3] without the padding, or None), oldest
+        # first: a padded 16:9 frame is 44 % black, which the window need not hold (the samples' images pad).
+        self.blocks: list[tuple[int, int, list[np.ndarray | None]]] = []
         self.decoded_to = first_frame  # frames below this were decoded
         self.dropped_to = first_frame  # frames below this are gone
 
@@ -121,30 +123,34 @@ class EpisodeWindow(Episode):
         if lo < self.dropped_to or hi >= self.end:
             raise RuntimeError(f"episode {self.pos}: frames {lo}..{hi} requested, but the window holds "
                                f"{self.dropped_to}..{self.end - 1} and moves forward only")
-        while self.blocks and self.blocks[0][0] + len(self.blocks[0][1]) <= lo:
+        while self.blocks and self.blocks[0][0] + self.blocks[0][1] <= lo:
             self.blocks.pop(0)
         self.dropped_to = lo
         while self.decoded_to <= hi:
             self._decode_block()
-        out = np.empty((len(frames), *self.frame_shape), np.uint8)
+        out = np.zeros((len(frames), *self.frame_shape), np.uint8)
         for i, f in enumerate(frames.tolist()):
-            for start, block in self.blocks:
-                if start <= f < start + len(block):
-                    out[i] = block[f - start]
+            for start, n, pictures in self.blocks:
+                if start <= f < start + n:
+                    for c, picture in enumerate(pictures):
+                        if picture is not None:
+                            top, left = self.readers[c].placement
+                            out[i, c, top : top + picture.shape[1], left : left + picture.shape[2]] = picture[f - start]
                     break
         return out
 
     def _decode_block(self) -> None:
         n = min(self.BLOCK, self.end - self.decoded_to)
-        block = np.zeros((n, *self.frame_shape), np.uint8)
         live = [c for c, r in enumerate(self.readers) if r is not None]
-        read_concurrently([self.readers[c] for c in live], n, [block[:, c] for c in live])
-        self.blocks.append((self.decoded_to, block))
+        pictures: list[np.ndarray | None] = [None] * len(self.readers)
+        for c, picture in zip(live, read_concurrently([self.readers[c] for c in live], n, picture_only=True)):
+            pictures[c] = picture
+        self.blocks.append((self.decoded_to, n, pictures))
         self.decoded_to += n
 
     @property
     def buffered_frames(self) -> int:
-        return sum(len(b) for _, b in self.blocks)
+        return sum(n for _, n, _ in self.blocks)
 
     def close(self) -> None:
         for r in self.readers:

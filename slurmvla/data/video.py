@@ -23,7 +23,7 @@ import av
 import numpy as np
 
 from slurmvla.data import DataError
-from slurmvla.data.prepare import resize_frame
+from slurmvla.data.prepare import fitted_picture, resize_frame
 
 DECODER_THREADS = 1
 
@@ -66,10 +66,13 @@ class FrameReader:
         self._time_base = float(stream.time_base)
         self._frames = self._container.decode(stream)
         self._ahead: tuple[int, av.VideoFrame] | None = None  # a frame decoded past the last block
+        self.placement = (0, 0)  # (top, left) of the pictures read(picture_only=True) returns, in a full image
         _OPEN.add(self)
 
-    def read(self, n: int, out: np.ndarray | None = None) -> np.ndarray:
-        """The next ``n`` frames (fewer at the range's end) into ``out`` (may be a strided view)."""
+    def read(self, n: int, out: np.ndarray | None = None, picture_only: bool = False) -> np.ndarray:
+        """The next ``n`` frames (fewer at the range's end) into ``out`` (may be a strided view). With
+        ``picture_only``, each frame's picture without the padding around it (``placement`` says where
+        it goes): a window's buffered frames hold no black."""
         n = min(n, self.num_frames - self.next)
         start, end = self.next, self.next + n
         filled = np.zeros(n, dtype=bool)
@@ -92,7 +95,11 @@ class FrameReader:
             if k >= end:
                 self._ahead = (k, frame)
                 break
-            img = resize_frame(frame, self.size, self.resize)
+            if picture_only:
+                img, top, left = fitted_picture(frame, self.size, self.resize)
+                self.placement = (top, left)
+            else:
+                img = resize_frame(frame, self.size, self.resize)
             if out is None:
                 out = np.empty((n, *img.shape), dtype=np.uint8)
             out[k - start] = img
@@ -178,12 +185,10 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL[1]
 
 
-def read_concurrently(readers: list[FrameReader], n: int, outs: list[np.ndarray]) -> None:
-    """``reader.read(n, out)`` for every pair, the readers in parallel threads."""
+def read_concurrently(readers: list[FrameReader], n: int, picture_only: bool = False) -> list[np.ndarray]:
+    """``reader.read(n, picture_only=picture_only)`` of every reader, the readers in parallel threads."""
     if len(readers) == 1:
-        readers[0].read(n, outs[0])
-        return
-    futures = [_pool().submit(r.read, n, o) for r, o in zip(readers, outs)]
+        return [readers[0].read(n, picture_only=picture_only)]
+    futures = [_pool().submit(r.read, n, None, picture_only) for r in readers]
     wait(futures)  # all finish before an error propagates: a reader is never closed mid-decode
-    for future in futures:
-        future.result()
+    return [future.result() for future in futures]

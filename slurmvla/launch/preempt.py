@@ -38,6 +38,8 @@ log = logging.getLogger("slurmvla")
 REQUEUE_EXIT_CODE = 75
 # Written into the run directory when training reached max_steps: such a run is never requeued.
 FINISHED_MARKER = "FINISHED"
+# Set by slurmvla.launch.torchrun for its workers: the file a stopping run writes its step into (``report_stop``).
+STOP_REPORT_ENV = "SLURMVLA_STOP_REPORT"
 # SIGTERM: preemption (and the time limit itself); SIGUSR2: the --signal the launchers ask for
 # (USR2 because NCCL may use USR1).
 STOP_SIGNALS = ("SIGTERM", "SIGUSR2")
@@ -66,6 +68,21 @@ def stop_signals(environ: dict[str, str] | None = None) -> tuple[str, ...]:
         if name not in names:
             names.append(name)
     return tuple(names)
+
+
+def report_stop(step: int) -> None:
+    """Tell the torchrun wrapper (slurmvla.launch.torchrun) the step this run stopped at for a requeue, for its
+    one line. Every rank writes the same step (each node's wrapper reads its own file); nothing without it."""
+    path = os.environ.get(STOP_REPORT_ENV)
+    if not path:
+        return
+    part = f"{path}.{os.getpid()}"
+    try:
+        with open(part, "w") as f:
+            f.write(f"{step}\n")
+        os.replace(part, path)
+    except OSError:
+        pass  # the wrapper's line then names no step
 
 
 def ignore_stop_signals(*_: object) -> None:
