@@ -19,7 +19,6 @@ choices of what to write out beyond that rule (its fusion heuristics can split a
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -51,10 +50,11 @@ def _kind(unit: nn.Module) -> tuple:
 
 
 def _partitioner() -> tuple[Callable, dict]:
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    """Inductor's own: its joint-graph passes, then the min-cut partitioner; and its decompositions."""
+    from torch._inductor.compile_fx import partition_fn
     from torch._inductor.decomposition import select_decomp_table
 
-    return functools.partial(min_cut_rematerialization_partition, compiler="inductor"), select_decomp_table()
+    return partition_fn, select_decomp_table()
 
 
 class CompiledUnits:
@@ -132,7 +132,11 @@ class CompiledUnits:
         def backward_graph(gm: torch.fx.GraphModule, _inputs: Any) -> Callable:
             return self._runner(gm)
 
-        return aot_function(layer, forward_graph, backward_graph, partition_fn=partition,
+        def split(joint: torch.fx.GraphModule, inputs: Any, **options: Any) -> Any:
+            # The layer's parameters and buffers live the whole step, as training's compile tells inductor.
+            return partition(joint, inputs, **{**options, "static_lifetime_input_indices": list(range(n_state))})
+
+        return aot_function(layer, forward_graph, backward_graph, partition_fn=split,
                             decompositions=decompositions, num_params_buffers=n_state)
 
 
