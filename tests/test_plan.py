@@ -179,8 +179,8 @@ def test_a_compiled_step_saves_what_the_plan_measures_under_the_partitioner(make
     """trainer.compile: the bytes a real compiled CPU step (inductor, its generated code) keeps for the backward
     are what the plan's fake step keeps with its layers traced and partitioned; both less than eager autograd
     keeps (the same fake step without compiling)."""
-    cfg, trainer = trainer_for(make_cfg, tmp_path, "policy=pi05_tiny", "trainer.global_batch_size=4",
-                               "policy.gradient_checkpointing=false", "trainer.compile=true")
+    overrides = ["policy=pi05_tiny", "trainer.global_batch_size=4", "policy.gradient_checkpointing=false"]
+    cfg, trainer = trainer_for(make_cfg, tmp_path, *overrides, "trainer.compile=true")
     try:
         batch = trainer._next_batch()
         trainer.model.train()
@@ -195,7 +195,14 @@ def test_a_compiled_step_saves_what_the_plan_measures_under_the_partitioner(make
     step = planner._step()
     step.sample = {k: v[:1] for k, v in batch.items()}  # the real batch's prompt, not the longest one
     states = model_states(cfg, planner.tensors, 1, 1)
-    step.run(4, states.compute, False, compiled=True)  # traced (its tracing saves for a backward of its own)
+    # The plan's figure, as the report names it (this also traces the layers: a trace saves for a backward of
+    # its own); with trainer.compile=false, eager autograd's as before.
+    acts = planner.activations(cfg, 4, states.compute, count_flops=False)
+    eager_cfg = make_cfg(*overrides, "trainer.compile=false")
+    eager = planner.activations(eager_cfg, 4, states.compute, count_flops=False)
+    assert acts.method.startswith("measured under the compiled step's partitioner (")
+    assert eager.method == "measured (fake tensors)"
+    assert acts.at(4) <= eager.at(4)
     saved = {}
     for compiled in (True, False):
         with Saved([*step.policy.parameters(), *step.policy.buffers()]) as s:
