@@ -87,6 +87,7 @@ class CompiledUnits:
                 del unit.forward  # the class's own again
 
     def _forward(self, unit: nn.Module, eager: Callable) -> Callable:
+        from torch.utils._python_dispatch import _disable_current_modes
         from torch.utils._pytree import tree_flatten
 
         names = [n for n, _ in (*unit.named_parameters(), *unit.named_buffers())]
@@ -100,8 +101,12 @@ class CompiledUnits:
             inputs = (*state, *(leaves[i] for i in at))
             if key not in self._traces:
                 self._traces[key] = self._trace(key, unit, eager, names, leaves, spec, at)
-                # Traced, partitioned and both graphs made here, uncounted; the runs below count.
-                with self.tracker.paused(), torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                # Traced, partitioned and both graphs made here, outside the dispatch modes (uncounted by the
+                # tracker, untouched by a selective checkpoint's: training compiles a layer before any runs);
+                # what this call saves goes to hooks of its own, not to a surrounding checkpoint's (whose
+                # recomputation would then save fewer tensors than its forward did).
+                with _disable_current_modes(), torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
+                        torch.autograd.graph.saved_tensors_hooks(_same, _same):
                     self._traces[key](*inputs)
             return self._traces[key](*inputs)
 
@@ -204,6 +209,10 @@ def written_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
                                     for u in readers(n)):
             out.add(n)
     return out
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _nbytes(node: Any) -> int:
