@@ -64,12 +64,7 @@ class CompiledUnits:
     def __init__(self, policy: nn.Module):
         self.policy = policy
         self._traces: dict[tuple, Callable] = {}
-        self.saved_bytes: dict[tuple, int] = {}  # per trace: the bytes its forward returns (outputs + saved)
         self.tracker: Any = None
-
-    @property
-    def traces(self) -> int:
-        return len(self._traces)
 
     @contextmanager
     def active(self, tracker: Any) -> Iterator[None]:
@@ -100,7 +95,7 @@ class CompiledUnits:
             key = (kind, str(spec), tuple(_shape(x) for x in leaves))
             inputs = (*state, *(leaves[i] for i in at))
             if key not in self._traces:
-                self._traces[key] = self._trace(key, unit, eager, names, leaves, spec, at)
+                self._traces[key] = self._trace(unit, eager, names, leaves, spec, at)
                 # Traced, partitioned and both graphs made here, outside the dispatch modes (uncounted by the
                 # tracker, untouched by a selective checkpoint's: training compiles a layer before any runs);
                 # what this call saves goes to hooks of its own, not to a surrounding checkpoint's (whose
@@ -112,7 +107,7 @@ class CompiledUnits:
 
         return forward
 
-    def _trace(self, key: tuple, unit: nn.Module, eager: Callable, names: list[str], leaves: list, spec: Any,
+    def _trace(self, unit: nn.Module, eager: Callable, names: list[str], leaves: list, spec: Any,
                at: list[int]) -> Callable:
         from torch._functorch.aot_autograd import aot_function
         from torch.nn.utils.stateless import _reparametrize_module
@@ -130,8 +125,6 @@ class CompiledUnits:
                 return eager(*args, **kwargs)
 
         def forward_graph(gm: torch.fx.GraphModule, _inputs: Any) -> Callable:
-            outputs = gm.graph.find_nodes(op="output")[0].args[0]
-            self.saved_bytes[key] = sum(_nbytes(n) for n in outputs)
             return self._runner(gm)
 
         def backward_graph(gm: torch.fx.GraphModule, _inputs: Any) -> Callable:
@@ -215,6 +208,3 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _nbytes(node: Any) -> int:
-    v = getattr(node, "meta", {}).get("val")
-    return v.untyped_storage().nbytes() if isinstance(v, torch.Tensor) else 0
