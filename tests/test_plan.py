@@ -151,6 +151,69 @@ def test_activations_grow_with_the_micro_batch_and_shrink_with_checkpointing():
     assert full.issued_flops_per_sample == full.model_flops_per_sample
 
 
+class Saved:
+    """The bytes autograd keeps for the backward pass while inside: every tensor saved by any node (eager or a
+    compiled region's), each storage once, less those that existed before (parameters, the batch)."""
+
+    def __init__(self, known):
+        self.known = {t.untyped_storage()._cdata for t in known}
+        self.seen, self.bytes = set(), 0
+
+    def __enter__(self):
+        def pack(t):
+            st = t.untyped_storage()
+            if st._cdata not in self.known and st._cdata not in self.seen:
+                self.seen.add(st._cdata)
+                self.bytes += st.nbytes()
+            return t
+
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+
+def test_a_compiled_step_saves_what_the_plan_measures_under_the_partitioner(make_cfg, tmp_path):
+    """trainer.compile: the bytes a real compiled CPU step (inductor, its generated code) keeps for the backward
+    are what the plan's fake step keeps with its layers traced and partitioned; both less than eager autograd
+    keeps (the same fake step without compiling)."""
+    overrides = ["policy=pi05_tiny", "trainer.global_batch_size=4", "policy.gradient_checkpointing=false"]
+    cfg, trainer = trainer_for(make_cfg, tmp_path, *overrides, "trainer.compile=true")
+    try:
+        batch = trainer._next_batch()
+        trainer.model.train()
+        trainer.model(batch)  # compiles (the forward: its partition is made here; no backward is needed)
+        known = [*trainer.policy.parameters(), *trainer.policy.buffers(),
+                 *(v for v in batch.values() if torch.is_tensor(v))]
+        with Saved(known) as real:
+            trainer.model(batch)
+    finally:
+        trainer.close()
+    planner = Planner(cfg)
+    step = planner._step()
+    step.sample = {k: v[:1] for k, v in batch.items()}  # the real batch's prompt, not the longest one
+    states = model_states(cfg, planner.tensors, 1, 1)
+    # The plan's figure, as the report names it (this also traces the layers: a trace saves for a backward of
+    # its own); with trainer.compile=false, eager autograd's as before.
+    acts = planner.activations(cfg, 4, states.compute, count_flops=False)
+    eager_cfg = make_cfg(*overrides, "trainer.compile=false")
+    eager = planner.activations(eager_cfg, 4, states.compute, count_flops=False)
+    assert acts.method.startswith("measured under the compiled step's partitioner (")
+    assert eager.method == "measured (fake tensors)"
+    assert acts.at(4) <= eager.at(4)
+    saved = {}
+    for compiled in (True, False):
+        with Saved([*step.policy.parameters(), *step.policy.buffers()]) as s:
+            step.run(4, states.compute, False, compiled=compiled)
+        saved[compiled] = s.bytes
+    print(f"saved for backward: real compiled {real.bytes} B, plan compiled {saved[True]} B "
+          f"(rel {saved[True] / real.bytes - 1:+.2e}), plan eager {saved[False]} B")
+    assert abs(saved[True] / real.bytes - 1) < 0.02
+    assert saved[True] < 0.9 * saved[False]
+
+
 def test_model_flops_agree_with_the_profilers_count(make_cfg, tmp_path):
     from slurmvla.profile import count_flops_per_sample
 

@@ -101,6 +101,29 @@ def test_the_choice_is_the_first_setting_in_order_of_cost_that_fits(budget_gib):
     assert choice.fits == bool(fitting)
 
 
+def test_with_trainer_compile_the_choice_weighs_the_compiled_steps_activations(monkeypatch):
+    """The fake step's passes replaced by made-up peaks (5 GiB per sample kept by eager autograd, 2 GiB by the
+    compiled step, 0.1 GiB recomputed): at micro-batch 16 on one 80 GB GPU keeping everything fits only as
+    compiled, so trainer.compile=true recomputes nothing and trainer.compile=false does."""
+    from slurmvla.planner import fit
+    from slurmvla.planner.activations import FakeStep, Pass
+
+    def run(self, micro, compute, low, count_flops=False, checkpointing=None, cast_inputs=False, compiled=False):
+        per = 0.1 if self.policy.gradient_checkpointing else 2 if compiled else 5
+        return Pass(micro, int(per * GiB * micro), 1.0, 1.0, 0.0)
+
+    monkeypatch.setattr(fit, "_LAST", {})
+    monkeypatch.setattr(FakeStep, "run", run)
+    chosen = {}
+    for compiled in (True, False):
+        cfg = compose(["policy=pi05_tiny", "precision=bf16", "trainer.global_batch_size=16",
+                       f"trainer.compile={str(compiled).lower()}"])
+        chosen[compiled] = choose(cfg, GPUS["h100-80gb"])
+    assert chosen[True].setting == NONE, chosen[True].line()
+    assert chosen[False].setting != NONE, chosen[False].line()
+    assert chosen[False].peaks[NONE] - chosen[True].peaks[NONE] == 3 * 16 * GiB
+
+
 def test_no_gpu_and_refusing_engines_recompute_nothing_and_true_is_still_refused():
     cfg = compose(["policy=pi05_tiny"])
     assert choose(cfg, None).setting == NONE and "no GPU" in choose(cfg, None).line()

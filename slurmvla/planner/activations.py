@@ -1,7 +1,9 @@
 """The activations of one micro-batch, MEASURED: the real policy (built on the meta device) runs one training
 forward + backward on fake tensors of the configured micro-batch while a dispatch mode adds up the bytes of
-every storage created and frees them as they die; the peak is the figure. Where a policy cannot run on fake
-tensors, an analytic ESTIMATE instead."""
+every storage created and frees them as they die; the peak is the figure. With ``trainer.compile`` the
+repeated layers run as the compiled step runs them (:mod:`slurmvla.planner.compiled`: what the partitioner
+saves for the backward, not what eager autograd saves). Where a policy cannot run on fake tensors, an
+analytic ESTIMATE instead."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self, known: Iterator[torch.Tensor] = (), round_to: int = 1):
         super().__init__()
         self.round_to = max(1, round_to)
+        self.counting = True
         self.live: dict[int, int] = {}
         self.current = self.peak = 0
         self._known = []
@@ -46,6 +49,8 @@ class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
         from torch.utils._pytree import tree_leaves
 
         out = func(*args, **(kwargs or {}))
+        if not self.counting:
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
@@ -61,6 +66,15 @@ class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing created inside counts (e.g. the tracing of a compiled layer)."""
+        before, self.counting = self.counting, False
+        try:
+            yield
+        finally:
+            self.counting = before
 
 
 # -- the fake training step ------------------------------------------------------------------------
@@ -152,6 +166,7 @@ class FakeStep:
         # prompt from the state's values, which a fake tensor does not have.
         self.sample = fake_batch(cfg, meta_policy, 1, frame)
         self._dtypes: tuple[torch.dtype, torch.dtype] | None = None
+        self._compiled = None  # the layers' compiled traces, made at the first compiled pass
         with self.mode:
             self.policy.to_empty(device="cpu")
         self.policy.train()
@@ -198,8 +213,23 @@ class FakeStep:
         modules = [*(wrap() if callable(wrap) else []), self.policy]
         return [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
 
+    @contextmanager
+    def _compiling(self, on: bool, tracker: LiveBytes) -> Iterator[None]:
+        """``on``: the wrap units run as ``trainer.compile`` runs them (slurmvla.planner.compiled)."""
+        if not on:
+            yield
+            return
+        if self._compiled is None:
+            from slurmvla.planner.compiled import CompiledUnits
+
+            self._compiled = CompiledUnits(self.policy)
+        with self._compiled.active(tracker):
+            yield
+
     def run(self, micro: int, compute: tuple[torch.dtype, torch.dtype], low: bool, count_flops: bool = False,
-            checkpointing: bool | None = None, cast_inputs: bool = False) -> Pass:
+            checkpointing: bool | None = None, cast_inputs: bool = False, compiled: bool = False) -> Pass:
+        """One training forward + backward at ``micro``; ``compiled``: the repeated layers as the compiled
+        step runs them."""
         from torch.utils.flop_counter import FlopCounterMode
 
         t0 = time.perf_counter()
@@ -216,7 +246,7 @@ class FakeStep:
         autocast = CudaAutocast(torch.bfloat16) if low else None
         hooks = self._cast_inputs() if cast_inputs else []
         try:
-            with self._checkpointing(checkpointing), self.mode, tracker:
+            with self._checkpointing(checkpointing), self.mode, tracker, self._compiling(compiled, tracker):
                 with counter if counter is not None else _nothing(), autocast if autocast is not None else _nothing():
                     out = self.policy(batch)
                     loss = out["loss"] if isinstance(out, dict) else out
@@ -280,7 +310,7 @@ class Activations:
     fixed: float
     per_sample: float
     measured: dict[int, int]
-    method: str  # "measured (fake tensors)" or "analytic ESTIMATE"
+    method: str  # "measured (fake tensors)", "measured under the compiled step's partitioner (...)" or "analytic ESTIMATE"
     model_flops_per_sample: float | None = None
     issued_flops_per_sample: float | None = None
     seconds: float = 0.0

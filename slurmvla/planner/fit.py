@@ -27,6 +27,7 @@ class Planner:
         self.tensors = count_tensors(cfg, self.policy)
         self._fake: FakeStep | None = None
         self._fake_error: str | None = None
+        self._compile_error: str | None = None  # why the layers could not be measured as compiled
         self._cache: dict[tuple, Pass] = {}
         self._flops: tuple[float, float] | None = None
 
@@ -38,17 +39,27 @@ class Planner:
                 self._fake_error = failure(e)
         return self._fake
 
+    def compiled(self, cfg: Config) -> bool:
+        """Whether the activations are measured with the layers as the compiled step runs them: with
+        ``trainer.compile``, unless tracing them failed (then eager autograd's, and the method says why)."""
+        return bool(cfg.trainer.compile) and self._compile_error is None
+
     def measure(self, cfg: Config, micro: int, compute: tuple[torch.dtype, torch.dtype],
                 cast_inputs: bool = False) -> Pass | None:
         """The peak live bytes of one training forward + backward at ``micro`` (cached)."""
-        key = (micro, compute, cfg.precision, cast_inputs)
+        compiled = self.compiled(cfg)
+        key = (micro, compute, cfg.precision, cast_inputs, compiled)
         if key not in self._cache:
             step = self._step()
             if step is None:
                 return None
             try:
-                self._cache[key] = step.run(micro, compute, cfg.precision == "bf16", cast_inputs=cast_inputs)
+                self._cache[key] = step.run(micro, compute, cfg.precision == "bf16", cast_inputs=cast_inputs,
+                                            compiled=compiled)
             except Exception as e:
+                if compiled:  # the layers would not trace: eager autograd's figure, labelled so
+                    self._compile_error = failure(e)
+                    return self.measure(cfg, micro, compute, cast_inputs)
                 self._fake_error = failure(e)
                 return None
         return self._cache[key]
@@ -70,6 +81,19 @@ class Planner:
             self._flops = (got.flops, issued)
         return self._flops
 
+    def _points(self, cfg: Config, sizes: tuple[int, int], compute: tuple[torch.dtype, torch.dtype],
+                cast_inputs: bool) -> dict[int, int] | None:
+        """The peaks at ``sizes``, both measured the same way (eager again where the compiled layers would not
+        trace at one of them); None where the fake tensors fail."""
+        compiled = self.compiled(cfg)
+        points = {}
+        for b in sizes:
+            got = self.measure(cfg, b, compute, cast_inputs)
+            if got is None:
+                return None
+            points[b] = got.peak_bytes
+        return points if compiled == self.compiled(cfg) else self._points(cfg, sizes, compute, cast_inputs)
+
     def activations(self, cfg: Config, micro: int, compute: tuple[torch.dtype, torch.dtype],
                     cast_inputs: bool = False, count_flops: bool = True) -> Activations:
         """Measured at two micro-batches: 1 and 2, or 2 and the configured one when it is larger (a fixed
@@ -79,19 +103,21 @@ class Planner:
         if self.tensors.frozen == 0:  # nothing frozen: one arrangement serves every engine
             compute = (compute[0], compute[0])
         sizes = (2, micro) if micro > 2 else (1, 2)
-        points = {}
-        for b in sizes:
-            got = self.measure(cfg, b, compute, cast_inputs)
-            if got is None:
-                break
-            points[b] = got.peak_bytes
-        else:
+        points = self._points(cfg, sizes, compute, cast_inputs)
+        if points is not None:
             (b1, m1), (b2, m2) = sorted(points.items())
             per_sample = (m2 - m1) / (b2 - b1)
             fixed = m1 - per_sample * b1
             model, issued = (self.flops(cfg, compute) if count_flops else None) or (None, None)
-            return Activations(fixed, per_sample, points, "measured (fake tensors)", model, issued,
-                               time.perf_counter() - t0, compute)
+            if self.compiled(cfg):
+                method = ("measured under the compiled step's partitioner (fake tensors; trainer.compile: the "
+                          "layers traced by AOTAutograd and split by inductor's min-cut partitioner)")
+            elif cfg.trainer.compile:
+                method = (f"measured in eager autograd (fake tensors; the compiled layers could not be traced: "
+                          f"{self._compile_error}; compiled training saves less)")
+            else:
+                method = "measured (fake tensors)"
+            return Activations(fixed, per_sample, points, method, model, issued, time.perf_counter() - t0, compute)
         per = analytic_activations(cfg, 1)
         if per is None:
             return Activations(0.0, 0.0, {}, f"NOT ESTIMATED (fake tensors failed: {self._fake_error})")

@@ -9,7 +9,8 @@ The settings in order of cost (slurmvla/policy/recompute.py says what each recom
 3. full recomputation: ``checkpoint_saves=inputs``, every layer.
 
 Each setting's peak per GPU is the planner's (:func:`slurmvla.planner.fit.plan_engine`: the model states by the
-engine's rule, the activations measured on fake tensors with that setting) against the plan's budget: the GPU's
+engine's rule, the activations measured on fake tensors with that setting; with ``trainer.compile`` as the
+compiled step keeps them, :mod:`slurmvla.planner.compiled`) against the plan's budget: the GPU's
 memory less ``RESERVED_BYTES`` and the allocator margin. The planner's peak is taken as falling with ``k`` (fewer
 layers keep everything), so the largest ``k`` is found by bisection. Where nothing fits, full recomputation, the
 least memory, and the choice says so. An engine that refuses activation checkpointing (ZeRO-3) gets none, as does

@@ -51,6 +51,8 @@ def format_plan(r: dict[str, Any]) -> str:
         lines.append(f"    = {a['fixed_bytes'] / div:.2f} {name} + {a['per_sample_bytes'] / div:.3f} {name} per sample "
                      f"(fake runs at micro-batch {' and '.join(a['measured_bytes'])}; parameters "
                      f"{'/'.join(a['compute_dtypes'])} (trainable/frozen))")
+        if "compile" in a["method"]:  # trainer.compile: whose saved tensors were measured
+            lines.append(f"    {a['method'].split(' (', 1)[1].removesuffix(')')}")
     else:
         lines.append(f"    {a['method']}")
     for title, key in (("forward + backward", "forward_backward_bytes"), ("optimizer step", "step_bytes"),
