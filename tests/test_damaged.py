@@ -23,10 +23,10 @@ from slurmvla.data.damaged import DAMAGED, SUBSTITUTE
 from slurmvla.data.loader import TrainData, build_validation_loader
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.readers import EpisodeStream
-from slurmvla.trainer import Trainer
 
 from .conftest import policy_spec, run_until
 from .test_errors import fails, restore_signals  # noqa: F401 (a fixture)
+from .test_train import train as _train
 
 CAMERA = "observation.images.wrist_left"
 # 437 samples in the sample data (12 episodes): 23 micro-batches of 19 cover one epoch with none left out.
@@ -74,15 +74,6 @@ def mid_damaged_root(sample_root, tmp_path_factory) -> tuple[Path, Path, list[in
 
 def _records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def _train(cfg, run, stop_at=None) -> Trainer:
-    trainer = Trainer(cfg, run)
-    try:
-        trainer.fit(stop_at=stop_at)
-    finally:
-        trainer.close()
-    return trainer
 
 
 @pytest.fixture(scope="module")
