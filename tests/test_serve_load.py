@@ -198,6 +198,35 @@ def test_a_connection_beyond_max_connections_is_refused_with_503_naming_the_opti
         assert server.refused_connections == 1
 
 
+def test_the_rollout_client_waits_for_a_busy_server_and_names_it_when_it_stays_busy():
+    """A closed-loop client (``slurmvla.inference.closed_loop.connect``) refused with 503 tries again after the
+    server's Retry-After until a slot frees; a server that stays full is one ValueError naming the limit."""
+    from slurmvla.inference.closed_loop import connect
+
+    policy = Echo()
+    server = PolicyServer(policy, "127.0.0.1", 0, max_connections=1)
+    with serving_in_thread(server) as port:
+        holder = wcp.WebsocketClientPolicy("127.0.0.1", port)
+        with pytest.raises(ValueError, match=r"stayed busy .*serve\.max_connections=1"):
+            connect("127.0.0.1", port, timeout_s=0.5)
+        got: list = []
+        waiting = threading.Thread(target=lambda: got.append(connect("127.0.0.1", port, timeout_s=WAIT_S)))
+        refused = server.refused_connections
+        waiting.start()
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while server.refused_connections == refused:  # refused at least once while the slot is held
+                assert time.monotonic() < deadline and waiting.is_alive()
+                time.sleep(0.02)
+        finally:
+            close(holder)
+            waiting.join(WAIT_S)
+        assert len(got) == 1, "the waiting client never connected"
+        obs = observation(0, 0)
+        np.testing.assert_array_equal(got[0].infer(obs)["actions"], policy.infer(obs)["actions"])
+        close(got[0])
+
+
 def settled_to(server: PolicyServer, connections: int) -> bool:
     deadline = time.monotonic() + WAIT_S
     while len(server.admitted) > connections:

@@ -187,19 +187,39 @@ class _Checked:
 
 def connect(host: str, port: int, api_key: str | None = None, timeout_s: float = 120.0) -> Any:
     """openpi's client, once the address accepts connections (openpi's own client would wait forever
-    for a wrong address)."""
+    for a wrong address) and the server has room for one more (a server at ``serve.max_connections``
+    answers HTTP 503: tried again after its ``Retry-After``, within the same ``timeout_s``)."""
     client_module = _need("openpi_client.websocket_client_policy")
+    from websockets.exceptions import InvalidStatus
+
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             socket.create_connection((host, port), timeout=min(5.0, timeout_s)).close()
-            break
         except OSError as e:
             if time.monotonic() > deadline:
                 raise ValueError(f"cannot reach ws://{host}:{port} within {timeout_s:g} s ({e}); is the server running "
                                  "there (python -m slurmvla.serve)? rollout.connect_timeout_s waits longer") from None
             time.sleep(0.5)
-    return client_module.WebsocketClientPolicy(host=host, port=port, api_key=api_key)
+            continue
+        try:
+            return client_module.WebsocketClientPolicy(host=host, port=port, api_key=api_key)
+        except InvalidStatus as e:
+            if e.response.status_code != 503:
+                raise
+            if time.monotonic() > deadline:
+                body = bytes(e.response.body or b"").decode(errors="replace").strip()
+                raise ValueError(f"ws://{host}:{port} stayed busy for {timeout_s:g} s ({body}); "
+                                 "rollout.connect_timeout_s waits longer") from None
+            time.sleep(_retry_after(e.response.headers.get("Retry-After")))
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds to wait before trying a busy server again: its ``Retry-After`` (seconds), within 0.1-5 s."""
+    try:
+        return min(5.0, max(0.1, float(value)))
+    except (TypeError, ValueError):
+        return 1.0
 
 
 def run_served(server: Any, cfg: RolloutConfig, seeds: list[int], video_dir: Path | None) -> list[dict]:
