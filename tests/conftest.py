@@ -10,12 +10,21 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from slurmvla.compose import compose
 from slurmvla.config import Config
 from slurmvla.data.spec import SampleSpec
 from slurmvla.data.synthetic import write_droid_sample
 from slurmvla.policy import sample_spec
+
+# One compute thread per process, here and in every process a test starts (torchrun ranks, servers, SLURM
+# jobs inherit it): the suite runs several processes at once on few cores, and a second OpenMP thread per
+# process then spins waiting for a core instead of computing (an in-process training costs 1.2x the CPU
+# time with two threads alone, about 3x beside the rest of the suite). The models are tiny; one thread is
+# about as fast alone. OMP_NUM_THREADS set outside wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)
