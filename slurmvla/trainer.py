@@ -23,6 +23,7 @@ from tqdm import tqdm
 from slurmvla.checkpoint import CheckpointManager
 from slurmvla.collectives import agree, check_same_fields, gather_objects
 from slurmvla.config import Config
+from slurmvla.data import video
 from slurmvla.data.damaged import DamageCount
 from slurmvla.data.loader import TrainData, build_validation_loader, to_device
 from slurmvla.data.mixture import Mixture
@@ -509,7 +510,7 @@ class Trainer:
         # Objects alive when the data workers were forked were frozen against copy-on-write
         # (slurmvla.data.video); the run is over: let the collector reach them again (the engine's
         # wrappers among them, which must go before the process group).
-        gc.unfreeze()
+        video.thaw()
         if not keep_process_group:
             if torch.distributed.is_initialized():
                 # The DDP / FSDP / DeepSpeed objects hold the process group's communicators: let them

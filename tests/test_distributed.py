@@ -171,18 +171,17 @@ LORA_POLICIES = set(LORA_CELLS.values())
 
 
 def cell_runs(engine: str, policy: str) -> list[dict]:
-    """One cell's runs: straight; stopped half-way and resumed; frozen backbone; and where they apply,
-    gradient accumulation, bf16, activation checkpointing and LoRA (straight, stopped and resumed)."""
+    """One cell's runs: straight; resumed from the straight run's half-way checkpoint (saved mid-run); frozen
+    backbone; and where they apply, gradient accumulation, bf16, activation checkpointing and LoRA (straight and
+    resumed the same way)."""
     runs = [
         {"name": "straight"},
-        {"name": "half", "dir": "resumed", "stop_at": HALF},
-        {"name": "resumed"},
+        {"name": "resumed", "start_from": ["straight", HALF]},
         {"name": "frozen", "overrides": FROZEN},
     ]
     if LORA_CELLS.get(engine) == policy:
-        runs += [{"name": "lora", "overrides": LORA}, {"name": "lora_half", "dir": "lora_resumed", "stop_at": HALF,
-                                                        "overrides": LORA},
-                 {"name": "lora_resumed", "overrides": LORA}]
+        runs += [{"name": "lora", "overrides": LORA},
+                 {"name": "lora_resumed", "overrides": LORA, "start_from": ["lora", HALF]}]
     if policy == "reference":
         runs.append({"name": "accum", "overrides": ["trainer.grad_accum_steps=2"]})
     if policy == "reference" or engine in BF16_PI0_ENGINES:
@@ -208,7 +207,9 @@ def strategy_jobs(request, matrix_root, tmp_path_factory):
             # DeepSpeed's engines last: nothing it sets up may be what the others find.
             engines = sorted(set(selected), key=lambda e: (e.startswith("zero"), list(ENGINES).index(e)))
             runs = [{**r, "name": f"{e}.{r['name']}", "dir": f"{e}.{r.get('dir', r['name'])}",
-                     "overrides": [f"engine={e}", *r.get("overrides", [])]} for e in engines for r in cell_runs(e, policy)]
+                     "overrides": [f"engine={e}", *r.get("overrides", [])],
+                     **({"start_from": [f"{e}.{r['start_from'][0]}", HALF]} if "start_from" in r else {})}
+                    for e in engines for r in cell_runs(e, policy)]
             try:
                 out = run_driver(tmp_path_factory.mktemp(f"matrix_{policy}"), 2,
                                  [*base_overrides(matrix_root), *POLICIES[policy]], runs, deadline_s=540)
@@ -246,8 +247,8 @@ def test_strategy_matches_single_process(engine, policy, single_references, stra
     assert {r["engine"].split(":")[1] for r in report.values()} == {engine}, {k: r["engine"] for k, r in report.items()}
     assert rel_l2(w["straight"], ref) < 1e-6
     assert worst_tensor(w["straight"], ref) < 1e-3
-    # N steps straight == N/2, stop, resume from the strategy's own checkpoint, continue to N.
-    assert report["half"]["step"] == HALF and report["resumed"]["resumed_from"].endswith(f"step_{HALF:08d}")
+    # N steps straight == from the strategy's own checkpoint at N/2 (saved mid-run), resumed to N.
+    assert report["resumed"]["resumed_from"].endswith(f"step_{HALF:08d}")
     assert all(torch.equal(w["straight"][k], w["resumed"][k]) for k in ref), "resume is bitwise on CPU"
     # The moving average, held as the strategy holds its optimizer state: one process's, and resumed bitwise.
     assert rel_l2(ema["straight"], single_reference["fp32 ema"]) < 1e-6
