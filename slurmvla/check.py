@@ -59,40 +59,81 @@ from slurmvla.policy.check import (
 
 # -- multi-rank checks (torchrun, gloo, a deadline) -----------------------------------------------
 
-def run_ranks(s: Subject, mode: str, deadline_s: float, nproc: int = 2, grace_s: float = 5.0) -> dict[int, dict | None]:
-    """Run ``slurmvla.check_ranks`` in ``mode`` on ``nproc`` gloo ranks; each rank's result
-    (None: it reported nothing in time). Once a rank has reported an error, the others get
-    ``grace_s`` to report theirs before the job is killed (a peer blocked in a collective would
-    otherwise wait for the deadline)."""
-    with tempfile.TemporaryDirectory(prefix="slurmvla-check-") as tmp:
-        tmp = Path(tmp)
-        torch.save({"batch": s.batch, "stats": s.stats}, tmp / "inputs.pt")
-        spec = {"mode": mode, "overrides": s.overrides, "inputs": str(tmp / "inputs.pt"), "out": str(tmp),
-                "timeout_s": max(10, int(deadline_s / 2))}
-        (tmp / "spec.json").write_text(json.dumps(spec))
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                 f"--nproc_per_node={nproc}", "-m", "slurmvla.check_ranks", str(tmp / "spec.json")],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        t0, first_error = time.monotonic(), None
-        try:
-            while proc.poll() is None:
-                results = _read(tmp, nproc)
-                if first_error is None and any(r and "error" in r for r in results.values()):
-                    first_error = time.monotonic()
-                if time.monotonic() - t0 > deadline_s or (first_error and time.monotonic() - first_error > grace_s):
+class RankJobs:
+    """The multi-rank checks' ranks: every mode a run needs goes to one torchrun job (``slurmvla.check_ranks``),
+    run one after another in the same processes, since starting them and importing torch and DeepSpeed costs
+    more than a check. ``get(mode)`` gives each rank's result in that mode (None: it reported nothing in
+    time). Each mode has ``deadline_s`` of its own, counted from when the one before it finished. Once a rank
+    has reported an error, the others get ``grace_s`` to report theirs before the job is killed (a peer
+    blocked in a collective would otherwise wait for the deadline); the modes after a failed or silent one
+    then run in a job of their own, so one check's hang costs no other check its result."""
+
+    def __init__(self, s: Subject, modes: list[str], deadline_s: float, nproc: int = 2, grace_s: float = 5.0):
+        self.s, self.deadline_s, self.nproc, self.grace_s = s, deadline_s, nproc, grace_s
+        self.pending = list(modes)
+        self.results: dict[str, dict[int, dict | None]] = {}
+
+    def get(self, mode: str) -> dict[int, dict | None]:
+        if mode not in self.results and mode not in self.pending:
+            self.pending.append(mode)
+        while mode not in self.results:  # each job gives at least its first mode a result
+            self._run(list(self.pending))
+        return self.results[mode]
+
+    def _run(self, modes: list[str]) -> None:
+        """One job for ``modes``: those that finished on every rank, and the one it stopped in, get their
+        results; the ones it never reached stay pending."""
+        with tempfile.TemporaryDirectory(prefix="slurmvla-check-") as tmp:
+            tmp = Path(tmp)
+            torch.save({"batch": self.s.batch, "stats": self.s.stats}, tmp / "inputs.pt")
+            spec = {"modes": modes, "overrides": self.s.overrides, "inputs": str(tmp / "inputs.pt"), "out": str(tmp),
+                    "timeout_s": max(10, int(self.deadline_s / 2))}
+            (tmp / "spec.json").write_text(json.dumps(spec))
+            env = {**os.environ, "OMP_NUM_THREADS": "1",
+                   "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+            proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                     f"--nproc_per_node={self.nproc}", "-m", "slurmvla.check_ranks",
+                                     str(tmp / "spec.json")],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)
+            current, since, first_error = 0, time.monotonic(), None
+            try:
+                while proc.poll() is None:
+                    results = self._read(tmp, modes[current])
+                    if all(r is not None and "error" not in r for r in results.values()) and current + 1 < len(modes):
+                        current, since, first_error = current + 1, time.monotonic(), None
+                        continue
+                    if first_error is None and any(r and "error" in r for r in results.values()):
+                        first_error = time.monotonic()
+                    if time.monotonic() - since > self.deadline_s or \
+                            (first_error and time.monotonic() - first_error > self.grace_s):
+                        break
+                    time.sleep(0.2)
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                log, _ = proc.communicate()
+            for i, mode in enumerate(modes):
+                results = self._read(tmp, mode)
+                reached = i <= current or any(r is not None for r in results.values())
+                if not reached:
                     break
-                time.sleep(0.2)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-        results = _read(tmp, nproc)
-        if all(r is None for r in results.values()) and proc.returncode not in (None, 0, -signal.SIGKILL):
-            results[0] = {"error": "the ranks did not start: " + log.strip()[-600:]}
-        return results
+                if all(r is None for r in results.values()) and proc.returncode not in (None, 0, -signal.SIGKILL):
+                    results[0] = {"error": "the ranks did not start: " + log.strip()[-600:]}
+                self.results[mode] = results
+                self.pending.remove(mode)
+                if any(r is None or "error" in r for r in results.values()):
+                    break  # the modes after it run in a job of their own
+
+    def _read(self, folder: Path, mode: str) -> dict[int, dict | None]:
+        out = {}
+        for r in range(self.nproc):
+            f = folder / f"{mode}.rank{r}.json"
+            try:
+                out[r] = json.loads(f.read_text()) if f.is_file() else None
+            except json.JSONDecodeError:
+                out[r] = None  # being written
+        return out
 
 
 def _silent(results: dict[int, dict | None], deadline_s: float) -> str:
@@ -103,17 +144,6 @@ def _silent(results: dict[int, dict | None], deadline_s: float) -> str:
         return (f"ranks {silent} gave no result: blocked in a collective that ranks {done} never joined (a hang, "
                 f"cut short when the job ended or at the {deadline_s:.0f}s deadline)")
     return f"no rank gave a result within {deadline_s:.0f}s (a hang)"
-
-
-def _read(folder: Path, nproc: int) -> dict[int, dict | None]:
-    out = {}
-    for r in range(nproc):
-        f = folder / f"rank{r}.json"
-        try:
-            out[r] = json.loads(f.read_text()) if f.is_file() else None
-        except json.JSONDecodeError:
-            out[r] = None  # being written
-    return out
 
 
 def _errors(results: dict[int, dict | None]) -> list[str]:
@@ -130,9 +160,9 @@ def _failed_ranks(name: str, results: dict[int, dict | None], deadline_s: float,
     return None
 
 
-def check_fsdp(s: Subject, deadline_s: float) -> Result:
-    name = FSDP_SAFETY
-    results = run_ranks(s, "fsdp", deadline_s)
+def check_fsdp(s: Subject, jobs: RankJobs) -> Result:
+    name, deadline_s = FSDP_SAFETY, jobs.deadline_s
+    results = jobs.get("fsdp")
     fix = ("a layer's forward must use only its own parameters (a unit's weights are sharded outside its forward): "
            "move the computation into the module that owns the weights; keep statistics as buffers, not parameters")
     failed = _failed_ranks(name, results, deadline_s, fix)
@@ -146,13 +176,17 @@ def check_fsdp(s: Subject, deadline_s: float) -> Result:
     return Result(name, "pass", figure)
 
 
-def check_zero3(s: Subject, deadline_s: float) -> Result:
-    name = ZERO3_CONSTRUCTION
+def _deepspeed_installed() -> bool:
     import importlib.util
 
-    if importlib.util.find_spec("deepspeed") is None:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def check_zero3(s: Subject, jobs: RankJobs) -> Result:
+    name, deadline_s = ZERO3_CONSTRUCTION, jobs.deadline_s
+    if not _deepspeed_installed():
         return Result(name, "skipped", "DeepSpeed is not installed (pip install 'slurmvla[deepspeed]')")
-    results = run_ranks(s, "zero3", deadline_s)
+    results = jobs.get("zero3")
     fix = ("under ZeRO-3 a parameter is an empty partition unless its module is running or it is reached as an "
            "attribute: do not iterate self.parameters() (or read .data / .shape of a stored reference) in forward; "
            "register such weights with deepspeed.zero.register_external_parameter, or compute it in the owning module")
@@ -170,17 +204,20 @@ def check_zero3(s: Subject, deadline_s: float) -> Result:
                   f"unwrapped policy, one optimizer step moved the weights (max |Δ| {r0['max_change']:.1e})")
 
 
-def check_divergent(s: Subject, deadline_s: float) -> Result:
+def _divergent_applies(s: Subject) -> bool:
+    return any(f in s.batch for f in OPTIONAL_FIELDS)
+
+
+def check_divergent(s: Subject, jobs: RankJobs) -> Result:
     """Every rank's batch has the same fields (the trainer checks that on the first batch and stops every
     rank naming a field some lack); what still differs between ranks is their values. A policy that
     decides on its local values whether a sharded unit runs (``if batch["text_mask"].any(): ...``) asks
     for an all-gather on some ranks only: a hang after hours, when one rank draws a batch without
     instructions."""
-    name = RANK_DIVERGENT_INPUTS
-    present = [f for f in OPTIONAL_FIELDS if f in s.batch]
-    if not present:
+    name, deadline_s = RANK_DIVERGENT_INPUTS, jobs.deadline_s
+    if not _divergent_applies(s):
         return Result(name, "skipped", f"the policy's samples have no instruction tokens ({list(OPTIONAL_FIELDS)})")
-    results = run_ranks(s, "divergent", deadline_s)
+    results = jobs.get("divergent")
     fix = ("run the same modules on every rank whatever the batch holds: mask what a sample lacks (e.g. zero its "
            "tokens' attention) instead of branching on this rank's values")
     what = "rank 1's samples all without an instruction"
@@ -193,17 +230,25 @@ def check_divergent(s: Subject, deadline_s: float) -> Result:
     return Result(name, "fail", f"{what}: {'; '.join(_errors(results))[:400] or 'ranks disagreed'}", fix)
 
 
-MULTI_RANK: dict[str, Callable[[Subject, float], Result]] = {
+MULTI_RANK: dict[str, Callable[[Subject, RankJobs], Result]] = {
     FSDP_SAFETY: check_fsdp, ZERO3_CONSTRUCTION: check_zero3, RANK_DIVERGENT_INPUTS: check_divergent,
+}
+# The mode each multi-rank check runs its ranks in, in the order one job runs them (DeepSpeed's last: its
+# ZeRO-3 construction patches module creation while it builds), and whether the check runs any.
+MODES: dict[str, tuple[str, Callable[[Subject], bool]]] = {
+    FSDP_SAFETY: ("fsdp", lambda s: True), RANK_DIVERGENT_INPUTS: ("divergent", _divergent_applies),
+    ZERO3_CONSTRUCTION: ("zero3", lambda s: _deepspeed_installed()),
 }
 
 
 def run_checks(s: Subject, only: list[str] | None = None, deadline_s: float = 180.0,
                report: Callable[[Result], None] | None = None) -> list[Result]:
+    names = only or CHECKS
+    jobs = RankJobs(s, [mode for name, (mode, applies) in MODES.items() if name in names and applies(s)], deadline_s)
     results = []
-    for name in only or CHECKS:
+    for name in names:
         try:
-            result = SINGLE_PROCESS[name](s) if name in SINGLE_PROCESS else MULTI_RANK[name](s, deadline_s)
+            result = SINGLE_PROCESS[name](s) if name in SINGLE_PROCESS else MULTI_RANK[name](s, jobs)
         except Exception as e:  # a policy that raises fails the check; the message says where
             result = Result(name, "fail", f"{type(e).__name__}: {e}"[:600], "see the error above")
         results.append(result)

@@ -1,7 +1,9 @@
 """One rank of a multi-rank policy check (``python -m slurmvla.check`` starts these under torchrun).
 
-Each rank writes ``rank<N>.json`` into the spec's folder: its figures, or ``{"error": ...}``. A rank
-that fails leaves the process group without a barrier, so the checker can stop its peers.
+The spec names one or more modes, run in its order in the same processes (starting them and importing torch
+and DeepSpeed costs more than a check). For each mode each rank writes ``<mode>.rank<N>.json`` into the spec's
+folder: its figures, or ``{"error": ...}``. A rank that fails a mode runs none after it and leaves the process
+group without a barrier, so the checker can stop its peers (and runs the modes left in a job of their own).
 
 - ``fsdp``: every rank shards the policy with FSDP2 (``fsdp_full``) and runs its half of the batch;
   the averaged loss and the full gradients are compared with the unwrapped policy on the whole batch.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -91,34 +94,54 @@ def zero3(policy: torch.nn.Module, batch: dict, env: DistEnv) -> dict:
             "changed": change > 0, "max_change": change}
 
 
+def run_mode(mode: str, cfg, inputs: dict, env: DistEnv) -> dict:
+    seed_everything(0)
+    policy = build_policy(cfg.policy, inputs["stats"])
+    policy.train()
+    if mode == "zero3":
+        return zero3(policy, inputs["batch"], env)
+    empty = type(policy).sample_spec(cfg.policy).tokenizer("") if mode == "divergent" else None
+    return fsdp(policy, inputs["batch"], env, empty_text=empty)
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
     env = DistEnv.from_environ()
-    failed = False
+    failed, mode = False, spec["modes"][0]
     try:
         init_process_group(env, torch.device("cpu"), "gloo", spec["timeout_s"])
         cfg = compose(spec["overrides"])
         inputs = torch.load(spec["inputs"], weights_only=True)
-        seed_everything(0)
-        policy = build_policy(cfg.policy, inputs["stats"])
-        policy.train()
-        if spec["mode"] == "zero3":
-            result = zero3(policy, inputs["batch"], env)
-        else:
-            empty = type(policy).sample_spec(cfg.policy).tokenizer("") if spec["mode"] == "divergent" else None
-            result = fsdp(policy, inputs["batch"], env, empty_text=empty)
+        for i, mode in enumerate(spec["modes"]):
+            if i and not _peers_done(out, spec["modes"][i - 1], env):
+                failed = True  # a peer failed there: the checker runs this mode in a job of its own
+                break
+            _write(out, mode, env.rank, run_mode(mode, cfg, inputs, env))
     except Exception as e:
         failed = True
         last = traceback.extract_tb(e.__traceback__)[-1]
-        result = {"error": f"{type(e).__name__}: {e} (at {Path(last.filename).name}:{last.lineno})"}
-    (out / f"rank{env.rank}.tmp").write_text(json.dumps(result))
-    (out / f"rank{env.rank}.tmp").rename(out / f"rank{env.rank}.json")
+        _write(out, mode, env.rank, {"error": f"{type(e).__name__}: {e} (at {Path(last.filename).name}:{last.lineno})"})
     if dist.is_initialized():
         if not failed:
             dist.barrier()
         dist.destroy_process_group()
     sys.exit(1 if failed else 0)
+
+
+def _peers_done(out: Path, mode: str, env: DistEnv) -> bool:
+    """Whether every rank finished ``mode`` without an error, waited for through the result files, not a
+    collective: a rank left in one of the mode's collectives (the hang a check looks for) would otherwise pair
+    it with the next mode's. A peer that never finishes is the checker's to end, at its deadline."""
+    files = [out / f"{mode}.rank{r}.json" for r in range(env.world_size)]
+    while not all(f.is_file() for f in files):
+        time.sleep(0.05)
+    return not any("error" in json.loads(f.read_text()) for f in files)
+
+
+def _write(out: Path, mode: str, rank: int, result: dict) -> None:
+    (out / f"{mode}.rank{rank}.tmp").write_text(json.dumps(result))
+    (out / f"{mode}.rank{rank}.tmp").rename(out / f"{mode}.rank{rank}.json")
 
 
 if __name__ == "__main__":

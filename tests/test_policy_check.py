@@ -118,7 +118,15 @@ def test_output_contract_fails_inference_that_reads_the_recorded_actions(sample_
 def test_each_multi_rank_check_fails_its_negative_control_in_bounded_time(check, sample_root):
     name, words = NEGATIVE_CONTROLS[check]
     s = subject(sample_root, name)
-    (result,) = run_checks(s, [check], deadline_s=60)
+    if check != RANK_DIVERGENT_INPUTS:
+        (result,) = run_checks(s, [check], deadline_s=60)
+    else:
+        # The three multi-rank checks share one job: the hang in the second (rank 0 left in a collective rank 1
+        # never joins) ends that job at the deadline, and the third still runs, in a job of its own, and passes.
+        results = {r.check: r for r in run_checks(s, list(MULTI_RANK), deadline_s=60)}
+        result = results.pop(check)
+        assert {c: r.status for c, r in results.items()} == {FSDP_SAFETY: "pass", ZERO3_CONSTRUCTION: "pass"}, \
+            [r.line() for r in results.values()]
     print(result.line())
     assert result.status == "fail" and words in result.figure and result.fix, result.line()
     # The bug is invisible on one process: only the multi-rank check catches it.
