@@ -28,7 +28,7 @@ PI05 = ["policy=pi05", "precision=bf16"]
 def planned(cfg, setting: Setting, gpu: str, nodes: int = 1, gpus_per_node: int = 1) -> tuple[int, int]:
     """The planner's (peak, budget) of ``setting``, asked directly."""
     c = setting.apply(cfg)
-    r = plan_engine(planner_for(c), c, GPUS[gpu], nodes, gpus_per_node, estimate_time=False)
+    r = plan_engine(planner_for(c), c, GPUS[gpu], nodes, gpus_per_node, peak_only=True)
     return r["peak_bytes"], r["budget_bytes"]
 
 

@@ -95,17 +95,18 @@ class Planner:
         return points if compiled == self.compiled(cfg) else self._points(cfg, sizes, compute, cast_inputs)
 
     def activations(self, cfg: Config, micro: int, compute: tuple[torch.dtype, torch.dtype],
-                    cast_inputs: bool = False, count_flops: bool = True) -> Activations:
+                    cast_inputs: bool = False, count_flops: bool = True, at_micro_only: bool = False) -> Activations:
         """Measured at two micro-batches: 1 and 2, or 2 and the configured one when it is larger (a fixed
         part, e.g. a large embedding's gradient, dominates the smallest sizes); a straight line through them.
-        ``count_flops`` False: memory only (no FLOP-counting passes)."""
+        ``count_flops`` False: memory only (no FLOP-counting passes). ``at_micro_only``: one pass, at ``micro``
+        (exact there; the line through zero elsewhere, so no other size is to be read from it)."""
         t0 = time.perf_counter()
         if self.tensors.frozen == 0:  # nothing frozen: one arrangement serves every engine
             compute = (compute[0], compute[0])
-        sizes = (2, micro) if micro > 2 else (1, 2)
+        sizes = (micro,) if at_micro_only else (2, micro) if micro > 2 else (1, 2)
         points = self._points(cfg, sizes, compute, cast_inputs)
         if points is not None:
-            (b1, m1), (b2, m2) = sorted(points.items())
+            (b1, m1), (b2, m2) = sorted(points.items()) if len(points) == 2 else ((0, 0), *points.items())
             per_sample = (m2 - m1) / (b2 - b1)
             fixed = m1 - per_sample * b1
             model, issued = (self.flops(cfg, compute) if count_flops else None) or (None, None)
@@ -145,9 +146,11 @@ def planner_for(cfg: Config) -> Planner:
 
 def plan_engine(planner: Planner, cfg: Config, gpu: GPU, nodes: int, gpus_per_node: int,
                 margin: float = DEFAULT_MARGIN, utilization: float = DEFAULT_UTILIZATION,
-                estimate_time: bool = True) -> dict[str, Any]:
+                estimate_time: bool = True, peak_only: bool = False) -> dict[str, Any]:
     """Every figure of one configuration on ``nodes x gpus_per_node`` GPUs (a PlanError when the
-    configuration cannot run there). ``estimate_time`` False: the memory figures only."""
+    configuration cannot run there). ``estimate_time`` False: the memory figures only. ``peak_only``: only
+    whether the configured micro-batch fits (its peak, one measured pass instead of two, no time estimate):
+    ``largest_micro_batch`` and ``to_fit`` are then None."""
     world = nodes * gpus_per_node
     entry = ENGINES.get(cfg.engine.name)
     if not entry.multi_process and world > 1:
@@ -157,7 +160,9 @@ def plan_engine(planner: Planner, cfg: Config, gpu: GPU, nodes: int, gpus_per_no
     accum = cfg.trainer.grad_accum_steps
     t = planner.tensors
     states = model_states(cfg, t, world, gpus_per_node)
-    acts = planner.activations(cfg, micro, states.compute, states.cast_inputs, count_flops=estimate_time)
+    estimate_time = estimate_time and not peak_only
+    acts = planner.activations(cfg, micro, states.compute, states.cast_inputs, count_flops=estimate_time,
+                               at_micro_only=peak_only)
     budget = int((gpu.memory_bytes - RESERVED_BYTES) * (1 - margin))
 
     def peak_at(b: int) -> tuple[int, str]:
@@ -171,8 +176,8 @@ def plan_engine(planner: Planner, cfg: Config, gpu: GPU, nodes: int, gpus_per_no
     fits = peak <= budget
     # The largest micro-batch under the budget, from the linear activation model (an estimate beyond the
     # measured sizes).
-    largest = 0
-    if acts.per_sample > 0:
+    largest: int | None = None if peak_only else 0
+    if acts.per_sample > 0 and not peak_only:
         room = budget - states.held_bytes - sum(states.forward_backward.values()) - acts.fixed
         largest = max(0, int(room // acts.per_sample))
         if max(sum(states.step.values()), sum(states.end_of_backward.values())) + states.held_bytes > budget:
@@ -181,7 +186,7 @@ def plan_engine(planner: Planner, cfg: Config, gpu: GPU, nodes: int, gpus_per_no
             largest -= 1
     global_batch = cfg.trainer.global_batch_size
     suggestion = None
-    if largest > 0:
+    if largest:
         for a in range(1, global_batch // world + 1):
             if global_batch % (world * a) == 0 and global_batch // (world * a) <= largest:
                 suggestion = {"grad_accum_steps": a, "micro_batch_size": global_batch // (world * a)}

@@ -151,11 +151,12 @@ def choose(cfg: Config, gpu: GPU | None, nodes: int = 1, gpus_per_node: int = 1,
 
 
 def planned_peak(gpu: GPU, nodes: int, gpus_per_node: int, margin: float) -> Callable[[Config], tuple[int, int]]:
-    """The planner's (peak bytes, budget bytes) of a configuration on this world of GPUs, memory only."""
+    """The planner's (peak bytes, budget bytes) of a configuration on this world of GPUs: one measured pass, at
+    the configured micro-batch."""
     from slurmvla.planner.fit import plan_engine, planner_for
 
     def peak(cfg: Config) -> tuple[int, int]:
-        r = plan_engine(planner_for(cfg), cfg, gpu, nodes, gpus_per_node, margin, estimate_time=False)
+        r = plan_engine(planner_for(cfg), cfg, gpu, nodes, gpus_per_node, margin, peak_only=True)
         return r["peak_bytes"], r["budget_bytes"]
 
     return peak
