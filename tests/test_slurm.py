@@ -245,6 +245,9 @@ LONG_STEPS, LONG_EVERY = 400, 100
 # the difference grows to ~1e-6 (1.09e-6 measured on one machine's CPU); one step lost or repeated moves
 # the weights by 2.3e-4 (400 vs 399 single-process steps). 1e-5 keeps both a margin.
 LONG_TOL = 1e-5
+# Every long run holds out half the episodes and validates at step 200 (the sbatch preemption lands in that
+# pass): the four long runs then share one uninterrupted reference.
+LONG_EXTRA = ("data.val_fraction=0.5", "trainer.val_every_steps=200")
 
 
 # SLURM's default SIGTERM on the sbatch path; the user's USR2 on the submitit path below (both there).
@@ -261,8 +264,8 @@ def test_sbatch_job_preempted_by_a_higher_priority_job_resumes_to_the_same_weigh
     uninterrupted run."""
     set_user_signal(cluster, user_signal)
     steps, run = LONG_STEPS, tmp_path / "run"
-    # SIGTERM case: a validation pass at step 200 (over half the episodes), preempted as it starts.
-    extra = () if user_signal else ("data.val_fraction=0.5", "trainer.val_every_steps=200")
+    # SIGTERM case: the validation pass at step 200 (over half the episodes), preempted as it starts.
+    extra = LONG_EXTRA
     job = sbatch(cluster, "sbatch/train.sh", ["engine=ddp", *_overrides(sample_root, steps, LONG_EVERY), *extra],
                  tmp_path, {"NPROC_PER_NODE": "1", "RUN_DIR": str(run)})
     out = tmp_path / f"{job}.out"
@@ -377,7 +380,7 @@ def test_submitit_job_preempted_by_a_higher_priority_job_resumes_to_the_same_wei
     client = subprocess.Popen(
         [sys.executable, "-m", "slurmvla.train", "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2",
          "hydra.launcher.tasks_per_node=1", "hydra.launcher.timeout_min=20", "hydra.launcher.max_num_timeout=3",
-         f"hydra.sweep.dir={sweep}", "engine=ddp", *_overrides(sample_root, steps, LONG_EVERY)],
+         f"hydra.sweep.dir={sweep}", "engine=ddp", *_overrides(sample_root, steps, LONG_EVERY), *LONG_EXTRA],
         cwd=tmp_path, env=cluster, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 240
@@ -399,7 +402,7 @@ def test_submitit_job_preempted_by_a_higher_priority_job_resumes_to_the_same_wei
     train_log = (sweep / "0" / "train.log").read_text()
     assert "resumed from" in train_log, train_log[-4000:]
     assert _stop_line(train_log, signal_name) < GRACE_S
-    reference = references(steps)
+    reference = references(steps, LONG_EXTRA)
     final = load_file(str(sweep / "0" / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
     assert rel_l2(final, reference) < LONG_TOL
 
@@ -422,8 +425,8 @@ def test_a_lost_node_ends_the_step_requeues_and_resumes_to_the_same_weights(clus
     steps = LONG_STEPS
     run = tmp_path / "run"
     extra = {"NPROC_PER_NODE": "1", "RUN_DIR": str(run)}
-    job = sbatch(cluster, "sbatch/train.sh", ["engine=ddp", *_overrides(sample_root, steps, LONG_EVERY)], tmp_path,
-                 extra)
+    job = sbatch(cluster, "sbatch/train.sh", ["engine=ddp", *_overrides(sample_root, steps, LONG_EVERY), *LONG_EXTRA],
+                 tmp_path, extra)
     out = tmp_path / f"{job}.out"
     try:
         deadline = time.monotonic() + 180
@@ -450,7 +453,7 @@ def test_a_lost_node_ends_the_step_requeues_and_resumes_to_the_same_weights(clus
     assert sacct_state(cluster, job).startswith("COMPLETED"), log[-4000:]
     assert (run / "FINISHED").read_text().strip() == str(steps), log[-4000:]
     assert "restart 1" in log and "resumed from" in (run / "train.log").read_text()
-    reference = references(steps)
+    reference = references(steps, LONG_EXTRA)
     final = load_file(str(run / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
     assert rel_l2(final, reference) < LONG_TOL
     assert _nodes_idle(cluster, 2, 60), "node2 did not return to service"
