@@ -37,6 +37,10 @@ from slurmvla.planner.model_states import build_on_meta, count_tensors, model_st
 
 from .conftest import run_until
 
+# The plans of pi0.5 at its published size go to one worker, one after another: the planner of a policy
+# configuration (its module tree on fake tensors, each measured pass) is kept for the next (planner_for).
+PUBLISHED_PI05 = pytest.mark.xdist_group("pi05-published-plans")
+
 
 def trainer_for(make_cfg, run_dir, *overrides):
     from slurmvla.trainer import Trainer
@@ -297,6 +301,7 @@ def test_engine_rules_follow_the_shard_counts():
 # -- the command line -------------------------------------------------------------------------------------
 
 
+@PUBLISHED_PI05
 def test_pi05_full_fine_tuning_does_not_fit_a_24gb_gpu_under_single(capsys):
     plan.main(["policy=pi05", "precision=bf16", "trainer.global_batch_size=4", "policy.gradient_checkpointing=true",
                "--gpu", "rtx4090-24gb"])
@@ -306,6 +311,7 @@ def test_pi05_full_fine_tuning_does_not_fit_a_24gb_gpu_under_single(capsys):
     assert "ESTIMATE" in out and "activations, micro-batch 4: measured" in out
 
 
+@PUBLISHED_PI05
 def test_pi05_on_eight_h100s_every_engine(capsys, tmp_path):
     out_json = tmp_path / "plan.json"
     plan.main(["policy=pi05", "precision=bf16", "engine=fsdp_full", "trainer.global_batch_size=32",

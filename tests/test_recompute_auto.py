@@ -22,6 +22,11 @@ from slurmvla.planner.gpus import GPUS, GiB
 from slurmvla.planner.recompute_choice import FULL, NONE, Setting, choose, deepest_stack, matmuls
 from slurmvla.trainer import Trainer
 
+# The plans of pi0.5 at its published size go to one worker, one after another: the planner of a policy
+# configuration (its module tree on fake tensors, each measured pass) is kept for the next (planner_for).
+PUBLISHED_PI05 = pytest.mark.xdist_group("pi05-published-plans")
+
+
 PI05 = ["policy=pi05", "precision=bf16"]
 
 
@@ -39,6 +44,7 @@ def ladder(cfg) -> list[Setting]:
 
 
 @pytest.mark.slow
+@PUBLISHED_PI05
 def test_one_h200_recomputes_nothing_at_the_published_size():
     cfg = compose([*PI05, "trainer.global_batch_size=16"])
     assert cfg.policy.gradient_checkpointing == "auto" and cfg.trainer.micro_batch_size(1) == 16
@@ -50,6 +56,7 @@ def test_one_h200_recomputes_nothing_at_the_published_size():
 
 
 @pytest.mark.slow
+@PUBLISHED_PI05
 def test_eight_80gb_gpus_recompute_nothing_under_fsdp_and_zero3():
     for engine in ("fsdp_full", "zero3"):
         cfg = compose([*PI05, f"engine={engine}", "trainer.global_batch_size=128"])
@@ -64,6 +71,7 @@ def test_eight_80gb_gpus_recompute_nothing_under_fsdp_and_zero3():
 
 
 @pytest.mark.slow
+@PUBLISHED_PI05
 def test_one_h100_gets_the_cheapest_setting_that_fits():
     cfg = compose([*PI05, "trainer.global_batch_size=16"])
     choice = choose(cfg, GPUS["h100-80gb"])
