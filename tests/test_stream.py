@@ -291,6 +291,7 @@ def test_a_runs_end_hands_back_what_a_fork_froze_and_leaves_a_callers_own_freeze
 
     from slurmvla.data import video
 
+    video.thaw()  # what an earlier test's loader froze in this process
     gc.unfreeze()
     try:
         gc.freeze()
