@@ -55,6 +55,7 @@ from slurmvla.policy.check import (
     ZERO3_CONSTRUCTION,
     Result,
     Subject,
+    rank_result_file,
 )
 
 # -- multi-rank checks (torchrun, gloo, a deadline) -----------------------------------------------
@@ -128,7 +129,7 @@ class RankJobs:
     def _read(self, folder: Path, mode: str) -> dict[int, dict | None]:
         out = {}
         for r in range(self.nproc):
-            f = folder / f"{mode}.rank{r}.json"
+            f = rank_result_file(folder, mode, r)
             try:
                 out[r] = json.loads(f.read_text()) if f.is_file() else None
             except json.JSONDecodeError:

@@ -31,7 +31,7 @@ from slurmvla.engine.base import StepSettings
 from slurmvla.engine.distributed import init_process_group
 from slurmvla.launch import DistEnv
 from slurmvla.policy import build_policy
-from slurmvla.policy.check import grads_rel, halves, rel
+from slurmvla.policy.check import grads_rel, halves, rank_result_file, rel
 from slurmvla.seeding import seed_everything
 
 
@@ -133,15 +133,16 @@ def _peers_done(out: Path, mode: str, env: DistEnv) -> bool:
     """Whether every rank finished ``mode`` without an error, waited for through the result files, not a
     collective: a rank left in one of the mode's collectives (the hang a check looks for) would otherwise pair
     it with the next mode's. A peer that never finishes is the checker's to end, at its deadline."""
-    files = [out / f"{mode}.rank{r}.json" for r in range(env.world_size)]
+    files = [rank_result_file(out, mode, r) for r in range(env.world_size)]
     while not all(f.is_file() for f in files):
         time.sleep(0.05)
     return not any("error" in json.loads(f.read_text()) for f in files)
 
 
 def _write(out: Path, mode: str, rank: int, result: dict) -> None:
-    (out / f"{mode}.rank{rank}.tmp").write_text(json.dumps(result))
-    (out / f"{mode}.rank{rank}.tmp").rename(out / f"{mode}.rank{rank}.json")
+    final = rank_result_file(out, mode, rank)
+    final.with_suffix(".tmp").write_text(json.dumps(result))
+    final.with_suffix(".tmp").rename(final)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils.data import default_collate
@@ -48,6 +49,12 @@ class Result:
     def line(self) -> str:
         text = f"{self.status:7s} {self.check:24s} {self.figure}"
         return text + (f"\n{'':32s}fix: {self.fix}" if self.status == "fail" and self.fix else "")
+
+
+def rank_result_file(folder: Path, mode: str, rank: int) -> Path:
+    """Where one rank of a multi-rank check (``slurmvla.check_ranks``) writes its result in ``mode``: the checker
+    reads it, and the ranks wait for each other's before the next mode."""
+    return folder / f"{mode}.rank{rank}.json"
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
