@@ -297,8 +297,8 @@ def test_a_runs_end_hands_back_what_a_fork_froze_and_leaves_a_callers_own_freeze
         gc.freeze()
         mine = gc.get_freeze_count()
         assert mine > 1000
-        video.thaw()  # no fork froze anything
-        assert gc.get_freeze_count() == mine
+        video.thaw()  # no fork froze anything: the freeze stays (less what refcounting freed since, which is
+        assert gc.get_freeze_count() > mine // 2  # a handful; gc.unfreeze would leave 0)
         video._before_fork()
         video.thaw()
         assert gc.get_freeze_count() == 0
