@@ -507,6 +507,7 @@ class Trainer:
         self.preempt.uninstall()
         self.logger.close()
         self._batches = None
+        self.data.close()
         # Objects alive when the data workers were forked were frozen against copy-on-write
         # (slurmvla.data.video); the run is over: let the collector reach them again (the engine's
         # wrappers among them, which must go before the process group).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -59,7 +60,10 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(make_cfg, tmp_path,
     over = ["trainer.max_steps=24", "checkpoint.every_steps=6", "checkpoint.keep=2", "trainer.grad_accum_steps=2",
             "data.num_workers=2", f"precision={precision}", "scheduler.warmup_steps=5", f"data.augment={augment}"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    before = set(multiprocessing.active_children())
     train(make_cfg(*over), straight)
+    # A run's close ends its (persistent) data workers, not the garbage collector at some later run's start.
+    assert set(multiprocessing.active_children()) <= before
     train(make_cfg(*over), resumed, stop_at=12)
     assert [p.name for p in list_checkpoints(resumed / "checkpoints")] == ["step_00000006", "step_00000012"]
     second = train(make_cfg(*over), resumed)

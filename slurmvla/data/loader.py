@@ -95,6 +95,15 @@ class TrainData:
             self.sampler.set_position(epoch, batches * self.batch_size)
         return iter(self.loader)
 
+    def close(self) -> None:
+        """End the data workers now. Persistent workers otherwise live on until the loader is garbage, and a
+        collection that finds it in a reference cycle closes its queues before the loader's own shutdown
+        runs: that shutdown then waits torch's full timeout for each worker before killing it (seconds of
+        a later run's start, in a process that trains again)."""
+        iterator, self.loader._iterator = getattr(self.loader, "_iterator", None), None
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
     def resume_position(self, saved: dict) -> int:
         """Batches into the epoch to resume at, from a checkpoint's data state."""
         layout = saved.get("layout", {})
