@@ -190,16 +190,22 @@ def compose(overrides: list[str]) -> Config:
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
 
-    # A config file's option its policy lacks is translated by _hydra_compose itself: the probe that
-    # learns the chosen policy is needed only for policy.* overrides given here.
-    check_overrides(overrides, probe=any(o.split("=", 1)[0].startswith("policy.") for o in overrides), whole=False)
+    check_overrides(overrides, probe=False)
     register_configs()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-        try:
-            composed = _hydra_compose(overrides)
-        except HydraException as e:  # e.g. sweep syntax outside a multirun: Hydra's lines, as one
-            raise ValueError(one_line(str(e))) from None
-        return to_config(composed)
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+            try:
+                composed = _hydra_compose(overrides)
+            except HydraException as e:  # e.g. sweep syntax outside a multirun: Hydra's lines, as one
+                raise ValueError(one_line(str(e))) from None
+            return to_config(composed)
+    except ValueError:
+        # A policy.* override given here that the chosen policy lacks: the probe (one more composition, so
+        # only when this one failed) names the policy and its options instead of Hydra's "Could not
+        # override". A config file's option its policy lacks is translated by _hydra_compose itself.
+        if any(o.split("=", 1)[0].startswith("policy.") for o in overrides):
+            check_overrides(overrides, whole=False)
+        raise
 
 
 def check_overrides(overrides: list[str], probe: bool = True, whole: bool = True) -> None:

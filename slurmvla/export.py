@@ -17,6 +17,7 @@ checkpoint directory is a source too: its weights, statistics and config, loaded
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def export(source: str | Path, out: str | Path, overrides: list[str] | tuple[str
 
 def _export_loaded(loaded: Loaded, out: str | Path, metadata: dict[str, str] | None = None) -> Path:
     """A loaded policy (e.g. a LeRobot checkpoint directory's) as a self-contained slurmvla file."""
-    config_dict = OmegaConf.to_container(OmegaConf.structured(loaded.cfg))
+    config_dict = dataclasses.asdict(loaded.cfg)
     state = {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
              for k, v in loaded.policy.state_dict().items()}
     metadata = {"step": str(loaded.step), "engine": "none", "source": loaded.source, **(metadata or {}),
