@@ -1,7 +1,8 @@
-"""Rank-uniform decisions over real gloo process groups (spawned, under a deadline)."""
+"""Rank-uniform decisions over real gloo process groups (ranks from a fork server, under a deadline)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import time
@@ -40,9 +41,16 @@ def _worker(rank: int, world: int, port: int, fn, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+# The ranks start from a fork server (one clean, single-threaded process per test process that imported torch and
+# the test modules once): a fresh interpreter per rank spent ~3.5 CPU-seconds importing them, more than most of
+# these tests compute; forking the test process itself would copy its threads' held locks.
+PRELOAD = ["torch", "torch.distributed", "tests.test_collectives", "tests.test_validation"]
+
+
 def run_spawned(fn, world: int, tmp_path, deadline_s: float = 60.0) -> list:
+    multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts, the first call
     ctx = mp.start_processes(_worker, args=(world, _free_port(), fn, str(tmp_path)), nprocs=world, join=False,
-                             start_method="spawn")
+                             start_method="forkserver")
     end = time.monotonic() + deadline_s
     while not ctx.join(timeout=1):
         if time.monotonic() > end:
