@@ -46,7 +46,7 @@ def _root_logging_as_it_was():
 
 # scripts/test.sh runs the suite on pytest-xdist workers (--dist loadgroup). Tests that share what
 # must exist once go to one worker as a group: the SLURM test cluster (one at a time on a machine),
-# one parity job per policy, and any other fixture a test module computes once for its tests.
+# the parity matrix's two jobs, and any other fixture a test module computes once for its tests.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
@@ -62,8 +62,10 @@ CHEAP_TO_REPEAT = {"matrix_root", "single_references", "single_reference"}
 def _worker_group(item) -> str | None:
     if "cluster" in item.fixturenames:
         return "slurm"
-    if "strategy_jobs" in item.fixturenames:  # one torchrun job per policy, computed on first use
-        return f"matrix-{item.callspec.params['policy']}"
+    if "strategy_jobs" in item.fixturenames:  # the parity matrix's torchrun jobs, each computed on first use
+        from tests.test_distributed import matrix_job
+
+        return f"matrix-{matrix_job(item.callspec.params['policy'])}"
     defs = getattr(item, "_fixtureinfo", None)
     shared = any(fixturedefs[-1].scope == "module" and name not in CHEAP_TO_REPEAT
                  for name, fixturedefs in (defs.name2fixturedefs.items() if defs else ()))

@@ -8,8 +8,8 @@ at 1e-3 of the tensor's largest value (measured <= 6e-5): where a gradient is ze
 own tiny second moment and amplifies it. bf16 runs must track the fp32 single run to 2e-2 relative
 (measured 1e-3 to 7e-3: DeepSpeed starts from the bf16-rounded weights, the others from fp32).
 
-The cells of one policy run in one torchrun job (tests/dist_driver.py), engine after engine, under a
-deadline: a hang fails the test instead of hanging CI.
+The cells run in two torchrun jobs (tests/dist_driver.py: the reference policy's; pi0's and pi0.5's), cell
+after cell, under a deadline: a hang fails the test instead of hanging CI.
 """
 
 from __future__ import annotations
@@ -191,35 +191,41 @@ def cell_runs(engine: str, policy: str) -> list[dict]:
     return runs
 
 
+def matrix_job(policy: str) -> str:
+    """The torchrun job a policy's cells run in: the reference policy's, and one for pi0 and pi0.5 together."""
+    return "reference" if policy == "reference" else "pi0"
+
+
 @pytest.fixture(scope="module")
 def strategy_jobs(request, matrix_root, tmp_path_factory):
-    """The cells of one policy run in one torchrun job, engine after engine in the same two processes
-    (starting processes and importing torch / DeepSpeed cost more than a cell's tiny runs). Only the
-    cells this session selected run. Returns ``get(engine, policy) -> (folder, runs)``; a failed job
+    """The cells of a job (:func:`matrix_job`) run in one torchrun job, cell after cell in the same two
+    processes (starting processes and importing torch / DeepSpeed cost more than a cell's tiny runs). Only
+    the cells this session selected run. Returns ``get(engine, policy) -> (folder, runs)``; a failed job
     fails each of its cells with the job's log (dist_driver names the run it was in)."""
     jobs: dict[str, dict | Exception] = {}
 
     def get(engine: str, policy: str) -> tuple[Path, list[dict]]:
-        if policy not in jobs:
-            selected = [item.callspec.params["engine"] for item in request.session.items
+        name = matrix_job(policy)
+        if name not in jobs:
+            selected = {(item.callspec.params["engine"], item.callspec.params["policy"]) for item in request.session.items
                         if item.originalname == "test_strategy_matches_single_process"
-                        and item.callspec.params["policy"] == policy]
+                        and matrix_job(item.callspec.params["policy"]) == name}
             # DeepSpeed's engines last: nothing it sets up may be what the others find.
-            engines = sorted(set(selected), key=lambda e: (e.startswith("zero"), list(ENGINES).index(e)))
-            runs = [{**r, "name": f"{e}.{r['name']}", "dir": f"{e}.{r.get('dir', r['name'])}",
-                     "overrides": [f"engine={e}", *r.get("overrides", [])],
-                     **({"start_from": [f"{e}.{r['start_from'][0]}", HALF]} if "start_from" in r else {})}
-                    for e in engines for r in cell_runs(e, policy)]
+            cells = sorted(selected, key=lambda c: (c[0].startswith("zero"), list(ENGINES).index(c[0]), c[1]))
+            runs = [{**r, "name": f"{p}.{e}.{r['name']}", "dir": f"{p}.{e}.{r.get('dir', r['name'])}",
+                     "overrides": [*POLICIES[p], f"engine={e}", *r.get("overrides", [])],
+                     **({"start_from": [f"{p}.{e}.{r['start_from'][0]}", HALF]} if "start_from" in r else {})}
+                    for e, p in cells for r in cell_runs(e, p)]
             try:
-                out = run_driver(tmp_path_factory.mktemp(f"matrix_{policy}"), 2,
-                                 [*base_overrides(matrix_root), *POLICIES[policy]], runs, deadline_s=540)
-                jobs[policy] = {"out": out}
+                out = run_driver(tmp_path_factory.mktemp(f"matrix_{name}"), 2, base_overrides(matrix_root), runs,
+                                 deadline_s=540)
+                jobs[name] = {"out": out}
             except (AssertionError, pytest.fail.Exception) as e:  # every cell of the job reports it
-                jobs[policy] = e
-        job = jobs[policy]
+                jobs[name] = e
+        job = jobs[name]
         if isinstance(job, Exception):
-            pytest.fail(f"the {policy} matrix job failed (this cell's engine: {engine}): {job}", pytrace=False)
-        return job["out"], [{**r, "file": f"{engine}.{r['name']}"} for r in cell_runs(engine, policy)]
+            pytest.fail(f"the {name} matrix job failed (this cell: {engine}, {policy}): {job}", pytrace=False)
+        return job["out"], [{**r, "file": f"{policy}.{engine}.{r['name']}"} for r in cell_runs(engine, policy)]
 
     return get
 
@@ -255,7 +261,7 @@ def test_strategy_matches_single_process(engine, policy, single_references, stra
     assert rel_l2(ema["straight"], w["straight"]) > 1e-4, "the average must lag the weights"
     assert all(torch.equal(ema["straight"][k], ema["resumed"][k]) for k in ref), "the average resumes bitwise"
     # The strategy's checkpoint exports (one process, no process group) to the same weights.
-    exported = load_file(str(export(out / f"{engine}.straight", tmp_path / "export.safetensors")))
+    exported = load_file(str(export(out / f"{policy}.{engine}.straight", tmp_path / "export.safetensors")))
     assert all(torch.equal(exported[k], w["straight"][k]) for k in ref)
     if "accum" in w:  # global batch 8 as 2 ranks x 2 accumulation steps x 2 == 2 ranks x 4
         assert rel_l2(w["accum"], w["straight"]) < 1e-6
@@ -273,9 +279,9 @@ def test_strategy_matches_single_process(engine, policy, single_references, stra
         assert all(torch.equal(w["lora"][k], w["lora_resumed"][k]) for k in lora_ref), "LoRA resume is bitwise on CPU"
         assert rel_l2(ema["lora"], single_reference["lora ema"]) < 1e-6
         assert all(torch.equal(ema["lora"][k], ema["lora_resumed"][k]) for k in ema["lora"])
-        held = load_model_file(out / f"{engine}.lora" / "checkpoints" / f"step_{STEPS:08d}")
+        held = load_model_file(out / f"{policy}.{engine}.lora" / "checkpoints" / f"step_{STEPS:08d}")
         assert held and all(k in lora_ref for k in held) and len(held) < len(lora_ref), "a LoRA checkpoint leaves out the base"
-        merged = load_file(str(export(out / f"{engine}.lora", tmp_path / "lora.safetensors")))
+        merged = load_file(str(export(out / f"{policy}.{engine}.lora", tmp_path / "lora.safetensors")))
         assert not any(".lora_" in k or ".base_layer." in k for k in merged)
     if "ckpt" in w:
         assert rel_l2(w["ckpt"], w["straight"]) < 1e-6
