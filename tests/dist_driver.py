@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc_per_node=N tests/dist_driver.py SPEC.json
 
-SPEC: {"out": DIR, "base": [overrides...], "runs": [{"name", "overrides", "stop_at", "fresh"}...]}
+SPEC: {"out": DIR, "base": [overrides...], "runs": [{"name", "overrides", "dir", "stop_at"}...]} (a run's folder:
+OUT/<dir>, by default OUT/<name>; "stop_at": the step its fit stops at).
 A run may start from an earlier run's checkpoint: "start_from": [RUN DIR, STEP] copies that checkpoint into
 its own folder first (rank 0, then a barrier), so it resumes from there.
 A run may also say "kill_before_commit": STEP (fault injection): the moment rank 0 is about to commit

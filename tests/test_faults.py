@@ -321,7 +321,10 @@ def test_a_stopped_rank_fails_the_job_within_the_timeout_naming_that_rank(sample
                 t_error = time.monotonic() - t_stop
                 # Rank 0 has said it and is ending the job; torchrun would wait 30 s for the stopped rank to
                 # answer its SIGTERM before killing it (its own grace, nothing of ours): the node is gone.
-                victim.kill()
+                try:
+                    victim.kill()
+                except psutil.Error:
+                    pass
             assert time.monotonic() - t_stop < timeout_s + 120, "the job did not end after a rank stopped"
             time.sleep(0.2)
         t_end = time.monotonic() - t_stop
