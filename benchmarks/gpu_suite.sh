@@ -17,6 +17,8 @@
 #   efficient the compiled step with the memory-efficient attention kernel first (policy.attention_kernels)
 #   bucket    the compiled step with the training prompt cut to each batch's exact length against the default
 #             multiple of 32 tokens (policy.prompt_bucket): how much of cuDNN's per-shape planning it saves
+#   plan      the plan's peak against the allocator's at micro-batch 4 and 16, compiled, no recomputation
+#             (benchmarks/plan_vs_measured.py): what policy.gradient_checkpointing=auto decides from
 #   sac       selective checkpointing (policy.checkpoint_saves=matmuls) at micro-batch 8 x 2
 #   batch     the largest micro-batch that fits (benchmarks/max_micro_batch.py)
 #   load      a pi0.5 checkpoint (weights, fp32 optimizer state) loaded by --resume against reading its files
@@ -63,6 +65,8 @@ section() {
             trainer.compile=true "policy.attention_kernels=[efficient,math]" profile.kernels=15 ;;
         bucket) run bucket "${SUITE_LIMIT_BUCKET:-300}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
             trainer.compile=true --compare policy.prompt_bucket=1 policy.prompt_bucket=32 ;;
+        plan) run plan "${SUITE_LIMIT_PLAN:-200}" python3 benchmarks/plan_vs_measured.py "${PI05[@]}" trainer.compile=true \
+            policy.gradient_checkpointing=false --sizes 4 16 ;;
         sac) run sac "${SUITE_LIMIT_SAC:-150}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
             trainer.grad_accum_steps=2 --compare policy.checkpoint_saves=inputs policy.checkpoint_saves=matmuls ;;
         batch) run batch "${SUITE_LIMIT_BATCH:-150}" python3 benchmarks/max_micro_batch.py --start 24 --limit 64 \
@@ -75,7 +79,7 @@ section() {
             --json "$OUT/rtc_cost.json" ;;
         inference_tests) run inference_tests "${SUITE_LIMIT_INFERENCE_TESTS:-90}" python3 -m pytest -q -p no:cacheprovider \
             tests/test_gpu.py -k "graph or server or never_waits" ;;
-        *) echo "unknown section $1; choose from tests latency unfused denoise jitter train compile efficient bucket sac batch load rtc inference_tests lerobot" >&2; exit 2 ;;
+        *) echo "unknown section $1; choose from tests latency unfused denoise jitter train compile efficient bucket plan sac batch load rtc inference_tests lerobot" >&2; exit 2 ;;
     esac
 }
 

@@ -38,6 +38,7 @@ from slurmvla.collectives import gather_dict
 from slurmvla.compose import ArgumentParser, compose, program
 from slurmvla.config import Config
 from slurmvla.errors import USAGE, exit_with
+from slurmvla.planner.recompute_choice import Setting
 from slurmvla.registry import ENGINES
 
 log = logging.getLogger("slurmvla")
@@ -229,7 +230,8 @@ def _measure(trainer) -> dict | None:
                    "world_size": world, "device": device.type, "global_batch_size": cfg.trainer.global_batch_size,
                    "micro_batch_size": trainer.micro_batch_size, "grad_accum_steps": cfg.trainer.grad_accum_steps,
                    "warmup_steps": cfg.profile.warmup_steps, "steps": cfg.profile.steps,
-                   "attention": cfg.policy.attention_implementation, "loader": cfg.data.loader},
+                   "attention": cfg.policy.attention_implementation, "loader": cfg.data.loader,
+                   "recompute": str(Setting.of(cfg.policy) or "n/a")},
         # Rank 0's phase means; every rank's step time below.
         "phases_s": {p: float(gathered[f"phase/{p}"][0]) for p in mean},
         "step_s_per_rank": gathered["step_s"].tolist(),
@@ -250,7 +252,7 @@ def format_report(r: dict) -> str:
     c = r["config"]
     lines = [
         f"engine={c['engine']} precision={c['precision']} policy={c['policy']} world={c['world_size']} "
-        f"device={c['device']} attention={c['attention']}; {c['steps']} optimizer steps after {c['warmup_steps']} "
+        f"device={c['device']} attention={c['attention']} recompute={c.get('recompute', 'n/a')}; {c['steps']} optimizer steps after {c['warmup_steps']} "
         f"warmup; global batch {c['global_batch_size']} (micro {c['micro_batch_size']} x accum "
         f"{c['grad_accum_steps']} x {c['world_size']} ranks)",
         f"{'phase (rank 0)':30s} {'ms/step':>9s} {'share':>7s}",

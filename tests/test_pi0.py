@@ -310,14 +310,14 @@ def test_grouped_matmul_attention_equals_torchs_attention_with_the_heads_repeate
 
 @pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
 def test_denoise_attention_as_matrix_products_gives_the_same_chunk(name, monkeypatch):
-    """policy.denoise_attention=matmul changes how the cached denoising steps attend (every layer of every
-    step after the first), not the actions."""
+    """policy.denoise_attention=matmul (the default) changes how the cached denoising steps attend (every layer
+    of every step after the first), not the actions: sdpa gives the same chunk."""
     from slurmvla.policy import pi0
 
     calls = []
     folded = pi0.grouped_matmul_attention
     monkeypatch.setattr(pi0, "grouped_matmul_attention", lambda *a: calls.append(1) or folded(*a))
-    cfg, sdpa = perturbed_policy(name)
+    cfg, sdpa = perturbed_policy(name, denoise_attention="sdpa")
     _, matmul = perturbed_policy(name, denoise_attention="matmul")
     batch = batch_for(cfg)
     noise = torch.randn(B, cfg.action_horizon, cfg.max_action_dim)

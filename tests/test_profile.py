@@ -24,10 +24,15 @@ def _common(sample_root):
 def test_phases_accumulation_compare_json_and_plot(sample_root, tmp_path, capsys):
     out, png = tmp_path / "p.json", tmp_path / "p.png"
     main([*_common(sample_root), "--json", str(out), "--plot", str(png),
-          "--compare", "trainer.grad_accum_steps=1", "trainer.grad_accum_steps=2 precision=bf16"])
+          "--compare", "trainer.grad_accum_steps=1",
+          "trainer.grad_accum_steps=2 precision=bf16 policy.gradient_checkpointing=true"])
     text = capsys.readouterr().out
     runs = json.loads(out.read_text())["runs"]
-    assert [r["label"] for r in runs] == ["trainer.grad_accum_steps=1", "trainer.grad_accum_steps=2 precision=bf16"]
+    assert [r["label"] for r in runs] == ["trainer.grad_accum_steps=1",
+                                          "trainer.grad_accum_steps=2 precision=bf16 policy.gradient_checkpointing=true"]
+    # Each run names the recomputation it trained with (what policy.gradient_checkpointing=auto resolves to).
+    assert [r["config"]["recompute"] for r in runs] == ["none", "full (inputs, every layer)"]
+    assert "recompute=none;" in text and "recompute=full (inputs, every layer);" in text
     for r in runs:
         assert list(r["phases_s"]) == list(PHASES) and all(v >= 0 for v in r["phases_s"].values())
         # The phases tile the step: their sum is the step, and the table's shares add up to 100%.

@@ -50,6 +50,14 @@ class Setting:
             return "full (inputs, every layer)"
         return f"{self.checkpoint_saves}, every {self.checkpoint_every}"
 
+    @classmethod
+    def of(cls, policy_cfg) -> Setting | None:  # noqa: ANN001 - any policy's config
+        """The setting a (resolved) policy config trains with; None for a policy without these options."""
+        on = getattr(policy_cfg, "gradient_checkpointing", None)
+        if not isinstance(on, bool):
+            return None
+        return cls(on, getattr(policy_cfg, "checkpoint_saves", "inputs"), getattr(policy_cfg, "checkpoint_every", 1))
+
     def overrides(self) -> str:
         if not self.gradient_checkpointing:
             return "policy.gradient_checkpointing=false"

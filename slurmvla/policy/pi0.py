@@ -192,7 +192,7 @@ class JointLayer(nn.Module):
     sharding engine wraps (its ``forward`` touches both layers' weights, nothing outside)."""
 
     def __init__(self, backbone: nn.Module, expert: nn.Module, last: bool, impl: str = "sdpa",
-                 denoise_attention: str = "sdpa"):
+                 denoise_attention: str = "matmul"):
         super().__init__()
         self.backbone, self.expert, self.last, self.impl = backbone, expert, last, impl
         self.denoise_attention = denoise_attention  # the cached denoising steps' (policy.denoise_attention)

@@ -73,7 +73,7 @@ class Pi0Config(TransformerPolicyConfig):
     # with the query heads folded onto their shared key / value head (slurmvla.policy.attention.
     # grouped_matmul_attention): at batch 1 a call is few queries over many keys, where a fused kernel is
     # latency bound (docs/policies.md); benchmarks/gpu_suite.sh's denoise section times both.
-    denoise_attention: str = "sdpa"
+    denoise_attention: str = "matmul"
 
     def __post_init__(self) -> None:
         super().__post_init__()
