@@ -18,7 +18,8 @@
 #   bucket    the compiled step with the training prompt cut to each batch's exact length against the default
 #             multiple of 32 tokens (policy.prompt_bucket): how much of cuDNN's per-shape planning it saves
 #   plan      the plan's peak against the allocator's at micro-batch 4 and 16, compiled, no recomputation
-#             (benchmarks/plan_vs_measured.py): what policy.gradient_checkpointing=auto decides from
+#             (benchmarks/plan_vs_measured.py): what policy.gradient_checkpointing=auto decides from; planned
+#             both at policy.max_text_len (the worst case) and at the measured batches' own prompt length
 #   sac       selective checkpointing (policy.checkpoint_saves=matmuls) at micro-batch 8 x 2
 #   batch     the largest micro-batch that fits (benchmarks/max_micro_batch.py)
 #   load      a pi0.5 checkpoint (weights, fp32 optimizer state) loaded by --resume against reading its files
@@ -65,7 +66,7 @@ section() {
             trainer.compile=true "policy.attention_kernels=[efficient,math]" profile.kernels=15 ;;
         bucket) run bucket "${SUITE_LIMIT_BUCKET:-300}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
             trainer.compile=true --compare policy.prompt_bucket=1 policy.prompt_bucket=32 ;;
-        plan) run plan "${SUITE_LIMIT_PLAN:-200}" python3 benchmarks/plan_vs_measured.py "${PI05[@]}" trainer.compile=true \
+        plan) run plan "${SUITE_LIMIT_PLAN:-240}" python3 benchmarks/plan_vs_measured.py "${PI05[@]}" trainer.compile=true \
             policy.gradient_checkpointing=false --sizes 4 16 ;;
         sac) run sac "${SUITE_LIMIT_SAC:-150}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
             trainer.grad_accum_steps=2 --compare policy.checkpoint_saves=inputs policy.checkpoint_saves=matmuls ;;

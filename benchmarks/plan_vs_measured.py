@@ -5,9 +5,11 @@
 
 For each micro-batch size: the plan's peak (model states, transients, the activations it measures on fake
 tensors) against ``torch.cuda.max_memory_allocated`` over real training steps (``Trainer.train_step`` on the
-configuration's own batch tiled to the size: forward, backward, clip, optimizer), and the error. Between the
-two sizes, the per-sample slope of each (the activations' growth: the plan's extrapolation to its largest
-micro-batch rests on it). The GPU model is read from the device's name (``--gpu`` overrides it).
+configuration's own batch tiled to the size: forward, backward, clip, optimizer), and the error. The plan fills
+the prompt to policy.max_text_len (the worst case); for a policy with a prompt it is planned at the measured
+batches' own prompt length too, so the error splits into the prompt's share and the rest. Between the two sizes,
+the per-sample slope of each (the activations' growth: the plan's extrapolation to its largest micro-batch rests
+on it). The GPU model is read from the device's name (``--gpu`` overrides it).
 """
 
 from __future__ import annotations
@@ -51,21 +53,34 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(compose([*base, f"trainer.global_batch_size={max(args.sizes)}"]), run_dir)
         batch = trainer._next_batch()
+        # The prompt the GPU trains on (after the policy's host part: written, cut to its bucket); the plan fills
+        # policy.max_text_len, the worst case. Planned at both, the error splits into the prompt's share and the rest.
+        ids = next((batch[k] for k in ("prompt_ids", "text") if torch.is_tensor(batch.get(k))), None)
+        prompt = None if ids is None else ids.shape[-1]
+        at_prompt = [f"policy.max_text_len={prompt}"] if prompt and prompt < getattr(trainer.cfg.policy, "max_text_len", 0) else []
         for size in args.sizes:
             cfg = compose([*base, f"trainer.global_batch_size={size}"])
             plan = plan_engine(planner_for(cfg), cfg, gpu, 1, 1, 0.0, 0.4)
+            if at_prompt:
+                short = compose([*base, f"trainer.global_batch_size={size}", *at_prompt])
+                plan["at_prompt_bytes"] = plan_engine(planner_for(short), short, gpu, 1, 1, 0.0, 0.4)["peak_bytes"]
             measured = try_size(trainer, tile(batch, size) if len(batch["actions"]) != size else batch, size, args.steps)
             rows.append((size, plan, measured))
         trainer.close()
     print(f"plan vs {torch.cuda.get_device_name()} ({gpu.name}), {' '.join(args.overrides)}")
-    print(f"{'micro':>6s} {'plan GiB':>9s} {'measured GiB':>13s} {'error':>8s}  plan's peak phase")
+    if at_prompt:
+        print(f"the measured batches' prompt: {prompt} tokens; 'at prompt' plans with {at_prompt[0]}")
+    print(f"{'micro':>6s} {'plan GiB':>9s} {'measured GiB':>13s} {'error':>8s} {'at prompt':>10s} {'error':>8s}  "
+          "plan's peak phase")
     for size, plan, measured in rows:
         if measured is None:
             print(f"{size:6d} {plan['peak_bytes'] / GiB:9.2f} {'OOM':>13s}")
             continue
         got = measured["allocated_gib"] * GiB
-        print(f"{size:6d} {plan['peak_bytes'] / GiB:9.2f} {got / GiB:13.2f} {(plan['peak_bytes'] - got) / got:+8.1%}  "
-              f"{plan['peak_phase']}")
+        short = plan.get("at_prompt_bytes")
+        tail = f"{short / GiB:10.2f} {(short - got) / got:+8.1%}" if short else f"{'-':>10s} {'-':>8s}"
+        print(f"{size:6d} {plan['peak_bytes'] / GiB:9.2f} {got / GiB:13.2f} {(plan['peak_bytes'] - got) / got:+8.1%} "
+              f"{tail}  {plan['peak_phase']}")
     ok = [(s, p, m) for s, p, m in rows if m is not None]
     if len(ok) >= 2:
         (s0, p0, m0), (s1, p1, m1) = ok[0], ok[-1]
