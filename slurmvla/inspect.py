@@ -23,15 +23,15 @@ import sys
 
 from slurmvla.compose import compose
 from slurmvla.config import Config
-from slurmvla.data.damaged import scan
-from slurmvla.data.mixture import Mixture
-from slurmvla.data.source import LeRobotSource, dataset_specs
-from slurmvla.data.synthetic import ensure_sample_dataset
 from slurmvla.errors import FAILED, boundary
-from slurmvla.policy import sample_spec
 
 
 def summarize(cfg: Config) -> dict:
+    from slurmvla.data.mixture import Mixture
+    from slurmvla.data.source import LeRobotSource, dataset_specs
+    from slurmvla.data.synthetic import ensure_sample_dataset
+    from slurmvla.policy import sample_spec
+
     ensure_sample_dataset(cfg.data)
     samples = sample_spec(cfg.policy)
     mixture = Mixture(cfg.data, samples, cfg.trainer.seed)
@@ -66,6 +66,11 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         return
     if "--scan" in args:
+        from slurmvla.data.damaged import scan
+        from slurmvla.data.mixture import Mixture
+        from slurmvla.data.synthetic import ensure_sample_dataset
+        from slurmvla.policy import sample_spec
+
         with boundary():
             cfg = compose([a for a in args if a != "--scan"])
             ensure_sample_dataset(cfg.data)

@@ -25,17 +25,17 @@ from typing import Any
 from slurmvla.compose import ArgumentParser, compose, group_options, program
 from slurmvla.config import Config
 from slurmvla.planner import PlanError
-from slurmvla.planner.fit import compare_engines, plan_engine, planner_for
-from slurmvla.planner.gpus import DEFAULT_MARGIN, GPU, GPUS
+from slurmvla.planner.gpus import DEFAULT_MARGIN, DEFAULT_UTILIZATION, GPU, GPUS
 from slurmvla.planner.recompute_choice import AUTO, choose
 from slurmvla.planner.report import format_comparison, format_plan
-from slurmvla.planner.step_time import DEFAULT_UTILIZATION
 
 
 def run(overrides: list[str], gpu: GPU, nodes: int, gpus_per_node: int, compare: bool = False,
         margin: float = DEFAULT_MARGIN, utilization: float = DEFAULT_UTILIZATION) -> tuple[list[dict[str, Any]], str]:
     """The plan of the configuration the overrides compose, or (``compare``) of every engine that can run on
     this many GPUs; and the configured engine's name."""
+    from slurmvla.planner.fit import compare_engines, plan_engine, planner_for  # torch: after the arguments
+
     cfg = compose(overrides)
 
     def plan(c: Config) -> dict[str, Any]:

@@ -54,7 +54,6 @@ import logging
 
 from slurmvla.compose import ArgumentParser, program
 from slurmvla.errors import Failure, boundary
-from slurmvla.inference.build import build_server
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
             import websockets  # noqa: F401
         except ImportError as e:
             raise ValueError(f"the server needs websockets and msgpack ({e}); pip install -e '.[serve]'") from None
+        from slurmvla.inference.build import build_server  # torch: after the arguments, so --help is instant
+
         server = build_server(args.source, overrides)
     with boundary(mistakes=()):
         try:

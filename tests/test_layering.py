@@ -166,6 +166,18 @@ def test_composing_a_config_imports_no_torch():
     assert out.stdout.strip() == "[]", out.stdout[-2000:] + out.stderr[-2000:]
 
 
+def test_the_thin_programs_answer_help_before_torch_loads():
+    """``--help`` (and a usage error, which argparse answers at the same point) of the programs that are only a
+    command line over the library: the library, and torch with it, loads after the arguments are read."""
+    code = ("import runpy, sys\nfor m in ('slurmvla.serve', 'slurmvla.plan', 'slurmvla.inspect', 'slurmvla.train', "
+            "'slurmvla.rollout'):\n    sys.argv = [m, '--help']\n    try:\n"
+            "        runpy.run_module(m, run_name='__main__')\n    except SystemExit:\n        pass\n"
+            "    print('LOADED', m, sorted(x for x in sys.modules if x.split('.')[0] == 'torch')[:1])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    loaded = [line for line in out.stdout.splitlines() if line.startswith("LOADED")]
+    assert len(loaded) == 5 and all(line.endswith("[]") for line in loaded), "\n".join(loaded) + out.stderr[-2000:]
+
+
 def test_no_library_imports_a_layer_above_it_and_models_know_nothing_of_ranks():
     found = violations(package_sources())
     assert not found, "imports against docs/architecture.md:\n" + "\n".join(found)

@@ -12,9 +12,9 @@ import torch
 from slurmvla.config import Config
 from slurmvla.planner import PlanError
 from slurmvla.planner.activations import Activations, FakeStep, Pass, analytic_activations, failure
-from slurmvla.planner.gpus import DEFAULT_MARGIN, GPU, RESERVED_BYTES
+from slurmvla.planner.gpus import DEFAULT_MARGIN, DEFAULT_UTILIZATION, GPU, RESERVED_BYTES
 from slurmvla.planner.model_states import build_on_meta, count_tensors, model_states
-from slurmvla.planner.step_time import DEFAULT_UTILIZATION, time_estimate
+from slurmvla.planner.step_time import time_estimate
 from slurmvla.registry import ENGINES
 
 

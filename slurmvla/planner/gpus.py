@@ -52,3 +52,5 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
 # Kept for the CUDA context, cuBLAS / NCCL workspaces and the like, before any tensor.
 RESERVED_BYTES = 1 * GiB
 DEFAULT_MARGIN = 0.05
+# The fraction of a GPU's dense peak a step's FLOPs are assumed to run at (the step-time estimate's default).
+DEFAULT_UTILIZATION = 0.40

@@ -8,9 +8,7 @@ from typing import Any
 
 import torch
 
-from slurmvla.planner.gpus import GPU
-
-DEFAULT_UTILIZATION = 0.40
+from slurmvla.planner.gpus import DEFAULT_UTILIZATION, GPU  # noqa: F401 - its old home, still importable
 
 
 def sdpa_flop_mapping() -> dict:
