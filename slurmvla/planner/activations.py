@@ -226,6 +226,32 @@ class FakeStep:
         with self._compiled.active(tracker):
             yield
 
+    def flops_on_meta(self, low: bool) -> tuple[float, float]:
+        """(model FLOPs, issued FLOPs) of one sample's forward + backward, counted on a copy of the policy built
+        on the meta device from the prepared sample (shapes only: the same counts as a fake-tensor pass at a
+        third of its cost, FakeTensor's dispatch being what a pass spends its time in). Model: with gradient
+        checkpointing off; issued: as configured, the backward's recomputation included."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        from slurmvla.planner.model_states import shape_only
+        from slurmvla.policy import build_policy
+
+        with torch.device("meta"):
+            policy = build_policy(shape_only(self.cfg.policy), stats=None)
+        policy.train()
+        configured = getattr(policy, "gradient_checkpointing", False)
+        one = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in self.sample.items()}
+        counts = []
+        for on in (False, True) if configured else (False,):
+            if hasattr(policy, "gradient_checkpointing"):
+                policy.gradient_checkpointing = on
+            counter = FlopCounterMode(display=False, custom_mapping=sdpa_flop_mapping())
+            with counter, CudaAutocast(torch.bfloat16) if low else _nothing():
+                out = policy(dict(one))
+                backward(out["loss"] if isinstance(out, dict) else out)
+            counts.append(float(counter.get_total_flops()))
+        return counts[0], counts[-1]
+
     def run(self, micro: int, compute: tuple[torch.dtype, torch.dtype], low: bool, count_flops: bool = False,
             checkpointing: bool | None = None, cast_inputs: bool = False, compiled: bool = False) -> Pass:
         """One training forward + backward at ``micro``; ``compiled``: the repeated layers as the compiled

@@ -67,9 +67,15 @@ class Planner:
     def flops(self, cfg: Config, compute: tuple[torch.dtype, torch.dtype]) -> tuple[float, float] | None:
         """(model FLOPs, issued FLOPs) of one sample's forward + backward: counted in a pass of their own
         without gradient checkpointing; with it, in one more pass as configured, whose backward counts what
-        it recomputes (every checkpointed layer's forward, less what ``policy.checkpoint_saves`` keeps)."""
+        it recomputes (every checkpointed layer's forward, less what ``policy.checkpoint_saves`` keeps). The
+        passes run on the meta device; a policy that runs on fake tensors but not there is counted on them."""
         if self._flops is None and self._step() is not None:
             low = cfg.precision == "bf16"
+            try:
+                self._flops = self._step().flops_on_meta(low)
+                return self._flops
+            except Exception:  # noqa: BLE001 - a policy the meta device cannot run: the fake-tensor passes
+                pass
             try:
                 got = self._step().run(1, compute, low, count_flops=True, checkpointing=False)
                 issued = got.flops

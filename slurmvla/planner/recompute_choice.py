@@ -134,12 +134,14 @@ def choose(cfg: Config, gpu: GPU | None, nodes: int = 1, gpus_per_node: int = 1,
     rule = budget_rule(gpu, margin)
     if fits(NONE):
         return Choice(NONE, f"it fits within {rule}", gpu.name, budget, peaks)
-    # The largest k whose matmuls setting fits: fits(k) taken as true up to some k and false beyond it.
+    # The largest k whose matmuls setting fits: fits(k) taken as true up to some k and false beyond it. The two
+    # ends first: the cheapest recomputation of them (the largest k) and the least memory (k = 1), which
+    # settles "none of them fits" in one pass instead of a search down to 1.
     lo, hi = 0, deepest_stack(cfg)  # lo: fits (0: none known yet); every k above hi: does not fit
     if fits(matmuls(hi)):
         lo = hi
-    else:
-        hi -= 1
+    elif hi > 1 and fits(matmuls(1)):
+        lo, hi = 1, hi - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if fits(matmuls(mid)):
