@@ -155,6 +155,18 @@ def test_activations_grow_with_the_micro_batch_and_shrink_with_checkpointing():
     assert full.issued_flops_per_sample == full.model_flops_per_sample
 
 
+def test_flops_counted_on_the_meta_device_equal_the_fake_tensor_passes(monkeypatch):
+    """The FLOPs are counted on a meta-device copy (cheaper); a policy the meta device cannot run falls back to
+    the fake-tensor passes. Both count the same, with recomputation and without."""
+    cfg = compose(["policy=pi05_tiny", "precision=bf16", "trainer.global_batch_size=4",
+                   "policy.gradient_checkpointing=true"])
+    compute = (torch.bfloat16, torch.bfloat16)
+    meta = Planner(cfg).flops(cfg, compute)
+    monkeypatch.setattr(FakeStep, "flops_on_meta", lambda self, low: 1 / 0)
+    fake = Planner(cfg).flops(cfg, compute)
+    assert meta == fake and meta[1] > meta[0] > 0, (meta, fake)
+
+
 class Saved:
     """The bytes autograd keeps for the backward pass while inside: every tensor saved by any node (eager or a
     compiled region's), each storage once, less those that existed before (parameters, the batch)."""
