@@ -243,6 +243,8 @@ def test_a_second_run_on_a_live_run_directory_refuses_naming_the_first(sample_ro
         while not (run / "metrics.jsonl").exists():
             assert time.monotonic() < deadline and first.poll() is None, "the first run did not start"
             time.sleep(0.2)
+        # Alive, holding the lock, and not training while the second run starts (a stopped process is alive).
+        os.kill(first.pid, signal.SIGSTOP)
         res = cli([*args, "trainer.max_steps=4"])
         assert res.returncode == 2, res.stderr[-3000:]
         error = [line for line in res.stderr.splitlines() if line.startswith("error:")]
