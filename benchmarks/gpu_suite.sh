@@ -20,6 +20,8 @@
 #   plan      the plan's peak against the allocator's at micro-batch 4 and 16, compiled, no recomputation
 #             (benchmarks/plan_vs_measured.py): what policy.gradient_checkpointing=auto decides from; planned
 #             both at policy.max_text_len (the worst case) and at the measured batches' own prompt length
+#   saved     what the compiled step keeps for the backward, by tensor shape, the plan's fake step against the GPU's
+#             (benchmarks/saved_tensors.py, micro-batch 16 without recomputation: 84 GiB, an H200's)
 #   sac       selective checkpointing (policy.checkpoint_saves=matmuls) at micro-batch 8 x 2
 #   batch     the largest micro-batch that fits (benchmarks/max_micro_batch.py)
 #   load      a pi0.5 checkpoint (weights, fp32 optimizer state) loaded by --resume against reading its files
@@ -68,6 +70,8 @@ section() {
             trainer.compile=true --compare policy.prompt_bucket=1 policy.prompt_bucket=32 ;;
         plan) run plan "${SUITE_LIMIT_PLAN:-240}" python3 benchmarks/plan_vs_measured.py "${PI05[@]}" trainer.compile=true \
             policy.gradient_checkpointing=false --sizes 4 16 ;;
+        saved) run saved "${SUITE_LIMIT_SAVED:-200}" python3 benchmarks/saved_tensors.py "${PI05[@]}" trainer.compile=true \
+            policy.gradient_checkpointing=false --micro 16 --top 25 ;;
         sac) run sac "${SUITE_LIMIT_SAC:-150}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
             trainer.grad_accum_steps=2 --compare policy.checkpoint_saves=inputs policy.checkpoint_saves=matmuls ;;
         batch) run batch "${SUITE_LIMIT_BATCH:-150}" python3 benchmarks/max_micro_batch.py --start 24 --limit 64 \
@@ -80,7 +84,7 @@ section() {
             --json "$OUT/rtc_cost.json" ;;
         inference_tests) run inference_tests "${SUITE_LIMIT_INFERENCE_TESTS:-90}" python3 -m pytest -q -p no:cacheprovider \
             tests/test_gpu.py -k "graph or server or never_waits" ;;
-        *) echo "unknown section $1; choose from tests latency unfused denoise jitter train compile efficient bucket plan sac batch load rtc inference_tests lerobot" >&2; exit 2 ;;
+        *) echo "unknown section $1; choose from tests latency unfused denoise jitter train compile efficient bucket plan saved sac batch load rtc inference_tests lerobot" >&2; exit 2 ;;
     esac
 }
 
