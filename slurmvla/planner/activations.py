@@ -228,8 +228,8 @@ class FakeStep:
 
     def flops_on_meta(self, low: bool) -> tuple[float, float]:
         """(model FLOPs, issued FLOPs) of one sample's forward + backward, counted on a copy of the policy built
-        on the meta device from the prepared sample (shapes only: the same counts as a fake-tensor pass at a
-        third of its cost, FakeTensor's dispatch being what a pass spends its time in). Model: with gradient
+        on the meta device from the prepared sample (shapes only: the same counts as fake-tensor passes at
+        under half their cost, FakeTensor's dispatch being what a pass spends its time in). Model: with gradient
         checkpointing off; issued: as configured, the backward's recomputation included."""
         from torch.utils.flop_counter import FlopCounterMode
 

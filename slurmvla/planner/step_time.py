@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from slurmvla.planner.gpus import DEFAULT_UTILIZATION, GPU  # noqa: F401 - its old home, still importable
+from slurmvla.planner.gpus import GPU
 
 
 def sdpa_flop_mapping() -> dict:
