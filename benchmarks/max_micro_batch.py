@@ -22,6 +22,13 @@ from slurmvla.compose import compose
 from slurmvla.trainer import Trainer
 
 
+def prompt_length(batch: dict) -> int | None:
+    """Tokens in a prepared batch's prompt (pi0 / pi0.5: written and cut to its bucket by the policy's host part;
+    other policies: the tokenized text), None for a policy without one."""
+    ids = next((batch[k] for k in ("prompt_ids", "text") if torch.is_tensor(batch.get(k))), None)
+    return None if ids is None else ids.shape[-1]
+
+
 def tile(batch: dict, size: int) -> dict:
     n = len(batch["actions"])
     index = torch.arange(size) % n

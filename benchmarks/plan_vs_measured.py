@@ -18,7 +18,7 @@ import argparse
 import tempfile
 
 import torch
-from max_micro_batch import tile, try_size  # noqa: I001 (a sibling script)
+from max_micro_batch import prompt_length, tile, try_size  # noqa: I001 (a sibling script)
 
 from slurmvla.compose import compose
 from slurmvla.planner.fit import plan_engine, planner_for
@@ -55,8 +55,7 @@ def main() -> None:
         batch = trainer._next_batch()
         # The prompt the GPU trains on (after the policy's host part: written, cut to its bucket); the plan fills
         # policy.max_text_len, the worst case. Planned at both, the error splits into the prompt's share and the rest.
-        ids = next((batch[k] for k in ("prompt_ids", "text") if torch.is_tensor(batch.get(k))), None)
-        prompt = None if ids is None else ids.shape[-1]
+        prompt = prompt_length(batch)
         at_prompt = [f"policy.max_text_len={prompt}"] if prompt and prompt < getattr(trainer.cfg.policy, "max_text_len", 0) else []
         for size in args.sizes:
             cfg = compose([*base, f"trainer.global_batch_size={size}"])

@@ -20,7 +20,6 @@ import collections
 import tempfile
 
 import torch
-from max_micro_batch import tile  # noqa: I001 (a sibling script)
 
 from slurmvla.compose import compose
 from slurmvla.planner.fit import planner_for
@@ -39,6 +38,10 @@ class SavedByShape:
         self.seen: set[int] = set()
         self.groups: collections.Counter = collections.Counter()
         self.counts: collections.Counter = collections.Counter()
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.groups.values())
 
     def __enter__(self) -> SavedByShape:
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -60,12 +63,14 @@ class SavedByShape:
 
 def real_side(base: list[str], micro: int) -> tuple[SavedByShape, int | None]:
     """The saved tensors of a real forward at ``micro`` on this machine's device, and the batch's prompt length."""
+    from max_micro_batch import prompt_length, tile  # a sibling script
+
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(compose([*base, f"trainer.global_batch_size={micro}"]), run_dir)
         try:
             batch = trainer._next_batch()
             batch = tile(batch, micro) if len(batch["actions"]) != micro else batch
-            ids = next((batch[k] for k in ("prompt_ids", "text") if torch.is_tensor(batch.get(k))), None)
+            prompt = prompt_length(batch)
             trainer.model.train()
             with trainer.engine.autocast():
                 out = trainer.model(batch)
@@ -78,7 +83,7 @@ def real_side(base: list[str], micro: int) -> tuple[SavedByShape, int | None]:
             del out
         finally:
             trainer.close()
-    return saved, None if ids is None else ids.shape[-1]
+    return saved, prompt
 
 
 def plan_side(base: list[str], micro: int, prompt: int | None) -> SavedByShape:
@@ -106,7 +111,7 @@ def main() -> None:
     where = torch.cuda.get_device_name() if device == "cuda" else "this CPU"
     print(f"saved for the backward, micro-batch {args.micro}, {' '.join(args.overrides)}; plan (fake tensors) "
           f"against {where}{f', prompt {prompt} tokens' if prompt else ''}")
-    total = {name: sum(s.groups.values()) for name, s in (("plan", plan), ("real", real))}
+    total = {"plan": plan.bytes, "real": real.bytes}
     print(f"total: plan {total['plan'] / GiB:.3f} GiB in {sum(plan.counts.values())} tensors, real "
           f"{total['real'] / GiB:.3f} GiB in {sum(real.counts.values())} ({total['plan'] / max(total['real'], 1) - 1:+.1%})")
     keys = sorted(set(plan.groups) | set(real.groups), key=lambda k: -abs(plan.groups[k] - real.groups[k]))

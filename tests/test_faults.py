@@ -385,7 +385,7 @@ def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint_to_resum
         weights = resumed.engine.model_state_dict()
     finally:
         resumed.close()
-    # The uninterrupted reference writes no checkpoints (600 MB each; saving changes no weight).
+    # The uninterrupted reference writes only its final checkpoint (600 MB each; saving changes no weight).
     reference = Trainer(make_cfg(*over, "trainer.max_steps=2", "checkpoint.every_steps=0"), tmp_path / "reference")
     try:
         reference.fit()

@@ -167,28 +167,20 @@ def test_flops_counted_on_the_meta_device_equal_the_fake_tensor_passes(monkeypat
     assert meta == fake and meta[1] > meta[0] > 0, (meta, fake)
 
 
-class Saved:
-    """The bytes autograd keeps for the backward pass while inside: every tensor saved by any node (eager or a
-    compiled region's), each storage once, less those that existed before (parameters, the batch)."""
+def _saved_tensors_module():
+    """benchmarks/saved_tensors.py, whose counter of what autograd keeps for the backward this test uses too."""
+    import importlib.util
 
-    def __init__(self, known):
-        self.known = {t.untyped_storage()._cdata for t in known}
-        self.seen, self.bytes = set(), 0
+    spec = importlib.util.spec_from_file_location("saved_tensors", Path(__file__).resolve().parents[1] / "benchmarks"
+                                                  / "saved_tensors.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    def __enter__(self):
-        def pack(t):
-            st = t.untyped_storage()
-            if st._cdata not in self.known and st._cdata not in self.seen:
-                self.seen.add(st._cdata)
-                self.bytes += st.nbytes()
-            return t
 
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
+# The bytes autograd keeps for the backward pass while inside: every tensor saved by any node (eager or a compiled
+# region's), each storage once, less those that existed before (parameters, the batch).
+Saved = _saved_tensors_module().SavedByShape
 
 
 def test_a_compiled_step_saves_what_the_plan_measures_under_the_partitioner(make_cfg, tmp_path):
