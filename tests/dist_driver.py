@@ -11,7 +11,9 @@ checkpoint STEP (every rank's part written, nothing renamed yet) the whole job i
 included, as a lost node or ``scancel --signal=KILL`` would; put it in a job's last run.
 For each run, rank 0 writes OUT/<name>.safetensors (the full fp32 weights, gathered through the
 engine), OUT/<name>.ema.safetensors (their moving average, with trainer.ema_decay) and OUT/<name>.json (optimizer parameter and state dtypes, the last metrics).
-Starting processes and importing torch / DeepSpeed costs more than a tiny training, hence one job.
+Starting processes and importing torch / DeepSpeed costs more than a tiny training, hence one job. Rank 0
+composes each run's config and sends it to the others (what every rank of a job gets alike), so the
+composition is paid once a job, not once a rank.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import torch
 from safetensors.torch import save_file
 
 from slurmvla.compose import compose
+from slurmvla.engine.distributed import init_process_group
+from slurmvla.launch import DistEnv
 from slurmvla.trainer import Trainer
 
 
@@ -39,14 +43,16 @@ def main() -> None:
     # collection over torch, DeepSpeed and transformers costs about 0.3 s a run, a tenth of a tiny run).
     gc.collect()
     gc.freeze()
+    env = DistEnv.from_environ()
+    init_process_group(env, torch.device("cpu"), "gloo", 600)  # the trainers find it and keep it
     configs: dict[tuple[str, ...], object] = {}  # runs that differ only in where they stop compose alike
     for run in spec["runs"]:
-        rank0 = int(os.environ.get("RANK", "0")) == 0
+        rank0 = env.rank == 0
         if rank0:
             print(f"dist_driver: run {run['name']}", flush=True)  # a failed job's log names its run
         overrides = (*spec["base"], *run.get("overrides", []))
         if overrides not in configs:
-            configs[overrides] = compose(list(overrides))
+            configs[overrides] = composed_on_rank0(list(overrides), rank0)
         run_dir = out / run.get("dir", run["name"])
         if "start_from" in run:
             source, step = run["start_from"]
@@ -76,12 +82,29 @@ def main() -> None:
                       "resumed_from": str(trainer.resumed_from) if trainer.resumed_from else None}
             (out / f"{run['name']}.json").write_text(json.dumps(report))
         trainer.close(keep_process_group=True)
-        # The engine's wrappers hold the process group: they go before it does.
+        # The engine's wrappers hold the process group: they go before it does. What survives the
+        # collection (compiled caches, the configs) is frozen too, so that the next run's collection
+        # reads only that run's objects.
         del trainer
         gc.collect()
+        gc.freeze()
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def composed_on_rank0(overrides: list[str], rank0: bool):
+    """Rank 0's composition, on every rank; an error composing is raised on every rank (none waits)."""
+    box: list = [None]
+    if rank0:
+        try:
+            box = [compose(overrides)]
+        except Exception as e:  # noqa: BLE001 - sent to the other ranks, raised below on every rank
+            box = [e]
+    torch.distributed.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
 
 
 def kill_before_commit(trainer: Trainer, step: int) -> None:
