@@ -172,22 +172,26 @@ LORA_POLICIES = set(LORA_CELLS.values())
 
 def cell_runs(engine: str, policy: str) -> list[dict]:
     """One cell's runs: straight; resumed from the straight run's half-way checkpoint (saved mid-run); frozen
-    backbone; and where they apply, gradient accumulation, bf16, activation checkpointing and LoRA (straight and
-    resumed the same way)."""
+    backbone; and where they apply, gradient accumulation, bf16 and LoRA (straight and resumed the same way).
+    Activation checkpointing (where the engine has it) rides in a run whose result is already held to 1e-6 and
+    trains the checkpointed layers: the accumulation run of the reference policy, the LoRA runs of pi0 / pi0.5
+    (adapters inside the recomputed layers). Recomputation changes no arithmetic: that run's bound holds it to
+    the 1e-6 a run of its own did, one run fewer per cell (LoRA with recomputation 1.98e-9 from one process on
+    ddp / fsdp_full / hsdp / zero2, 1.97e-9 without it on zero3, which has none)."""
+    ckpt = ["policy.gradient_checkpointing=true"] if engine in ENGINES.names(activation_checkpointing=True) else []
     runs = [
         {"name": "straight"},
         {"name": "resumed", "start_from": ["straight", HALF]},
         {"name": "frozen", "overrides": FROZEN},
     ]
     if LORA_CELLS.get(engine) == policy:
-        runs += [{"name": "lora", "overrides": LORA},
-                 {"name": "lora_resumed", "overrides": LORA, "start_from": ["lora", HALF]}]
+        lora = [*LORA, *([] if policy == "reference" else ckpt)]
+        runs += [{"name": "lora", "overrides": lora},
+                 {"name": "lora_resumed", "overrides": lora, "start_from": ["lora", HALF]}]
     if policy == "reference":
-        runs.append({"name": "accum", "overrides": ["trainer.grad_accum_steps=2"]})
+        runs.append({"name": "accum", "overrides": ["trainer.grad_accum_steps=2", *ckpt]})
     if policy == "reference" or engine in BF16_PI0_ENGINES:
         runs.append({"name": "bf16", "overrides": ["precision=bf16"]})
-    if engine in ENGINES.names(activation_checkpointing=True):
-        runs.append({"name": "ckpt", "overrides": ["policy.gradient_checkpointing=true"]})
     return runs
 
 
@@ -245,7 +249,7 @@ def test_strategy_matches_single_process(engine, policy, single_references, stra
     figures = {"straight": rel_l2(w["straight"], ref), "worst tensor": worst_tensor(w["straight"], ref),
                "frozen": rel_l2(w["frozen"], single_reference["frozen"]),
                "ema": rel_l2(ema["straight"], single_reference["fp32 ema"])}
-    for name, other in (("accum", w["straight"]), ("bf16", ref), ("ckpt", w["straight"])):
+    for name, other in (("accum", w["straight"]), ("bf16", ref)):
         if name in w:
             figures[name] = rel_l2(w[name], other)
     print(f"parity {policy} {engine}: " + ", ".join(f"{k} {float(v):.2e}" for k, v in figures.items()))
@@ -263,7 +267,7 @@ def test_strategy_matches_single_process(engine, policy, single_references, stra
     # The strategy's checkpoint exports (one process, no process group) to the same weights.
     exported = load_file(str(export(out / f"{policy}.{engine}.straight", tmp_path / "export.safetensors")))
     assert all(torch.equal(exported[k], w["straight"][k]) for k in ref)
-    if "accum" in w:  # global batch 8 as 2 ranks x 2 accumulation steps x 2 == 2 ranks x 4
+    if "accum" in w:  # global batch 8 as 2 ranks x 2 accumulation steps x 2 == 2 ranks x 4 (recomputing, see cell_runs)
         assert rel_l2(w["accum"], w["straight"]) < 1e-6
     if "bf16" in w:  # fp32 parameters and state in the optimizer that steps, weights near the fp32 run
         assert report["bf16"]["state_dtypes"] and all(d.endswith("float32") for d in report["bf16"]["state_dtypes"])
@@ -283,8 +287,6 @@ def test_strategy_matches_single_process(engine, policy, single_references, stra
         assert held and all(k in lora_ref for k in held) and len(held) < len(lora_ref), "a LoRA checkpoint leaves out the base"
         merged = load_file(str(export(out / f"{policy}.{engine}.lora", tmp_path / "lora.safetensors")))
         assert not any(".lora_" in k or ".base_layer." in k for k in merged)
-    if "ckpt" in w:
-        assert rel_l2(w["ckpt"], w["straight"]) < 1e-6
 
 
 WORLD_FOUR = [("hsdp", "reference"), ("zero2", "reference")]  # straight at world 4
