@@ -468,8 +468,9 @@ def test_pi0_trains_from_a_paligemma_directory_and_exports_without_it(make_cfg, 
 
     folder = tmp_path / "paligemma"
     shutil.copytree(paligemma_dir[0], folder)
-    cfg = make_cfg("policy=pi0_tiny", f"policy.pretrained_path={folder}", "trainer.max_steps=300", "optim.lr=1e-3",
-                   "trainer.global_batch_size=16", "trainer.log_every_steps=10", "checkpoint.every_steps=300")
+    # 200 steps: the last ten logged losses average 0.71 of the first three's (0.64 after 300, 0.76 after 150).
+    cfg = make_cfg("policy=pi0_tiny", f"policy.pretrained_path={folder}", "trainer.max_steps=200", "optim.lr=1e-3",
+                   "trainer.global_batch_size=16", "trainer.log_every_steps=10", "checkpoint.every_steps=200")
     trainer = Trainer(cfg, tmp_path / "run")
     trainer.fit()
     batch = next(trainer.data.iterate(0, 0))
