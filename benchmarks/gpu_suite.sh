@@ -8,7 +8,8 @@
 #   latency   sample_actions at batch 1 (eager, CUDA graph, compiled + graph), the server through openpi's
 #             client, and the kernels of each
 #   unfused   the graphed modes with serve.fused_projections=false (latency runs them fused, the default)
-#   denoise   the graphed modes with policy.denoise_attention=matmul (latency runs sdpa, the default)
+#   denoise   the graphed modes with policy.denoise_attention=sdpa (latency runs matmul, the default)
+#   droid2    latency's modes in the 2-camera layout of experiment=pi05_droid (exterior 1 + wrist), random weights
 #   jitter    where the graphed modes' p99 comes from: 500 served calls (PolicyRunner under serve.cuda_graph, then
 #             serve.compile too) split into stages, with the collector, the allocator and the SM clock per call;
 #             the same with the collector off and with the graph replayed alone (sample_latency.py --jitter)
@@ -57,7 +58,9 @@ section() {
         unfused) run unfused "${SUITE_LIMIT_UNFUSED:-200}" python3 benchmarks/sample_latency.py "${PI05[@]}" \
             serve.fused_projections=false --modes eager,graph,compile_graph --iters 30 --kernels 12 ;;
         denoise) run denoise "${SUITE_LIMIT_DENOISE:-200}" python3 benchmarks/sample_latency.py "${PI05[@]}" \
-            policy.denoise_attention=matmul --modes eager,graph,compile_graph --iters 30 --kernels 12 ;;
+            policy.denoise_attention=sdpa --modes eager,graph,compile_graph --iters 30 --kernels 12 ;;
+        droid2) run droid2 "${SUITE_LIMIT_DROID2:-200}" python3 benchmarks/sample_latency.py experiment=pi05_droid \
+            policy.stats_source=data --modes eager,graph,compile_graph --iters 100 --server ;;
         jitter) run jitter "${SUITE_LIMIT_JITTER:-200}" python3 benchmarks/sample_latency.py "${PI05[@]}" --jitter \
             --modes graph,compile_graph --iters 500 --variants full,nogc,replay --deadline $(( ${SUITE_LIMIT_JITTER:-200} - 15 )) --json "$OUT/jitter.json" ;;
         train) run train "${SUITE_LIMIT_TRAIN:-150}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \

@@ -23,23 +23,14 @@ import time
 
 import numpy as np
 import torch
+from observations import compose_every_camera_sent, observation
 
-from slurmvla.compose import compose
 from slurmvla.engine.materialize import place
 from slurmvla.inference.load import Loaded
 from slurmvla.inference.optimize import fuse_projections, lower_weights
 from slurmvla.inference.runner import PolicyRunner
 from slurmvla.policy import build_policy
 from slurmvla.policy.base import seeded_sample_actions
-
-CAMERAS = ["observation/exterior_image_1_left", "observation/exterior_image_2_left", "observation/wrist_image_left"]
-
-
-def observation(seed: int = 0) -> dict:
-    g = np.random.default_rng(seed)
-    obs = {key: g.integers(0, 256, (180, 320, 3), dtype=np.uint8) for key in CAMERAS}
-    return obs | {"observation/joint_position": g.normal(size=7), "observation/gripper_position": g.uniform(size=1),
-                  "prompt": "put the marker in the cup"}
 
 
 def main() -> None:
@@ -50,7 +41,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here too")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
-    cfg = compose([*args.overrides, f"serve.cameras=[{','.join(CAMERAS)}]", "data.root=unused"])
+    cfg, cameras = compose_every_camera_sent([*args.overrides, "data.root=unused"])
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(0)
@@ -59,7 +50,7 @@ def main() -> None:
         lower_weights(policy, torch.bfloat16)
     fuse_projections(policy)
     runner = PolicyRunner(Loaded(policy=policy, cfg=cfg, step=0, source="benchmark"))
-    obs = observation()
+    obs = observation(cameras)
     k = min(args.overlap, cfg.policy.action_horizon)
     prev = np.random.default_rng(1).normal(size=(k, cfg.policy.action_dim))
     rtc = runner.read_rtc({"prev_actions": prev, "delay": min(args.delay, k, cfg.policy.action_horizon - 1)})

@@ -5,7 +5,8 @@ server adds.
 
 The policy is built with random weights straight on the device (the meta device, then materialised
 there: no fp32 copy on the host), put in eval mode and given one DROID observation as the server
-builds it: three cameras at 180 x 320 (resized with padding by the policy), 8 state values, a prompt,
+builds it: an image at 180 x 320 for each camera the policy reads (three; two under ``experiment=pi05_droid``:
+benchmarks/observations.py), resized with padding by the policy, 8 state values, a prompt,
 ``policy.num_inference_steps`` denoising steps, noise seeded on the CPU. Modes, in this order on one
 model:
 
@@ -43,8 +44,8 @@ import time
 import numpy as np
 import torch
 from jitter import Instrumented, SmClock, StageClock, measure, slowest, summary, table, verdict
+from observations import compose_every_camera_sent, observation
 
-from slurmvla.compose import compose
 from slurmvla.data.prepare import observation_batch, prepare_image
 from slurmvla.engine.materialize import place
 from slurmvla.inference.graphs import GraphedSampler
@@ -58,17 +59,6 @@ from slurmvla.policy.base import seeded_sample_actions
 from slurmvla.profile import kernel_table
 
 VARIANTS = ("full", "nogc", "act", "replay")
-CAMERAS = ["observation/exterior_image_1_left", "observation/exterior_image_2_left", "observation/wrist_image_left"]
-
-
-def observation(seed: int = 0) -> dict:
-    g = np.random.default_rng(seed)
-    obs = {key: g.integers(0, 256, (180, 320, 3), dtype=np.uint8) for key in CAMERAS}
-    obs |= {"observation/joint_position": g.normal(size=7), "observation/gripper_position": g.uniform(size=1),
-            "prompt": "put the marker in the cup"}
-    return obs
-
-
 def timed(fn, iters: int, cuda: bool) -> dict:
     for _ in range(3):
         fn()
@@ -107,7 +97,7 @@ def main() -> None:
     if args.modes is None:
         args.modes = ("graph,compile_graph" if torch.cuda.is_available() else "eager") if args.jitter \
             else "eager_autocast,eager,graph,compile_graph"
-    cfg = compose([*args.overrides, f"serve.cameras=[{','.join(CAMERAS)}]"])
+    cfg, cameras = compose_every_camera_sent(args.overrides)
     args.fused = cfg.serve.fused_projections  # serve.fused_projections=false: as the server would run
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -118,16 +108,17 @@ def main() -> None:
         torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
     params = sum(p.numel() for p in policy.parameters())
-    print(f"policy={cfg.policy.name}: {params / 1e6:.1f}M parameters, built on {device} in {build_s:.1f} s; "
+    print(f"policy={cfg.policy.name}: {params / 1e6:.1f}M parameters, {len(cameras)} cameras, built on {device} in "
+          f"{build_s:.1f} s; "
           f"{torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}", flush=True)
 
     loaded = Loaded(policy=policy, cfg=cfg, step=0, source="benchmark")
     spec = type(policy).sample_spec(cfg.policy)
-    obs = observation()
+    obs = observation(cameras)
     state = np.concatenate([obs["observation/joint_position"], obs["observation/gripper_position"]])
     # As the server prepares them: at the policy's image size, or as sent for a policy that resizes them itself.
-    images = [prepare_image(obs[k], spec.image_size, name=k, mode=cfg.data.image_resize) for k in CAMERAS]
-    batch = observation_batch(images, [True] * len(CAMERAS), state, obs["prompt"], spec)
+    images = [prepare_image(obs[k], spec.image_size, name=k, mode=cfg.data.image_resize) for k in cameras]
+    batch = observation_batch(images, [True] * len(cameras), state, obs["prompt"], spec)
     batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
     autocast = cuda and cfg.precision == "bf16"
     ctx = (lambda: torch.autocast("cuda", torch.bfloat16)) if autocast else torch.no_grad
@@ -214,7 +205,7 @@ def jitter(loaded: Loaded, batch: dict, ctx, autocast: bool, cuda: bool, args) -
             fuse_projections(policy)
         sampler = None if mode.startswith("eager") else GraphedSampler(policy, compile=mode == "compile_graph")
         runner = PolicyRunner(loaded, sampler)  # as build_runner makes it under serve.cuda_graph / serve.compile
-        session, obs = runner.session(), observation()
+        session, obs = runner.session(), observation(list(cfg.serve.cameras))
         t1 = time.perf_counter()
         plain = session.infer(obs)["actions"]
         row = {"first_call_s": time.perf_counter() - t1, "variants": {}}
@@ -301,7 +292,7 @@ def server_overhead(loaded: Loaded, cfg, iters: int, cuda: bool) -> dict:
     cfg.serve.seed = 0
     # The layers were compiled in place by the compile_graph mode when it ran: the graphs hold its kernels.
     runner = PolicyRunner(loaded, GraphedSampler(loaded.policy) if cuda else None)
-    obs = observation()
+    obs = observation(list(cfg.serve.cameras))
     batch = runner.batch(collections.deque([runner.read(obs)], maxlen=1))
     alone = timed(lambda: runner.act(batch), iters, cuda)
     server = PolicyServer(runner, "127.0.0.1", 0)

@@ -1,0 +1,36 @@
+"""The observation the latency benchmarks send (sample_latency.py, rtc_cost.py): what openpi's DROID client sends,
+with an image for every camera the policy reads.
+
+The cameras are the composed config's ``serve.cameras`` (one client key per entry of ``data.cameras``). An entry
+the default client leaves out (null: pi0 / pi0.5's three-camera layout, whose second exterior camera that client
+never sends) is sent here under the DROID client's name for it, so that every camera the policy reads costs its
+time: three cameras by default, two under ``experiment=pi05_droid`` (exterior 1 and the wrist).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from slurmvla.compose import compose
+from slurmvla.config import Config
+
+DROID_CLIENT_CAMERAS = ["observation/exterior_image_1_left", "observation/exterior_image_2_left",
+                        "observation/wrist_image_left"]
+
+
+def compose_every_camera_sent(overrides: list[str]) -> tuple[Config, list[str]]:
+    """The config, with a client key for every camera, and those keys in ``data.cameras``' order."""
+    cfg = compose(overrides)
+    keys = [key or (DROID_CLIENT_CAMERAS[i] if i < len(DROID_CLIENT_CAMERAS) else f"observation/camera_{i}")
+            for i, key in enumerate(cfg.serve.cameras)]
+    if keys != list(cfg.serve.cameras):
+        cfg = compose([*overrides, f"serve.cameras=[{','.join(keys)}]"])
+    return cfg, keys
+
+
+def observation(cameras: list[str], seed: int = 0) -> dict:
+    """One request: a 180 x 320 image per camera (DROID's recorded size), 7 joint positions, the gripper, a prompt."""
+    g = np.random.default_rng(seed)
+    obs = {key: g.integers(0, 256, (180, 320, 3), dtype=np.uint8) for key in cameras}
+    return obs | {"observation/joint_position": g.normal(size=7), "observation/gripper_position": g.uniform(size=1),
+                  "prompt": "put the marker in the cup"}
