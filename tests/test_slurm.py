@@ -59,7 +59,10 @@ def cluster(tmp_path_factory):
     up = subprocess.run(["bash", str(CLUSTER), "up"], env=env, capture_output=True, text=True, timeout=600)
     try:
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
-        yield {**env, "SLURM_CONF": str(base / "etc" / "slurm.conf"), "OMP_NUM_THREADS": "1"}
+        # The repository on the jobs' path, wherever they start (submitit's from the client's folder): the paced
+        # policy of the long runs (tests/paced_policy.py) imports on the nodes.
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        yield {**env, "SLURM_CONF": str(base / "etc" / "slurm.conf"), "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     finally:
         subprocess.run(["bash", str(CLUSTER), "down"], env=env, capture_output=True, timeout=120)
         # The daemons' logs outlive the cluster (pytest keeps its last three temporary folders).
@@ -238,16 +241,18 @@ def _stop_line(log: str, signal_name: str) -> float:
 
 
 GRACE_S = 30  # tests/slurm/cluster.sh: partition debug's GraceTime
-# Long enough (~15 s of tiny steps on two nodes) for a preemption decided within a scheduling
-# interval to land in the middle of the run.
+# Long enough (~15 s of steps on two nodes) for a preemption decided within a scheduling interval to land in the
+# middle of the run. The long runs train the paced policy (tests/paced_policy.py: 30 ms of sleep a step, 5 ms of
+# CPU): their seconds are waiting, not computing, beside the suite's other tests.
 LONG_STEPS, LONG_EVERY = 400, 100
-# Two DDP ranks against one process over 400 steps: the gradient all-reduce sums in another order, and
-# the difference grows to ~1e-6 (1.09e-6 measured on one machine's CPU); one step lost or repeated moves
-# the weights by 2.3e-4 (400 vs 399 single-process steps). 1e-5 keeps both a margin.
+# Two DDP ranks against one process over 400 steps: the gradient all-reduce sums in another order (5.6e-8
+# measured on one machine's CPU); one step lost or repeated moves the weights by 6.6e-4 (400 vs 399
+# single-process steps). 1e-5 keeps both a margin.
 LONG_TOL = 1e-5
 # Every long run holds out half the episodes and validates at step 200 (the sbatch preemption lands in that
 # pass): the four long runs then share one uninterrupted reference.
-LONG_EXTRA = ("data.val_fraction=0.5", "trainer.val_every_steps=200")
+LONG_EXTRA = ("data.val_fraction=0.5", "trainer.val_every_steps=200", "policy=custom",
+              "policy.target=tests.paced_policy.Paced")
 
 
 # SLURM's default SIGTERM on the sbatch path; the user's USR2 on the submitit path below (both there).
