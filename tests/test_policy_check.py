@@ -2,9 +2,10 @@
 
 Every check has a negative control in tests/broken_policies.py: a policy with one realistic bug that
 the check must fail, with the message a user would see. The sound control passes the single-process
-checks; on two ranks, the rank-divergent control (the sound control but for that one bug) passes the FSDP and
-ZeRO-3 checks in the same job, and the reference policy and the installable example policy pass every check. The example trains through the real CLI on one
-process and on two gloo ranks (ddp, fsdp_full), and the ranks end where one process does.
+checks; on two ranks the rank-divergent control (the sound control but for that one bug) passes the FSDP and
+ZeRO-3 checks in its job, and the reference policy and the installable example policy pass every check. The
+example trains through the real CLI on one process and on two gloo ranks under fsdp_full, and the ranks end
+where one process does (DDP: tests/test_slurm.py's plug-in job on two nodes).
 """
 
 from __future__ import annotations
