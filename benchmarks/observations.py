@@ -13,9 +13,7 @@ import numpy as np
 
 from slurmvla.compose import compose
 from slurmvla.config import Config
-
-DROID_CLIENT_CAMERAS = ["observation/exterior_image_1_left", "observation/exterior_image_2_left",
-                        "observation/wrist_image_left"]
+from slurmvla.droid_features import DROID_CLIENT_CAMERAS
 
 
 def compose_every_camera_sent(overrides: list[str]) -> tuple[Config, list[str]]:

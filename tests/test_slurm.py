@@ -292,9 +292,9 @@ def test_sbatch_job_preempted_by_a_higher_priority_job_resumes_to_the_same_weigh
     if not user_signal:
         # The signal is preemption's, on SLURM's clock: it lands inside the validation pass at step 200 (which
         # the "validation over" line starts; the pass is then abandoned, no loss is logged, and the stop is at
-        # step 200), or after the pass (under a second on 64x64 frames) when the scheduler takes longer: the
-        # loss is logged and the stop is at step 200's own signal check or a later one. Either way the log
-        # must say which, consistently; the abandoning itself is pinned down in-process by
+        # step 200), or after the pass (a short one: half the episodes, 30 ms a batch for the paced policy) when
+        # the scheduler takes longer: the loss is logged and the stop is at step 200's own signal check or a later
+        # one. Either way the log must say which, consistently; the abandoning itself is pinned down in-process by
         # tests/test_preempt.py::test_sigterm_during_validation_abandons_it_checkpoints_and_resumes_bitwise.
         stopped_at = int(re.search(rf"stopped at step (\d+), [\d.]+ s after {signal_name}", log).group(1))
         abandoned = "validation at step 200 abandoned for the stop signal" in log

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import mujoco  # slurmvla.sim (imported first) chose the offscreen backend
 import numpy as np
 
+from slurmvla.droid_features import DROID_CLIENT_CAMERAS
+
 FPS = 15  # DROID's control rate
 PHYSICS_DT = 0.002
 SUBSTEPS = round(1 / (FPS * PHYSICS_DT))
@@ -34,9 +36,7 @@ FINGER_OPEN = 0.05  # each finger's travel (m): 0 = closed, 0.05 = a 10 cm openi
 INSTRUCTION = "pick up the red cube"
 CAMERAS = ("exterior_1_left", "exterior_2_left", "wrist_left")
 # The keys openpi's DROID client sends each camera under.
-CLIENT_CAMERAS = {"observation/exterior_image_1_left": "exterior_1_left",
-                  "observation/exterior_image_2_left": "exterior_2_left",
-                  "observation/wrist_image_left": "wrist_left"}
+CLIENT_CAMERAS = dict(zip(DROID_CLIENT_CAMERAS, CAMERAS, strict=True))
 
 def _look(pos: tuple, target: tuple) -> str:
     """A fixed camera at ``pos`` looking at ``target``, image upright: MJCF's pos and xyaxes."""
