@@ -52,6 +52,7 @@ import argparse
 import asyncio
 import logging
 
+from slurmvla import collector
 from slurmvla.compose import ArgumentParser, program
 from slurmvla.errors import Failure, boundary
 
@@ -94,9 +95,13 @@ def main(argv: list[str] | None = None) -> None:
             import websockets  # noqa: F401
         except ImportError as e:
             raise ValueError(f"the server needs websockets and msgpack ({e}); pip install -e '.[serve]'") from None
-        from slurmvla.inference.build import build_server  # torch: after the arguments, so --help is instant
+        # The policy loaded without the garbage collector walking torch's objects, then frozen: the collections
+        # while serving walk only what the requests make (slurmvla.collector).
+        with collector.paused():
+            # torch: after the arguments, so --help is instant
+            from slurmvla.inference.build import build_server
 
-        server = build_server(args.source, overrides)
+            server = build_server(args.source, overrides)
     with boundary(mistakes=()):
         try:
             asyncio.run(server.run())

@@ -14,6 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from slurmvla import collector
 from slurmvla.compose import check_overrides, config_dir, to_config
 from slurmvla.errors import FAILED, USAGE, Failure, boundary, exit_with
 from slurmvla.launch.grace import SIGNAL_DELAY_ENV
@@ -24,24 +25,26 @@ __all__ = ["cli", "config_dir", "main"]
 
 @hydra.main(version_base=None, config_path=str(config_dir()), config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    # After Hydra has parsed the command line: --help stays fast.
-    from slurmvla.trainer import Trainer
+    # torch's import and the build without the garbage collector walking them (slurmvla.collector).
+    with collector.paused():
+        # After Hydra has parsed the command line: --help stays fast.
+        from slurmvla.trainer import Trainer
 
-    # The submitit path's signal lead, for the check that a checkpoint fits in it (slurmvla.launch.grace).
-    delay = HydraConfig.get().launcher.get("signal_delay_s")
-    if delay and SIGNAL_DELAY_ENV not in os.environ:
-        os.environ[SIGNAL_DELAY_ENV] = str(delay)
-    # A user's mistake found at start-up (a bad value, a policy class that cannot be imported, data that does not
-    # fit the policy) is one line; every rank finds the same one.
-    with boundary():
-        config = to_config(cfg)
-        closed_loop = None
-        if config.trainer.rollout_every_steps:
-            from slurmvla.inference.closed_loop import in_training, require_sim
+        # The submitit path's signal lead, for the check that a checkpoint fits in it (slurmvla.launch.grace).
+        delay = HydraConfig.get().launcher.get("signal_delay_s")
+        if delay and SIGNAL_DELAY_ENV not in os.environ:
+            os.environ[SIGNAL_DELAY_ENV] = str(delay)
+        # A user's mistake found at start-up (a bad value, a policy class that cannot be imported, data that does
+        # not fit the policy) is one line; every rank finds the same one.
+        with boundary():
+            config = to_config(cfg)
+            closed_loop = None
+            if config.trainer.rollout_every_steps:
+                from slurmvla.inference.closed_loop import in_training, require_sim
 
-            require_sim()  # at start-up, not after the first N steps
-            closed_loop = in_training
-        trainer = Trainer(config, HydraConfig.get().runtime.output_dir, closed_loop=closed_loop)
+                require_sim()  # at start-up, not after the first N steps
+                closed_loop = in_training
+            trainer = Trainer(config, HydraConfig.get().runtime.output_dir, closed_loop=closed_loop)
     try:
         metrics = trainer.fit()
     except BaseException as e:

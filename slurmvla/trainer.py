@@ -20,10 +20,10 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from slurmvla import collector
 from slurmvla.checkpoint import CheckpointManager
 from slurmvla.collectives import agree, check_same_fields, gather_objects
 from slurmvla.config import Config
-from slurmvla.data import video
 from slurmvla.data.damaged import DamageCount
 from slurmvla.data.loader import TrainData, build_validation_loader, to_device
 from slurmvla.data.mixture import Mixture
@@ -508,10 +508,10 @@ class Trainer:
         self.logger.close()
         self._batches = None
         self.data.close()
-        # Objects alive when the data workers were forked were frozen against copy-on-write
-        # (slurmvla.data.video); the run is over: let the collector reach them again (the engine's
-        # wrappers among them, which must go before the process group).
-        video.thaw()
+        # Objects alive at start-up or when the data workers were forked were frozen (slurmvla.collector);
+        # the run is over: let the collector reach them again (the engine's wrappers among them, which
+        # must go before the process group).
+        collector.thaw()
         if not keep_process_group:
             if torch.distributed.is_initialized():
                 # The DDP / FSDP / DeepSpeed objects hold the process group's communicators: let them

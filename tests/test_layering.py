@@ -24,8 +24,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "slurmvla"
 # (layer, module prefixes); a module belongs to the layer of its longest matching prefix. The package's own
 # ``__init__`` is matched exactly: as a prefix it would place every new module, unread, at the bottom.
 LAYERS = (
-    (0, ("slurmvla.registry", "slurmvla.errors", "slurmvla.collectives", "slurmvla.droid_features", "slurmvla.weights",
-         "slurmvla.seeding", "slurmvla.launch")),
+    (0, ("slurmvla.registry", "slurmvla.errors", "slurmvla.collector", "slurmvla.collectives", "slurmvla.droid_features",
+         "slurmvla.weights", "slurmvla.seeding", "slurmvla.launch")),
     (1, ("slurmvla.config", "slurmvla.compose")),
     (2, ("slurmvla.data", "slurmvla.optim", "slurmvla.logger")),
     (3, ("slurmvla.policy", "slurmvla.engine")),

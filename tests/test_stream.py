@@ -283,33 +283,6 @@ def test_a_data_worker_starts_with_the_parents_objects_frozen():
     assert int(next(iter(loader))) > 1000
 
 
-def test_a_runs_end_hands_back_what_a_fork_froze_and_leaves_a_callers_own_freeze():
-    """The trainer's close thaws (slurmvla.data.video.thaw) what a loader's fork froze, so the run's engine cycles
-    can be collected; a process that froze its imports itself (tests/dist_driver.py: each later collection then
-    skips them) keeps that freeze through a run without data workers."""
-    import gc
-
-    from slurmvla.data import video
-
-    video.thaw()  # what an earlier test's loader froze in this process
-    gc.unfreeze()
-    try:
-        gc.freeze()
-        mine = gc.get_freeze_count()
-        assert mine > 1000
-        video.thaw()  # no fork froze anything: the freeze stays (less what refcounting freed since, which is
-        assert gc.get_freeze_count() > mine // 2  # a handful; gc.unfreeze would leave 0)
-        video._before_fork()
-        video.thaw()
-        assert gc.get_freeze_count() == 0
-        gc.freeze()  # the caller's own again: a fork's freeze is handed back once, not at every later thaw
-        again = gc.get_freeze_count()
-        video.thaw()
-        assert gc.get_freeze_count() > again // 2
-    finally:
-        gc.unfreeze()
-
-
 class _ArrowPool(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return 1

@@ -13,7 +13,6 @@ which inference shares).
 
 from __future__ import annotations
 
-import gc
 import os
 import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -22,6 +21,7 @@ from pathlib import Path
 import av
 import numpy as np
 
+from slurmvla import collector
 from slurmvla.data import DataError
 from slurmvla.data.prepare import fitted_picture, resize_frame
 
@@ -149,29 +149,13 @@ def _orphan_inherited_readers() -> None:
 
 
 def _before_fork() -> None:
-    """Garbage collected, then every object still alive frozen (``gc.freeze``: later collections, in this
-    process and in the child, never visit it). A collection writes into each object it visits; after a
-    fork that write copies the page in whichever process makes it, and the child's copy of every page the
-    parent's next full collection visits becomes the child's alone (docs/data.md measures it).
-    Frozen objects are still freed when their count drops to zero; only cycles among objects alive at a
-    fork (a loader's start, once per run) are never collected, until :func:`thaw`."""
-    global _frozen
-    gc.collect()
-    gc.freeze()
-    _frozen = True
-
-
-_frozen = False  # whether _before_fork froze objects that thaw() has not yet handed back
-
-
-def thaw() -> None:
-    """Hand the objects frozen at a loader's fork back to the collector (a run's end: its engine's cycles must
-    be collectable). Nothing is unfrozen when no fork froze anything: a caller's own ``gc.freeze`` (of what its
-    imports left, so that its collections skip it) stays."""
-    global _frozen
-    if _frozen:
-        gc.unfreeze()
-        _frozen = False
+    """Garbage collected, then every object still alive frozen (:func:`slurmvla.collector.freeze`: later
+    collections, in this process and in the child, never visit it). A collection writes into each object it
+    visits; after a fork that write copies the page in whichever process makes it, and the child's copy of
+    every page the parent's next full collection visits becomes the child's alone (docs/data.md measures it).
+    Cycles among objects alive at a fork (a loader's start, once per run) wait for the run's end
+    (:func:`slurmvla.collector.thaw`)."""
+    collector.freeze()
 
 
 os.register_at_fork(before=_before_fork, after_in_child=_orphan_inherited_readers)
