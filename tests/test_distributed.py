@@ -1,7 +1,7 @@
 """The parity matrix: every strategy trains the same model as one process (CPU, gloo, torchrun).
 
 Tolerances (fp32): the strategies do the same arithmetic as the single process except for the
-order of floating-point sums in the gradient reduction, so after 8 AdamW steps the weights agree to
+order of floating-point sums in the gradient reduction, so after 6 AdamW steps the weights agree to
 1e-8 to 1e-7 relative (global L2, measured); the bound is 1e-6. Per tensor, the worst element is bounded
 at 1e-3 of the tensor's largest value (measured <= 6e-5): where a gradient is zero in exact arithmetic
 (the key bias of attention: softmax ignores a constant shift) Adam divides rounding noise by its
@@ -40,7 +40,7 @@ from .conftest import rel_l2
 
 pytestmark = pytest.mark.multiproc
 DRIVER = Path(__file__).with_name("dist_driver.py")
-STEPS = 8
+STEPS = 6
 HALF = STEPS // 2  # where the resume runs stop, and the checkpoint interval
 # Every run keeps a moving average of its weights (it changes nothing in training): each strategy's
 # must match one process's and resume bitwise, like the weights.
@@ -149,10 +149,13 @@ def single_reference(single_references):
 # on fsdp_full and zero3 to the same digits).
 # fsdp_grad_op wraps the same units as fsdp_full and differs only in resharding after forward: the
 # reference policy there (its pi0 cell gave fsdp_full's figures to all digits).
-PI0_CELLS = {"ddp": "pi05_tiny", "fsdp_full": "pi05_tiny", "fsdp_grad_op": None, "hsdp": "pi05_tiny",
+# hsdp at world 2 is a 1 x 2 mesh, fsdp_full's sharding with a replicate group of one: it runs at world 4 as
+# 2 x 2 instead (straight, and with accumulation: the replicate all-reduce under no_sync), and is resumed there
+# from 2 x 2 as 1 x 2 (test_world_size_four, test_fsdp_saved_at_world_four_resumes_at_world_two).
+PI0_CELLS = {"ddp": "pi05_tiny", "fsdp_full": "pi05_tiny", "fsdp_grad_op": None,
              "zero1": "pi0_tiny", "zero2": "pi05_tiny", "zero3": "pi05_tiny"}
-STRATEGY_CELLS = [(e, p) for e in ENGINES if e != "single"
-                  for p in ("reference", PI0_CELLS.get(e, "pi0_tiny")) if p is not None]
+WORLD_TWO_ENGINES = [e for e in ENGINES if e not in ("single", "hsdp")]
+STRATEGY_CELLS = [(e, p) for e in WORLD_TWO_ENGINES for p in ("reference", PI0_CELLS.get(e, "pi0_tiny")) if p is not None]
 # Gradient accumulation (the engine's no_sync) and bf16 autocast with fp32 masters are the engine's
 # alone: every engine runs them with the reference policy; bf16 also with pi0.5 where the engine shards
 # parameters (mixed precision meets the transformer's own dtype handling there).
@@ -166,32 +169,35 @@ FROZEN = ["policy.train_expert_only=true", *RTC_TRAINING]
 # The LoRA column (peft's adapters, openpi's preset: frozen base, adapters on both language models): every
 # engine, once, with its pi0 / pi0.5 cell's policy (fsdp_grad_op: the reference policy's).
 LORA = ["policy.lora.enabled=true", *RTC_TRAINING]
-LORA_CELLS = {e: PI0_CELLS.get(e, "pi0_tiny") or "reference" for e in ENGINES if e != "single"}
+LORA_CELLS = {e: PI0_CELLS.get(e, "pi0_tiny") or "reference" for e in WORLD_TWO_ENGINES}
 LORA_POLICIES = set(LORA_CELLS.values())
+ACCUM = ["trainer.grad_accum_steps=2"]  # global batch 8 as 2 ranks x 2 accumulation steps x 2 == 2 ranks x 4
 
 
 def cell_runs(engine: str, policy: str) -> list[dict]:
     """One cell's runs: straight; resumed from the straight run's half-way checkpoint (saved mid-run); frozen
     backbone; and where they apply, gradient accumulation, bf16 and LoRA (straight and resumed the same way).
+    Only the runs another resumes from save half-way; every run saves its last step.
     Activation checkpointing (where the engine has it) rides in a run whose result is already held to 1e-6 and
     trains the checkpointed layers: the accumulation run of the reference policy, the LoRA runs of pi0 / pi0.5
     (adapters inside the recomputed layers). Recomputation changes no arithmetic: that run's bound holds it to
     the 1e-6 a run of its own did, one run fewer per cell (LoRA with recomputation 1.98e-9 from one process on
     ddp / fsdp_full / hsdp / zero2, 1.97e-9 without it on zero3, which has none)."""
     ckpt = ["policy.gradient_checkpointing=true"] if engine in ENGINES.names(activation_checkpointing=True) else []
+    last_only = ["checkpoint.every_steps=0"]
     runs = [
         {"name": "straight"},
         {"name": "resumed", "start_from": ["straight", HALF]},
-        {"name": "frozen", "overrides": FROZEN},
+        {"name": "frozen", "overrides": [*FROZEN, *last_only]},
     ]
     if LORA_CELLS.get(engine) == policy:
         lora = [*LORA, *([] if policy == "reference" else ckpt)]
         runs += [{"name": "lora", "overrides": lora},
-                 {"name": "lora_resumed", "overrides": lora, "start_from": ["lora", HALF]}]
+                 {"name": "lora_resumed", "overrides": [*lora, *last_only], "start_from": ["lora", HALF]}]
     if policy == "reference":
-        runs.append({"name": "accum", "overrides": ["trainer.grad_accum_steps=2", *ckpt]})
+        runs.append({"name": "accum", "overrides": [*ACCUM, *ckpt, *last_only]})
     if policy == "reference" or engine in BF16_PI0_ENGINES:
-        runs.append({"name": "bf16", "overrides": ["precision=bf16"]})
+        runs.append({"name": "bf16", "overrides": ["precision=bf16", *last_only]})
     return runs
 
 
@@ -289,7 +295,8 @@ def test_strategy_matches_single_process(engine, policy, single_references, stra
         assert not any(".lora_" in k or ".base_layer." in k for k in merged)
 
 
-WORLD_FOUR = [("hsdp", "reference"), ("zero2", "reference")]  # straight at world 4
+# Straight at world 4 (hsdp as 2 x 2), and hsdp's accumulation: its replicate all-reduce under no_sync.
+WORLD_FOUR = [("hsdp", "reference", ""), ("hsdp", "reference", "accum"), ("zero2", "reference", "")]
 FOUR_TO_TWO = [("fsdp_full", "reference"), ("hsdp", "pi05_tiny")]  # saved at world 4, resumed at world 2
 
 
@@ -297,11 +304,20 @@ def _two_by_two(engine: str) -> list[str]:
     return ["engine.replicate_degree=2", "engine.shard_degree=2"] if engine == "hsdp" else []
 
 
+ACCUM_CKPT = [*ACCUM, "policy.gradient_checkpointing=true"]  # recomputing too, as the matrix's accumulation runs
+
+
+def _four_name(engine: str, policy: str, run: str) -> str:
+    return ".".join(filter(None, (engine, policy, run)))
+
+
 @pytest.fixture(scope="module")
 def world_four_jobs(matrix_root, tmp_path_factory):
     """One job of four ranks: the world-four cells, and the first halves of the 4 -> 2 resumes (hsdp as
     2 x 2); then one job of two ranks resumes both (hsdp as 1 x 2). Returns (world 4 folder, world 2 folder)."""
-    four = [{"name": f"{e}.{p}", "overrides": [*POLICIES[p], f"engine={e}", *_two_by_two(e)]} for e, p in WORLD_FOUR]
+    four = [{"name": _four_name(e, p, r), "overrides": [*POLICIES[p], f"engine={e}", *_two_by_two(e),
+                                                        *(ACCUM_CKPT if r == "accum" else []), "checkpoint.every_steps=0"]}
+            for e, p, r in WORLD_FOUR]
     four += [{"name": f"{e}.{p}.half", "dir": f"{e}.{p}.run", "stop_at": HALF,
               "overrides": [*POLICIES[p], f"engine={e}", *_two_by_two(e)]} for e, p in FOUR_TO_TWO]
     first = run_driver(tmp_path_factory.mktemp("world4"), 4, base_overrides(matrix_root), four)
@@ -311,14 +327,14 @@ def world_four_jobs(matrix_root, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("engine", "policy"), WORLD_FOUR)
-def test_world_size_four(engine, policy, single_references, world_four_jobs):
-    """hsdp as 2 x 2 (replicate x shard), and a ZeRO stage, at world size 4 (pi0.5 under hsdp 2 x 2: the
-    world 4 -> 2 test below)."""
+@pytest.mark.parametrize(("engine", "policy", "run"), WORLD_FOUR, ids=["hsdp-2x2", "hsdp-2x2-accum", "zero2"])
+def test_world_size_four(engine, policy, run, single_references, world_four_jobs):
+    """hsdp as 2 x 2 (replicate x shard), straight and accumulating, and a ZeRO stage, at world size 4 (pi0.5
+    under hsdp 2 x 2: the world 4 -> 2 test below)."""
     single_reference = single_references(policy)
-    w = load_file(str(world_four_jobs[0] / f"{engine}.{policy}.safetensors"))
-    print(f"parity {policy} {engine} world 4: straight {rel_l2(w, single_reference['fp32']):.2e}, worst tensor "
-          f"{float(worst_tensor(w, single_reference['fp32'])):.2e}")
+    w = load_file(str(world_four_jobs[0] / f"{_four_name(engine, policy, run)}.safetensors"))
+    print(f"parity {policy} {engine} {run or 'straight'} world 4: {rel_l2(w, single_reference['fp32']):.2e}, worst "
+          f"tensor {float(worst_tensor(w, single_reference['fp32'])):.2e}")
     assert rel_l2(w, single_reference["fp32"]) < 1e-6
     assert worst_tensor(w, single_reference["fp32"]) < 1e-3
 

@@ -255,8 +255,8 @@ LONG_EXTRA = ("data.val_fraction=0.5", "trainer.val_every_steps=200", "policy=cu
               "policy.target=tests.paced_policy.Paced")
 
 
-# SLURM's default SIGTERM on the sbatch path; the user's USR2 on the submitit path below (both there).
-# On the sbatch path the two signals take the same road (the trainer's flag; the batch shell is not
+# SLURM's default SIGTERM on the sbatch path; the user's USR2 on the submitit path below: each signal delivered
+# by a real preemption once. On the sbatch path the two signals take the same road (the trainer's flag; the batch shell is not
 # signalled at preemption, so the requeue is the same): tests/test_preempt.py covers the trainer's side
 # of each signal, and the USR2 case here repeated the SIGTERM case's figures.
 @pytest.mark.parametrize("user_signal", [False], ids=["sigterm"])
@@ -368,12 +368,14 @@ def test_submitit_two_nodes_matches_a_single_process_and_sweeps_are_arrays(clust
     assert rel_l2(other, reference) > 1e-3, "the seed sweep point trained a different model"
 
 
-@pytest.mark.parametrize("user_signal", [False, True], ids=["sigterm", "user_signal"])
+# USR2 here (SIGTERM: the sbatch path above). Which signal submitit's requeue handler is handed (SIGTERM too,
+# past submitit's bypass) is tests/test_preempt.py's, for both; the SIGTERM case here repeated this one's figures.
+@pytest.mark.parametrize("user_signal", [True], ids=["user_signal"])
 def test_submitit_job_preempted_by_a_higher_priority_job_resumes_to_the_same_weights(cluster, sample_root, references,
                                                                                       tmp_path, user_signal):
-    """A real preemption on the submitit path: the trainer checkpoints and hands the signal to
-    submitit's requeue handler (SIGTERM too, which submitit itself only bypasses); the requeued job
-    resumes and ends with the uninterrupted weights.
+    """A real preemption on the submitit path, the site sending the job's USR2: the trainer checkpoints and
+    hands the signal to submitit's requeue handler; the requeued job resumes and ends with the uninterrupted
+    weights.
 
     The run is checked, not the launcher's client: submitit's client can read the job's sacct
     state from before the requeue and report the job as finished without a result (a client-side
