@@ -7,7 +7,7 @@ at 1e-3 of the tensor's largest value (measured <= 6.5e-5): where a gradient is 
 (the key bias of attention: softmax ignores a constant shift) Adam divides rounding noise by its
 own tiny second moment and amplifies it. bf16 runs must track the fp32 single run to 2e-2 relative
 (measured 8e-4 to 5e-3: DeepSpeed starts from the bf16-rounded weights, the others from fp32). Four steps, resumed
-from the second (the schedule's warm-up then over): eight repeated the same arithmetic, at the same figures.
+from the second (the schedule's warm-up then over): eight repeated the same arithmetic, with figures of the same order.
 
 The cells run in two torchrun jobs (tests/dist_driver.py: the reference policy's; pi0's and pi0.5's), cell
 after cell, under a deadline: a hang fails the test instead of hanging CI.
