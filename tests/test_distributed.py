@@ -168,7 +168,7 @@ BF16_PI0_ENGINES = ("fsdp_full", "zero3")
 RTC_TRAINING = ["policy.rtc_training.max_delay=3"]
 FROZEN = ["policy.train_expert_only=true", *RTC_TRAINING]
 # The LoRA column (peft's adapters, openpi's preset: frozen base, adapters on both language models): every
-# engine, once, with its pi0 / pi0.5 cell's policy (fsdp_grad_op: the reference policy's).
+# engine of the world-2 cells, once, with its pi0 / pi0.5 cell's policy (fsdp_grad_op: the reference policy's).
 LORA = ["policy.lora.enabled=true", *RTC_TRAINING]
 LORA_CELLS = {e: PI0_CELLS.get(e, "pi0_tiny") or "reference" for e in WORLD_TWO_ENGINES}
 LORA_POLICIES = set(LORA_CELLS.values())
@@ -182,8 +182,8 @@ def cell_runs(engine: str, policy: str) -> list[dict]:
     Activation checkpointing (where the engine has it) rides in a run whose result is already held to 1e-6 and
     trains the checkpointed layers: the accumulation run of the reference policy, the LoRA runs of pi0 / pi0.5
     (adapters inside the recomputed layers). Recomputation changes no arithmetic: that run's bound holds it to
-    the 1e-6 a run of its own did, one run fewer per cell (LoRA with recomputation 1.98e-9 from one process on
-    ddp / fsdp_full / hsdp / zero2, 1.97e-9 without it on zero3, which has none)."""
+    the 1e-6 a run of its own did, one run fewer per cell (pi0.5's LoRA with recomputation 1.4e-9 to 1.6e-9 from
+    one process on ddp / fsdp_full / zero2, 1.4e-9 without it on zero3, which has none)."""
     ckpt = ["policy.gradient_checkpointing=true"] if engine in ENGINES.names(activation_checkpointing=True) else []
     last_only = ["checkpoint.every_steps=0"]
     runs = [
