@@ -265,12 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deadline-s", type=float, default=180.0, help="per multi-rank check (default 180)")
     args = parser.parse_args(argv)
 
-    from slurmvla.compose import compose
-
-    overrides = [*args.overrides, "logging.wandb.mode=disabled", "data.num_workers=0", "precision=fp32"]
     t0 = time.monotonic()
     try:
-        subject = Subject(compose(overrides), overrides)
+        subject = Subject.checked(args.overrides)
         subject.build()  # a policy that cannot be built is said once, not as a failure of every check
     except ValueError as e:
         exit_with(e, USAGE)

@@ -47,6 +47,8 @@ def main() -> None:
     out = Path(spec["out"])
     # What the imports left is never garbage: frozen, the collection after each run skips it (a full
     # collection over torch, DeepSpeed and transformers costs about 0.3 s a run, a tenth of a tiny run).
+    # This process's own freeze, not slurmvla.collector.paused(): each run's close thaws what the collector
+    # froze, and this freeze must outlast every run of the job.
     gc.collect()
     gc.freeze()
     gc.enable()

@@ -162,9 +162,9 @@ def test_the_reference_policy_passes_every_check(sample_root):
 @pytest.mark.parametrize("lora", [False, True], ids=["pi05_tiny", "pi05_tiny+lora"])
 def test_pi05_passes_the_single_process_checks(lora, sample_root):
     """+lora: with peft's adapters (frozen base, adapters on both language models)."""
-    over = [f"data.root={sample_root}", "data.num_workers=0", "logging.wandb.mode=disabled", "precision=fp32",
-            "policy=pi05_tiny", *(["policy.lora.enabled=true"] if lora else [])]
-    results = run_checks(Subject(compose(over), over), SINGLE)
+    subject = Subject.checked([f"data.root={sample_root}", "policy=pi05_tiny",
+                               *(["policy.lora.enabled=true"] if lora else [])])
+    results = run_checks(subject, SINGLE)
     assert [r.check for r in results] == SINGLE
     assert all(r.status == "pass" for r in results), [r.line() for r in results]
 

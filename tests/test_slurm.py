@@ -259,25 +259,20 @@ LONG_EXTRA = ("data.val_fraction=0.5", "trainer.val_every_steps=200", "policy=cu
 # by a real preemption once. On the sbatch path the two signals take the same road (the trainer's flag; the batch shell is not
 # signalled at preemption, so the requeue is the same): tests/test_preempt.py covers the trainer's side
 # of each signal, and the USR2 case here repeated the SIGTERM case's figures.
-@pytest.mark.parametrize("user_signal", [False], ids=["sigterm"])
 def test_sbatch_job_preempted_by_a_higher_priority_job_resumes_to_the_same_weights(cluster, sample_root, references,
-                                                                                    tmp_path, user_signal):
+                                                                                    tmp_path):
     """A real preemption (partition_prio, PreemptMode=REQUEUE, GraceTime 30 s) of a two-node sbatch
-    run, with SLURM's default SIGTERM and with the user's USR2 (preempt_send_user_signal). The SIGTERM
-    case preempts as a validation pass starts: a pass it lands in is abandoned (otherwise the steps after
-    it stop), and the checkpoint is complete well inside the grace time. The job is requeued once and ends with the weights of an
-    uninterrupted run."""
-    set_user_signal(cluster, user_signal)
+    run with SLURM's default SIGTERM, as a validation pass starts: a pass it lands in is abandoned (otherwise
+    the steps after it stop), and the checkpoint is complete well inside the grace time. The job is requeued
+    once and ends with the weights of an uninterrupted run."""
+    set_user_signal(cluster, False)
     steps, run = LONG_STEPS, tmp_path / "run"
-    # SIGTERM case: the validation pass at step 200 (over half the episodes), preempted as it starts.
-    extra = LONG_EXTRA
-    job = sbatch(cluster, "sbatch/train.sh", ["engine=ddp", *_overrides(sample_root, steps, LONG_EVERY), *extra],
+    # The validation pass at step 200 (over half the episodes), preempted as it starts.
+    job = sbatch(cluster, "sbatch/train.sh", ["engine=ddp", *_overrides(sample_root, steps, LONG_EVERY), *LONG_EXTRA],
                  tmp_path, {"NPROC_PER_NODE": "1", "RUN_DIR": str(run)})
     out = tmp_path / f"{job}.out"
     deadline = time.monotonic() + 240
-    ready = (lambda: (run / "metrics.jsonl").exists()) if user_signal else \
-        (lambda: "step 200: validation over" in (out.read_text() if out.exists() else ""))
-    while not ready():
+    while "step 200: validation over" not in (out.read_text() if out.exists() else ""):
         assert time.monotonic() < deadline and job_state(cluster, job), out.read_text()[-3000:] if out.exists() else ""
         time.sleep(0.1)
     t_preempt = time.monotonic()
@@ -286,25 +281,24 @@ def test_sbatch_job_preempted_by_a_higher_priority_job_resumes_to_the_same_weigh
         assert time.monotonic() - t_preempt < 300, out.read_text()[-4000:]
         time.sleep(0.2)
     log = out.read_text()
-    signal_name = "SIGUSR2" if user_signal else "SIGTERM"
+    signal_name = "SIGTERM"
     took = _stop_line(log, signal_name)
     assert took < GRACE_S, f"the checkpoint took {took} s after the signal, past the grace time"
-    if not user_signal:
-        # The signal is preemption's, on SLURM's clock: it lands inside the validation pass at step 200 (which
-        # the "validation over" line starts; the pass is then abandoned, no loss is logged, and the stop is at
-        # step 200), or after the pass (a short one: half the episodes, 30 ms a batch for the paced policy) when
-        # the scheduler takes longer: the loss is logged and the stop is at step 200's own signal check or a later
-        # one. Either way the log must say which, consistently; the abandoning itself is pinned down in-process by
-        # tests/test_preempt.py::test_sigterm_during_validation_abandons_it_checkpoints_and_resumes_bitwise.
-        stopped_at = int(re.search(rf"stopped at step (\d+), [\d.]+ s after {signal_name}", log).group(1))
-        abandoned = "validation at step 200 abandoned for the stop signal" in log
-        completed = "step 200: val/loss" in log
-        assert abandoned != completed, log[-4000:]
-        assert stopped_at == 200 if abandoned else stopped_at >= 200, log[-4000:]
+    # The signal is preemption's, on SLURM's clock: it lands inside the validation pass at step 200 (which
+    # the "validation over" line starts; the pass is then abandoned, no loss is logged, and the stop is at
+    # step 200), or after the pass (a short one: half the episodes, 30 ms a batch for the paced policy) when
+    # the scheduler takes longer: the loss is logged and the stop is at step 200's own signal check or a later
+    # one. Either way the log must say which, consistently; the abandoning itself is pinned down in-process by
+    # tests/test_preempt.py::test_sigterm_during_validation_abandons_it_checkpoints_and_resumes_bitwise.
+    stopped_at = int(re.search(rf"stopped at step (\d+), [\d.]+ s after {signal_name}", log).group(1))
+    abandoned = "validation at step 200 abandoned for the stop signal" in log
+    completed = "step 200: val/loss" in log
+    assert abandoned != completed, log[-4000:]
+    assert stopped_at == 200 if abandoned else stopped_at >= 200, log[-4000:]
     assert "requeueing job" in log and "restart 1" in log and "restart 2" not in log, log[-4000:]
     assert sacct_state(cluster, job).startswith("COMPLETED"), log[-4000:]
     assert (run / "FINISHED").read_text().strip() == str(steps)
-    reference = references(steps, extra)
+    reference = references(steps, LONG_EXTRA)
     final = load_file(str(run / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
     assert rel_l2(final, reference) < LONG_TOL
     print(f"preempted ({signal_name}): checkpoint complete {took:.1f}s after the signal; preemption -> finished "
@@ -370,9 +364,8 @@ def test_submitit_two_nodes_matches_a_single_process_and_sweeps_are_arrays(clust
 
 # USR2 here (SIGTERM: the sbatch path above). Which signal submitit's requeue handler is handed (SIGTERM too,
 # past submitit's bypass) is tests/test_preempt.py's, for both; the SIGTERM case here repeated this one's figures.
-@pytest.mark.parametrize("user_signal", [True], ids=["user_signal"])
 def test_submitit_job_preempted_by_a_higher_priority_job_resumes_to_the_same_weights(cluster, sample_root, references,
-                                                                                      tmp_path, user_signal):
+                                                                                      tmp_path):
     """A real preemption on the submitit path, the site sending the job's USR2: the trainer checkpoints and
     hands the signal to submitit's requeue handler; the requeued job resumes and ends with the uninterrupted
     weights.
@@ -381,7 +374,7 @@ def test_submitit_job_preempted_by_a_higher_priority_job_resumes_to_the_same_wei
     state from before the requeue and report the job as finished without a result (a client-side
     race in submitit); the job itself completes.
     """
-    set_user_signal(cluster, user_signal)
+    set_user_signal(cluster, True)
     steps = LONG_STEPS
     sweep = tmp_path / "sweep"
     client = subprocess.Popen(
@@ -403,7 +396,7 @@ def test_submitit_job_preempted_by_a_higher_priority_job_resumes_to_the_same_wei
             client.wait(timeout=120)
         except subprocess.TimeoutExpired:
             client.kill()
-    signal_name = "SIGUSR2" if user_signal else "SIGTERM"
+    signal_name = "SIGUSR2"
     logs = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_0_log.*"))
     assert f"handing {signal_name} over to SignalHandler.checkpoint_and_try_requeue" in logs, logs[-4000:]
     train_log = (sweep / "0" / "train.log").read_text()

@@ -87,6 +87,10 @@ def grads_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return rel(torch.cat([a[k].flatten() for k in sorted(a)]), torch.cat([b[k].flatten() for k in sorted(b)]))
 
 
+# What every check runs under, whatever else the overrides say: no logging service, the data in this process, fp32.
+CHECKED_AS = ("logging.wandb.mode=disabled", "data.num_workers=0", "precision=fp32")
+
+
 class Subject:
     """The policy under check: its class, config, normalization statistics and a batch of real samples.
 
@@ -110,6 +114,14 @@ class Subject:
         a, b = (source.load_episode(int(e)) for e in source.index.episodes[:2])
         picks = [(a, len(a.state) - 2), (a, 0), (b, 1), (b, 2)]
         self.batch = default_collate([source.sample(ep, t, epoch=0) for ep, t in picks])
+
+    @classmethod
+    def checked(cls, overrides: list[str]) -> Subject:
+        """The subject ``python -m slurmvla.check OVERRIDES`` checks (:data:`CHECKED_AS` added)."""
+        from slurmvla.compose import compose
+
+        overrides = [*overrides, *CHECKED_AS]
+        return cls(compose(overrides), overrides)
 
     def build(self, seed: int = 0) -> torch.nn.Module:
         from slurmvla.policy import build_policy
