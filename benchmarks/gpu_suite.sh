@@ -18,7 +18,8 @@
 #   efficient the compiled step with the memory-efficient attention kernel first (policy.attention_kernels)
 #   bucket    the compiled step with the training prompt cut to each batch's exact length against the default
 #             multiple of 32 tokens (policy.prompt_bucket): how much of cuDNN's per-shape planning it saves
-#   plan      the plan's peak against the allocator's at micro-batch 4 and 16, compiled, no recomputation
+#   plan      the plan's peak against the allocator's at micro-batch 12 and 16, compiled, no recomputation (both
+#             peak in forward + backward, so the per-sample slopes compare the activations'; at 4 the step peaks)
 #             (benchmarks/plan_vs_measured.py): what policy.gradient_checkpointing=auto decides from; planned
 #             both at policy.max_text_len (the worst case) and at the measured batches' own prompt length
 #   saved     what the compiled step keeps for the backward, by tensor shape, the plan's fake step against the GPU's
@@ -72,7 +73,7 @@ section() {
         bucket) run bucket "${SUITE_LIMIT_BUCKET:-300}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \
             trainer.compile=true --compare policy.prompt_bucket=1 policy.prompt_bucket=32 ;;
         plan) run plan "${SUITE_LIMIT_PLAN:-240}" python3 benchmarks/plan_vs_measured.py "${PI05[@]}" trainer.compile=true \
-            policy.gradient_checkpointing=false --sizes 4 16 ;;
+            policy.gradient_checkpointing=false --sizes 12 16 ;;
         saved) run saved "${SUITE_LIMIT_SAVED:-200}" python3 benchmarks/saved_tensors.py "${PI05[@]}" trainer.compile=true \
             policy.gradient_checkpointing=false --micro 16 --top 25 ;;
         sac) run sac "${SUITE_LIMIT_SAC:-150}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \

@@ -33,6 +33,7 @@ from slurmvla.planner.autocast import (
     CudaAutocast,
 )
 from slurmvla.planner.fit import Planner
+from slurmvla.planner.gpus import GPUS
 from slurmvla.planner.model_states import build_on_meta, count_tensors, model_states
 
 from .conftest import run_until
@@ -91,17 +92,19 @@ def test_model_states_are_the_bytes_a_real_run_holds(make_cfg, tmp_path, overrid
 # -- activations against a real CPU step ------------------------------------------------------------------
 
 
-def real_peak(trainer, autocast) -> int:
-    """Peak bytes the CPU allocator holds beyond what existed before, over one training forward + backward,
-    gradients already allocated (the plan counts them among the states), from torch's profiler."""
+def real_peak(trainer, autocast, accumulating: bool) -> int:
+    """Peak bytes the CPU allocator holds beyond what existed before, over one training forward + backward, from
+    torch's profiler. ``accumulating``: a micro-batch after the first of an accumulation (the first one's
+    gradients held); else the first (no gradient yet: the step before freed them)."""
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action, MemoryProfile
 
-    for p in trainer.policy.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    batch = trainer._next_batch()
     trainer.model.train()
+    if accumulating:
+        with autocast:
+            backward(trainer.model(trainer._next_batch())["loss"])
+    assert all((p.grad is not None) == accumulating for p in trainer.policy.parameters() if p.requires_grad)
+    batch = trainer._next_batch()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with autocast:
             out = trainer.model(batch)
@@ -116,28 +119,42 @@ def real_peak(trainer, autocast) -> int:
 
 @pytest.mark.parametrize("overrides, bound", [
     (["policy=tiny", "trainer.global_batch_size=8"], 0.01),
+    # Accumulating: the gradients are resident through the second micro-batch's forward + backward.
+    (["policy=tiny", "trainer.global_batch_size=8", "trainer.grad_accum_steps=2"], 0.01),
     (["policy=small", "trainer.global_batch_size=2"], 0.01),
     # bf16: the same CUDA autocast lists on both sides (the real step's CPU kernels add up to ~1 % of their own).
     (["policy=tiny", "precision=bf16", "trainer.global_batch_size=8"], 0.02),
     (["policy=pi05_tiny", "precision=bf16", "trainer.global_batch_size=4", "policy.freeze_vision_encoder=true",
       "policy.gradient_checkpointing=true"], 0.02),
-], ids=["tiny-fp32", "small-fp32", "tiny-bf16", "pi05_tiny-bf16-frozen-checkpointing"])
+], ids=["tiny-fp32", "tiny-fp32-accumulating", "small-fp32", "tiny-bf16", "pi05_tiny-bf16-frozen-checkpointing"])
 def test_activations_are_what_a_real_step_allocates(make_cfg, tmp_path, overrides, bound):
+    """The measured pass against a real one (the single engine makes its gradients in backward; accumulating,
+    they are held), and the plan's forward + backward phase against everything a real step holds at its peak."""
     cfg, trainer = trainer_for(make_cfg, tmp_path, *overrides)
     try:
+        trainer.run_step()  # the AdamW state exists from the first step on; the step freed the gradients
+        accumulating = cfg.trainer.grad_accum_steps > 1
         autocast = CudaAutocast() if cfg.precision == "bf16" else contextlib.nullcontext()
-        real = real_peak(trainer, autocast)
+        real = real_peak(trainer, autocast, accumulating)
+        optimizer = trainer.optimizer
+        held = nbytes([*trainer.policy.parameters(), *trainer.policy.buffers(), *getattr(optimizer, "masters", []),
+                       *(v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)),
+                       *(p.grad for p in trainer.policy.parameters() if p.grad is not None and accumulating)])
         planner = Planner(cfg)
         states = model_states(cfg, planner.tensors, 1, 1)
         micro = trainer.micro_batch_size
         # Byte for byte as the CPU allocates (no rounding), and as the plan reports it (CUDA's 512-byte blocks).
         planner._fake = FakeStep(cfg, planner.policy, round_to=1)
-        exact = planner.measure(cfg, micro, states.compute).peak_bytes
-        reported = Planner(cfg).activations(cfg, micro, states.compute).at(micro)
+        exact = planner.measure(cfg, micro, states.compute, resident_grads=accumulating).peak_bytes
+        reported = Planner(cfg).activations(cfg, micro, states.compute, resident_grads=accumulating).at(micro)
+        r = fit.plan_engine(planner, cfg, GPUS["h100-80gb"], 1, 1, peak_only=True)  # its pass: the one above
+        planned = sum(r["held_bytes"].values()) + sum(r["forward_backward_bytes"].values()) + exact
         print(f"{' '.join(overrides)}: real {real} B, plan {exact} B (rel {exact / real - 1:+.2e}), "
-              f"reported {reported} B (rel {reported / real - 1:+.2e})")
+              f"reported {reported} B (rel {reported / real - 1:+.2e}); with the states {held + real} B real, "
+              f"{planned} B planned")
         assert abs(exact / real - 1) < bound
         assert abs(reported / real - 1) < bound
+        assert abs(planned / (held + real) - 1) < bound
     finally:
         trainer.close()
 

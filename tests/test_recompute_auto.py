@@ -116,7 +116,8 @@ def test_with_trainer_compile_the_choice_weighs_the_compiled_steps_activations(m
     from slurmvla.planner import fit
     from slurmvla.planner.activations import FakeStep, Pass
 
-    def run(self, micro, compute, low, count_flops=False, checkpointing=None, cast_inputs=False, compiled=False):
+    def run(self, micro, compute, low, count_flops=False, checkpointing=None, cast_inputs=False, compiled=False,
+            resident_grads=True):
         per = 0.1 if self.policy.gradient_checkpointing else 2 if compiled else 5
         return Pass(micro, int(per * GiB * micro), 1.0, 1.0, 0.0)
 

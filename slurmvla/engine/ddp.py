@@ -62,9 +62,11 @@ class DDPEngine(SingleEngine):
 
 
 def model_states(cfg: EngineConfig, precision: str, t: Tensors, world: int, gpus_per_node: int) -> States:
-    """The single engine's states; under bf16 with fp32 reduction, two buckets in flight are widened to
-    fp32 by :func:`_allreduce_in_fp32`."""
+    """The single engine's states, but the gradients resident: they are views of DDP's buckets
+    (``gradient_as_bucket_view``), which live as long as the wrapper. Under bf16 with fp32 reduction, two
+    buckets in flight are widened to fp32 by :func:`_allreduce_in_fp32`."""
     states = replicated_states(cfg, precision, t, world, gpus_per_node)
+    states.gradients_resident = True
     if precision == "bf16" and cfg.reduce_dtype == "fp32":
         states.forward_backward["DDP gradient buckets widened to fp32"] = 2 * 2 * BUCKET_BYTES
     return states

@@ -79,6 +79,12 @@ class States:
     notes: list[str] = field(default_factory=list)
     # FSDP2's mixed precision casts the floating inputs of every unit's (and the root's) forward to bf16.
     cast_inputs: bool = False
+    # True: ``held["gradients"]`` live through the whole step (DDP's buckets, DeepSpeed's partitions). False: they
+    # exist only from the backward that makes them to the optimizer step that frees them
+    # (``zero_grad(set_to_none=True)``); the planner's fake step then starts without gradients and counts each
+    # as the backward makes it, so the forward + backward phase holds only those made by its peak (with
+    # gradient accumulation the planner holds them resident: the first micro-batch's outlive the later forwards).
+    gradients_resident: bool = True
 
     @property
     def held_bytes(self) -> int:

@@ -119,7 +119,8 @@ def model_states(cfg: EngineConfig, precision: str, t: Tensors, world: int, gpus
     """The whole model on every rank (the memory rule of ``single``, and of ``ddp`` before its buckets).
     Under bf16 the trainable parameters live in bf16 with fp32 masters in the optimizer, and at the step
     the master-weight optimizer copies the gradients to fp32; frozen parameters stay fp32, or bf16 with
-    low-rank adapters (``precision.lower_frozen_base``)."""
+    low-rank adapters (``precision.lower_frozen_base``). The gradients are made by each backward and freed by
+    each step (``zero_grad(set_to_none=True)``): not resident through the forward."""
     low = precision == "bf16"
     lora = t.adapters > 0
     c = 2 if low else 4
@@ -129,4 +130,5 @@ def model_states(cfg: EngineConfig, precision: str, t: Tensors, world: int, gpus
             "AdamW state": 8 * nt + 4 * t.trainable_tensors, "buffers": t.buffer_bytes}
     step = {"fp32 copy of the gradients (master-weight optimizer)": 4 * nt} if low else {}
     bf16, fp32 = torch.bfloat16, torch.float32
-    return States(held, {}, step, {}, (bf16 if low else fp32, bf16 if (low and lora) else fp32))
+    return States(held, {}, step, {}, (bf16 if low else fp32, bf16 if (low and lora) else fp32),
+                  gradients_resident=False)

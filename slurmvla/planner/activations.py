@@ -166,14 +166,16 @@ class FakeStep:
         # prompt from the state's values, which a fake tensor does not have.
         self.sample = fake_batch(cfg, meta_policy, 1, frame)
         self._dtypes: tuple[torch.dtype, torch.dtype] | None = None
+        self._resident: bool | None = None
         self._compiled = None  # the layers' compiled traces, made at the first compiled pass
         with self.mode:
             self.policy.to_empty(device="cpu")
         self.policy.train()
 
-    def use_dtypes(self, compute: tuple[torch.dtype, torch.dtype]) -> None:
-        """Trainable / frozen parameters in these dtypes; every trainable one with a gradient already."""
-        if compute == self._dtypes:
+    def use_dtypes(self, compute: tuple[torch.dtype, torch.dtype], resident_grads: bool = True) -> None:
+        """Trainable / frozen parameters in these dtypes; ``resident_grads``: every trainable one with a gradient
+        already (they are not counted), else none (each pass counts them as its backward makes them)."""
+        if compute == self._dtypes and resident_grads == self._resident:
             return
         with self.mode, torch.no_grad():
             for p in self.policy.parameters():
@@ -181,8 +183,8 @@ class FakeStep:
                 if p.is_floating_point() and p.dtype != want:
                     p.data = p.data.to(want)
                 if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-        self._dtypes = compute
+                    p.grad = torch.zeros_like(p) if resident_grads else None
+        self._dtypes, self._resident = compute, resident_grads
 
     @contextmanager
     def _checkpointing(self, on: bool | None) -> Iterator[None]:
@@ -253,13 +255,14 @@ class FakeStep:
         return counts[0], counts[-1]
 
     def run(self, micro: int, compute: tuple[torch.dtype, torch.dtype], low: bool, count_flops: bool = False,
-            checkpointing: bool | None = None, cast_inputs: bool = False, compiled: bool = False) -> Pass:
+            checkpointing: bool | None = None, cast_inputs: bool = False, compiled: bool = False,
+            resident_grads: bool = True) -> Pass:
         """One training forward + backward at ``micro``; ``compiled``: the repeated layers as the compiled
-        step runs them."""
+        step runs them; ``resident_grads`` False: the gradients the backward makes count (and go with the pass)."""
         from torch.utils.flop_counter import FlopCounterMode
 
         t0 = time.perf_counter()
-        self.use_dtypes(compute)
+        self.use_dtypes(compute, resident_grads)
         batch = {k: (v.expand(micro, *v.shape[1:]).clone() if isinstance(v, torch.Tensor) else list(v) * micro)
                  for k, v in self.sample.items()}
         with self.mode:
@@ -282,6 +285,9 @@ class FakeStep:
         finally:
             for h in hooks:
                 h.remove()
+            if not resident_grads:  # as the step's zero_grad(set_to_none=True): the next pass starts without them
+                for p in self.policy.parameters():
+                    p.grad = None
         flops = float(counter.get_total_flops()) if counter is not None else 0.0
         return Pass(micro, tracker.peak, flops, forward_flops, time.perf_counter() - t0)
 

@@ -17,6 +17,9 @@ from slurmvla.planner.model_states import build_on_meta, count_tensors, model_st
 from slurmvla.planner.step_time import time_estimate
 from slurmvla.registry import ENGINES
 
+# The forward + backward phase's row for gradients that are not resident (``States.gradients_resident``).
+GRADIENTS_IN_PASS = "gradients not held yet (those the backward has made are in the activations)"
+
 
 class Planner:
     """One configuration's policy, counted and measured once; plans for any engine of it."""
@@ -45,21 +48,22 @@ class Planner:
         return bool(cfg.trainer.compile) and self._compile_error is None
 
     def measure(self, cfg: Config, micro: int, compute: tuple[torch.dtype, torch.dtype],
-                cast_inputs: bool = False) -> Pass | None:
-        """The peak live bytes of one training forward + backward at ``micro`` (cached)."""
+                cast_inputs: bool = False, resident_grads: bool = True) -> Pass | None:
+        """The peak live bytes of one training forward + backward at ``micro`` (cached); ``resident_grads``
+        False: with the gradients its backward makes (``States.gradients_resident``)."""
         compiled = self.compiled(cfg)
-        key = (micro, compute, cfg.precision, cast_inputs, compiled)
+        key = (micro, compute, cfg.precision, cast_inputs, compiled, resident_grads)
         if key not in self._cache:
             step = self._step()
             if step is None:
                 return None
             try:
                 self._cache[key] = step.run(micro, compute, cfg.precision == "bf16", cast_inputs=cast_inputs,
-                                            compiled=compiled)
+                                            compiled=compiled, resident_grads=resident_grads)
             except Exception as e:
                 if compiled:  # the layers would not trace: eager autograd's figure, labelled so
                     self._compile_error = failure(e)
-                    return self.measure(cfg, micro, compute, cast_inputs)
+                    return self.measure(cfg, micro, compute, cast_inputs, resident_grads)
                 self._fake_error = failure(e)
                 return None
         return self._cache[key]
@@ -88,29 +92,32 @@ class Planner:
         return self._flops
 
     def _points(self, cfg: Config, sizes: tuple[int, int], compute: tuple[torch.dtype, torch.dtype],
-                cast_inputs: bool) -> dict[int, int] | None:
+                cast_inputs: bool, resident_grads: bool) -> dict[int, int] | None:
         """The peaks at ``sizes``, both measured the same way (eager again where the compiled layers would not
         trace at one of them); None where the fake tensors fail."""
         compiled = self.compiled(cfg)
         points = {}
         for b in sizes:
-            got = self.measure(cfg, b, compute, cast_inputs)
+            got = self.measure(cfg, b, compute, cast_inputs, resident_grads)
             if got is None:
                 return None
             points[b] = got.peak_bytes
-        return points if compiled == self.compiled(cfg) else self._points(cfg, sizes, compute, cast_inputs)
+        return points if compiled == self.compiled(cfg) else self._points(cfg, sizes, compute, cast_inputs,
+                                                                          resident_grads)
 
     def activations(self, cfg: Config, micro: int, compute: tuple[torch.dtype, torch.dtype],
-                    cast_inputs: bool = False, count_flops: bool = True, at_micro_only: bool = False) -> Activations:
+                    cast_inputs: bool = False, count_flops: bool = True, at_micro_only: bool = False,
+                    resident_grads: bool = True) -> Activations:
         """Measured at two micro-batches: 1 and 2, or 2 and the configured one when it is larger (a fixed
         part, e.g. a large embedding's gradient, dominates the smallest sizes); a straight line through them.
+        ``resident_grads`` False: the figures include the gradients made by the backward up to its peak.
         ``count_flops`` False: memory only (no FLOP-counting passes). ``at_micro_only``: one pass, at ``micro``
         (exact there; the line through zero elsewhere, so no other size is to be read from it)."""
         t0 = time.perf_counter()
         if self.tensors.frozen == 0:  # nothing frozen: one arrangement serves every engine
             compute = (compute[0], compute[0])
         sizes = (micro,) if at_micro_only else (2, micro) if micro > 2 else (1, 2)
-        points = self._points(cfg, sizes, compute, cast_inputs)
+        points = self._points(cfg, sizes, compute, cast_inputs, resident_grads)
         if points is not None:
             (b1, m1), (b2, m2) = sorted(points.items()) if len(points) == 2 else ((0, 0), *points.items())
             per_sample = (m2 - m1) / (b2 - b1)
@@ -166,13 +173,21 @@ def plan_engine(planner: Planner, cfg: Config, gpu: GPU, nodes: int, gpus_per_no
     accum = cfg.trainer.grad_accum_steps
     t = planner.tensors
     states = model_states(cfg, t, world, gpus_per_node)
+    # With accumulation the first micro-batch's gradients are held through the later ones' forward.
+    resident = states.gradients_resident or accum > 1
     estimate_time = estimate_time and not peak_only
     acts = planner.activations(cfg, micro, states.compute, states.cast_inputs, count_flops=estimate_time,
-                               at_micro_only=peak_only)
+                               at_micro_only=peak_only, resident_grads=resident)
     budget = int((gpu.memory_bytes - RESERVED_BYTES) * (1 - margin))
+    forward_backward = dict(states.forward_backward)
+    if not resident:
+        # Made by the backward, the gradients are in the measured pass's peak (those made by then), not beside it:
+        # the model states hold them from the end of backward through the step.
+        forward_backward[GRADIENTS_IN_PASS] = -states.held["gradients"]
+    beside_pass = sum(forward_backward.values())
 
     def peak_at(b: int) -> tuple[int, str]:
-        phases = {"forward + backward": acts.at(b) + sum(states.forward_backward.values()),
+        phases = {"forward + backward": acts.at(b) + beside_pass,
                   "optimizer step": sum(states.step.values()),
                   "end of backward": sum(states.end_of_backward.values())}
         phase = max(phases, key=phases.get)
@@ -184,7 +199,7 @@ def plan_engine(planner: Planner, cfg: Config, gpu: GPU, nodes: int, gpus_per_no
     # measured sizes).
     largest: int | None = None if peak_only else 0
     if acts.per_sample > 0 and not peak_only:
-        room = budget - states.held_bytes - sum(states.forward_backward.values()) - acts.fixed
+        room = budget - states.held_bytes - beside_pass - acts.fixed
         largest = max(0, int(room // acts.per_sample))
         if max(sum(states.step.values()), sum(states.end_of_backward.values())) + states.held_bytes > budget:
             largest = 0
@@ -210,7 +225,7 @@ def plan_engine(planner: Planner, cfg: Config, gpu: GPU, nodes: int, gpus_per_no
                        "wrap_units": len(t.units), "largest_unit": max(t.units)[0] if t.units else 0,
                        "root": t.root[0]},
         "held_bytes": dict(states.held),
-        "forward_backward_bytes": dict(states.forward_backward),
+        "forward_backward_bytes": forward_backward,
         "step_bytes": dict(states.step),
         "end_of_backward_bytes": dict(states.end_of_backward),
         "activations": {"method": acts.method, "bytes_at_micro_batch": acts.at(micro),
