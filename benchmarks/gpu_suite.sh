@@ -10,6 +10,8 @@
 #   unfused   the graphed modes with serve.fused_projections=false (latency runs them fused, the default)
 #   denoise   the graphed modes with policy.denoise_attention=sdpa (latency runs matmul, the default)
 #   droid2    latency's modes in the 2-camera layout of experiment=pi05_droid (exterior 1 + wrist), random weights
+#   fp8       serve.fp8_prefix (the prefix's products in float8, torchao): actions against bf16 on 100 observations,
+#             compiled + graphed latency of both (benchmarks/fp8_prefix.py; compute capability 8.9+)
 #   jitter    where the graphed modes' p99 comes from: 500 served calls (PolicyRunner under serve.cuda_graph, then
 #             serve.compile too) split into stages, with the collector, the allocator and the SM clock per call;
 #             the same with the collector off and with the graph replayed alone (sample_latency.py --jitter)
@@ -62,6 +64,7 @@ section() {
             policy.denoise_attention=sdpa --modes eager,graph,compile_graph --iters 30 --kernels 12 ;;
         droid2) run droid2 "${SUITE_LIMIT_DROID2:-200}" python3 benchmarks/sample_latency.py experiment=pi05_droid \
             policy.stats_source=data --modes eager,graph,compile_graph --iters 100 --server ;;
+        fp8) run fp8 "${SUITE_LIMIT_FP8:-300}" python3 benchmarks/fp8_prefix.py "${PI05[@]}" --observations 100 --iters 100 ;;
         jitter) run jitter "${SUITE_LIMIT_JITTER:-200}" python3 benchmarks/sample_latency.py "${PI05[@]}" --jitter \
             --modes graph,compile_graph --iters 500 --variants full,nogc,replay --deadline $(( ${SUITE_LIMIT_JITTER:-200} - 15 )) --json "$OUT/jitter.json" ;;
         train) run train "${SUITE_LIMIT_TRAIN:-150}" python3 -m slurmvla.profile "${PI05[@]}" "${PROFILE[@]}" \

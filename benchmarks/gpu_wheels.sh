@@ -17,7 +17,7 @@ get() {  # get FOLDER NAME==VERSION ...
 python3 -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
 get .whl hydra-core==1.3.2 omegaconf==2.3.0 submitit==1.5.4 \
     hydra-submitit-launcher==1.2.0 av==18.1.0 transformers==5.23.0 openpi-client==0.1.2 websockets==15.0.1 \
-    dm-tree==0.1.10
+    dm-tree==0.1.10 torchao==0.18.0
 # LeRobot 0.6.1's pi0.5 path needs transformers < 5.6 (its pi_gemma passes cache_position to
 # create_causal_mask, which later releases no longer take): 5.5.4, beside slurmvla's 5.23.0 in its own folder.
 get .whl_lerobot lerobot==0.6.1 transformers==5.5.4 draccus==0.11.6 toml==0.10.2 mergedeep==1.3.4 \

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Set up (with DeepSpeed: the ZeRO engines are tested for real; with transformers: pi0 / pi0.5; with MuJoCo: the
-# closed loop; with peft: LoRA; with JAX + orbax: openpi's checkpoint directory) and run the whole test suite. Extra arguments go to pytest, e.g.  bash scripts/test.sh -k resume
+# closed loop; with peft: LoRA; with JAX + orbax: openpi's checkpoint directory; with torchao: serve.fp8_prefix) and run the whole test suite. Extra arguments go to pytest, e.g.  bash scripts/test.sh -k resume
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh dev,deepspeed,vla,sim,lora,openpi
+bash scripts/install.sh dev,deepspeed,vla,sim,lora,openpi,fp8
 # The example policy package, installed as a user installs their own (the plug-in tests train it).
 "${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check -e examples/custom_policy
 # Two workers (pytest-xdist): the suite waits on SLURM and on process teardown as much as it computes.

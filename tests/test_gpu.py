@@ -227,6 +227,38 @@ def test_cuda_graph_inference_equals_eager(compiled):
     assert len(sampler.graphs) == 2
 
 
+@pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="float8 matrix products need compute capability 8.9 or above")
+def test_the_fp8_prefix_served_compiled_and_graphed_stays_near_bf16():
+    """serve.fp8_prefix as the server runs it (bf16 weights, the prefix quantized, projections fused, compiled and
+    replayed from a CUDA graph, bf16 autocast) against the bf16 policy eager, on 102 observations: within 2 % of
+    the actions' largest value, as the graphed bf16 modes are held (tests/test_fp8.py holds the same float8
+    products to 1 % of the spread on the CPU)."""
+    from slurmvla.inference.fp8 import check_fp8, quantize_prefix
+    from slurmvla.inference.graphs import GraphedSampler
+    from slurmvla.inference.optimize import fuse_projections, lower_weights
+
+    from .test_pi0 import B, batch_for, perturbed_policy
+
+    cfg, policy = perturbed_policy("pi05_tiny")
+    policy.to(DEVICE)
+    lower_weights(policy, torch.bfloat16)
+    plain = copy.deepcopy(policy)
+    check_fp8(policy, torch.device(DEVICE))
+    assert quantize_prefix(policy) > 0
+    fuse_projections(policy)
+    sampler = GraphedSampler(policy, compile=True)
+    worst = 0.0
+    for i in range(34):
+        batch = {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in batch_for(cfg, seed=i).items()}
+        noise = torch.randn(B, cfg.action_horizon, cfg.max_action_dim, device=DEVICE)
+        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+            eager = plain.sample_actions(batch, noise=noise)
+            fp8 = sampler.sample_actions(batch, noise=noise)
+        worst = max(worst, float((fp8 - eager).abs().max() / eager.abs().max()))
+    assert 0 < worst <= 0.02, worst
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs exist on a GPU only")
 @pytest.mark.parametrize("trained_for_delays", [False, True], ids=["guidance", "prefix"])
 def test_rtc_requests_replay_one_graph_whatever_the_delay(trained_for_delays):

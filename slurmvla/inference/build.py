@@ -8,6 +8,7 @@ import logging
 import torch
 
 from slurmvla.inference.auth import check_exposure, read_api_key
+from slurmvla.inference.fp8 import check_fp8, quantize_prefix
 from slurmvla.inference.graphs import inference_sampler
 from slurmvla.inference.load import Loaded, load_exported
 from slurmvla.inference.optimize import lower_weights
@@ -37,6 +38,9 @@ def _runner(loaded: Loaded, device: str | None) -> PolicyRunner:
         # The weights in bf16, as training's forward holds them (under autocast): no cast of every weight
         # at every request.
         lower_weights(loaded.policy, torch.bfloat16)
+    if cfg.serve.fp8_prefix:  # before the projections are fused: a quantized one stays unfused
+        check_fp8(loaded.policy, torch.device(want))
+        quantize_prefix(loaded.policy)
     sampler = inference_sampler(loaded.policy, cfg.serve.cuda_graph, cfg.serve.compile, "serve.cuda_graph=true",
                                 fused=cfg.serve.fused_projections)
     return PolicyRunner(loaded, sampler)

@@ -25,10 +25,11 @@ def fuse_linears(owner: nn.Module, name: str, linears: list[nn.Module]) -> bool:
     weight becoming a view of its rows: one matrix product where there were several on the same input, with
     no copy kept (the parameters, their names and ``state_dict`` are unchanged; an update to either is seen
     by both). Only plain bias-free ``nn.Linear`` layers on one device and dtype (not LoRA's wrappers, whose
-    adapters would be left out): False, and nothing changed, otherwise. For inference on a policy already on
-    its device and dtype: moving or casting its parameters afterwards leaves the fused tensor behind (then
-    the product fails on its device or dtype, it is never silently stale)."""
-    if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
+    adapters would be left out; not a quantized weight, a tensor subclass: ``serve.fp8_prefix``'s): False, and
+    nothing changed, otherwise. For inference on a policy already on its device and dtype: moving or casting
+    its parameters afterwards leaves the fused tensor behind (then the product fails on its device or dtype,
+    it is never silently stale)."""
+    if any(type(m) is not nn.Linear or m.bias is not None or type(m.weight) is not nn.Parameter for m in linears):
         return False
     weights = [m.weight for m in linears]
     if len({(w.device, w.dtype, w.shape[1]) for w in weights}) != 1:

@@ -586,6 +586,12 @@ class Pi0Policy(Policy):
         d = self.cfg.action_dim
         return flow_matching_loss(pred[..., :d], noise[..., :d], actions[..., :d], every)
 
+    def prefix_modules(self) -> list[nn.Module]:
+        """What a request runs once, before its denoising steps: the vision tower, its projector and the
+        backbone's half of every layer (``serve.fp8_prefix`` runs their matrix products in float8:
+        slurmvla/inference/fp8.py)."""
+        return [self.vision, self.projector, *(layer.backbone for layer in self.layers)]
+
     def projection_groups(self):
         """For inference: each Gemma layer's query / key / value projections, and its MLP's gate / up
         projections, as ``(owner, name, linears)``: projections that read one input, which inference may
