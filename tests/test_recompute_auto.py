@@ -19,7 +19,15 @@ from slurmvla import plan
 from slurmvla.compose import compose
 from slurmvla.planner.fit import plan_engine, planner_for
 from slurmvla.planner.gpus import GPUS, GiB
-from slurmvla.planner.recompute_choice import FULL, NONE, Setting, choose, deepest_stack, matmuls
+from slurmvla.planner.recompute_choice import (
+    FULL,
+    NONE,
+    Setting,
+    checkpointed_layers,
+    choose,
+    deepest_stack,
+    matmuls,
+)
 from slurmvla.trainer import Trainer
 
 # The plans of pi0.5 at its published size go to one worker, one after another: the planner of a policy
@@ -86,27 +94,34 @@ def test_one_h100_gets_the_cheapest_setting_that_fits():
     assert str(choice.setting) in choice.line() and f"{peak / GiB:.2f} GiB" in choice.line()
 
 
-@pytest.mark.parametrize("budget_gib", [1, 10, 19, 20, 25, 39, 40, 41, 55, 60, 100])
+@pytest.mark.parametrize("budget_gib", [1, 10, 25, 39, 41, 45, 50, 52, 55, 60, 100])
 def test_the_choice_is_the_first_setting_in_order_of_cost_that_fits(budget_gib):
-    """Made-up peaks, falling as more is recomputed (a hand rule: 10 GiB of model states; activations 50 GiB
-    kept whole, 30 GiB / k with matmuls kept, 10 GiB recomputed whole): the choice is the first of the ladder
-    under the budget, found by a plain scan here."""
+    """Made-up peaks, falling as more is recomputed (a hand rule: 10 GiB of model states; activations 50 GiB kept
+    whole, each checkpointed layer's share cut to 40 % with matmuls kept, none left with full recomputation): the
+    choice is the first of the ladder under the budget, found by a plain scan here. The peaks are a line in the
+    checkpointed layers, as the search's first probe assumes: at most two passes between the ladder's ends."""
     cfg = compose(["policy=pi05_tiny", "policy.depth=6", "policy.vision_depth=9"])
+    layers = checkpointed_layers(cfg, 1)
+    assert layers == 15 and [checkpointed_layers(cfg, k) for k in (2, 3, 4, 9)] == [8, 5, 5, 2]
+    asked = []
 
     def peak(c) -> tuple[int, int]:
         p = c.policy
+        asked.append(Setting.of(p))
         if not p.gradient_checkpointing:
             acts = 50
         elif p.checkpoint_saves == "matmuls":
-            acts = 20 + 30 / p.checkpoint_every
+            acts = 50 - 30 * checkpointed_layers(c, p.checkpoint_every) / layers
         else:
             acts = 0
         return int((10 + acts) * GiB), budget_gib * GiB
 
     choice = choose(cfg, GPUS["h100-80gb"], peak=peak)
+    searched = len(asked)
     fitting = [s for s in ladder(cfg) if peak(s.apply(cfg))[0] <= budget_gib * GiB]
     assert choice.setting == (fitting[0] if fitting else FULL)
     assert choice.fits == bool(fitting)
+    assert searched <= 5, asked[:searched]
 
 
 def test_with_trainer_compile_the_choice_weighs_the_compiled_steps_activations(monkeypatch):
