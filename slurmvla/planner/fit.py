@@ -176,9 +176,15 @@ def plan_engine(planner: Planner, cfg: Config, gpu: GPU, nodes: int, gpus_per_no
     # With accumulation the first micro-batch's gradients are held through the later ones' forward.
     resident = states.gradients_resident or accum > 1
     estimate_time = estimate_time and not peak_only
-    acts = planner.activations(cfg, micro, states.compute, states.cast_inputs, count_flops=estimate_time,
-                               at_micro_only=peak_only, resident_grads=resident)
     budget = int((gpu.memory_bytes - RESERVED_BYTES) * (1 - margin))
+    if states.held_bytes + max(0, sum(states.step.values()), sum(states.end_of_backward.values())) > budget:
+        # Every step reaches its optimizer step: no micro-batch fits, whatever the activations (no pass measures them).
+        acts = Activations(0.0, 0.0, {}, "NOT MEASURED (the model states and the optimizer step alone exceed the "
+                                         "budget, so no micro-batch fits)")
+        estimate_time = False
+    else:
+        acts = planner.activations(cfg, micro, states.compute, states.cast_inputs, count_flops=estimate_time,
+                                   at_micro_only=peak_only, resident_grads=resident)
     forward_backward = dict(states.forward_backward)
     if not resident:
         # Made by the backward, the gradients are in the measured pass's peak (those made by then), not beside it:
