@@ -2,7 +2,8 @@
 
     python benchmarks/fp8_prefix.py policy=pi05 precision=bf16 [--observations 100] [--iters 100]
 
-The policy is built with random weights on the device in bf16 (as benchmarks/sample_latency.py builds it), then
+The policy is built with random weights on the device (as benchmarks/sample_latency.py builds it), each moved by
+noise of 0.02 (zero-initialised projections would otherwise leave the actions blind to the prefix), in bf16, then
 copied: one copy as the server runs it by default, the other with its prefix quantized to float8
 (slurmvla/inference/fp8.py) before its projections are fused. Both serve through ``serve.cuda_graph`` +
 ``serve.compile`` (the fastest mode) under bf16 autocast. For ``--observations`` requests (each its own random
@@ -45,6 +46,9 @@ def main() -> None:
     device = torch.device("cuda")
     torch.manual_seed(0)
     reference = place(build_policy(cfg.policy, on_meta=True), device).eval()
+    with torch.no_grad():  # off the exact zeros of the initialisation, which would hide the prefix from the actions
+        for p in reference.parameters():
+            p.add_(torch.randn_like(p), alpha=0.02)
     lower_weights(reference, torch.bfloat16)
     quantized = copy.deepcopy(reference)
     check_fp8(quantized, device)
