@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Set up (with DeepSpeed: the ZeRO engines are tested for real; with transformers: pi0 / pi0.5; with MuJoCo: the
-# closed loop; with peft: LoRA; with JAX + orbax: openpi's checkpoint directory; with torchao: serve.fp8_prefix) and run the whole test suite. Extra arguments go to pytest, e.g.  bash scripts/test.sh -k resume
+# closed loop; with peft: LoRA; with JAX + orbax: openpi's checkpoint directory; torchao beside them: serve.fp8_prefix) and run the whole test suite. Extra arguments go to pytest, e.g.  bash scripts/test.sh -k resume
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh dev,deepspeed,vla,sim,lora,openpi,fp8
+bash scripts/install.sh dev,deepspeed,vla,sim,lora,openpi
+# torchao (the [fp8] extra: serve.fp8_prefix) beside the environment, not in it: transformers imports it whenever it is
+# installed, +0.45 s in every process that builds pi0 / pi0.5; tests/test_fp8.py puts this folder on its own path.
+[ -d .test-deps/torchao/torchao ] || "${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check --no-deps \
+    --target .test-deps/torchao torchao==0.18.0
 # The example policy package, installed as a user installs their own (the plug-in tests train it).
 "${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check -e examples/custom_policy
 # Two workers (pytest-xdist): the suite waits on SLURM and on process teardown as much as it computes.

@@ -7,6 +7,9 @@ quantization of weights and inputs. tests/test_gpu.py runs the option as the ser
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -20,8 +23,17 @@ from .test_pi0 import B, batch_for, perturbed_policy
 BATCHES = 34
 
 
+# scripts/test.sh installs torchao here, beside the environment (transformers imports it in every process wherever
+# it is installed).
+TORCHAO = Path(__file__).resolve().parents[1] / ".test-deps" / "torchao"
+
+
 @pytest.fixture
 def fp8_on_the_cpu(monkeypatch):
+    if importlib.util.find_spec("torchao") is None:
+        if not (TORCHAO / "torchao").is_dir():
+            pytest.skip(f"torchao is not installed (bash scripts/test.sh puts it in {TORCHAO})")
+        monkeypatch.syspath_prepend(str(TORCHAO))
     import torchao.quantization.quant_api as quant_api
 
     monkeypatch.setattr(quant_api, "_check_hardware_support", lambda *args, **kwargs: None)
