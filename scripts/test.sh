@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up (with DeepSpeed: the ZeRO engines are tested for real; with transformers: pi0 / pi0.5; with MuJoCo: the
-# closed loop; with peft: LoRA; with JAX + orbax: openpi's checkpoint directory; torchao beside them: serve.fp8_prefix) and run the whole test suite. Extra arguments go to pytest, e.g.  bash scripts/test.sh -k resume
+# closed loop; with peft: LoRA; with JAX + orbax: openpi's checkpoint directory; torchao beside them:
+# serve.fp8_prefix) and run the whole test suite. Extra arguments go to pytest, e.g.  bash scripts/test.sh -k resume
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh dev,deepspeed,vla,sim,lora,openpi

@@ -20,12 +20,12 @@ never ranks or process groups: a shard's place comes from the tensor's own mesh 
 from __future__ import annotations
 
 import contextlib
+import sys
 import zlib
 from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 
 def parameter_generator(seed: int, name: str) -> torch.Generator:
@@ -56,10 +56,17 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a sharded ``DTensor``, without importing ``torch.distributed.tensor`` (a second of start-up)
+    where nothing has: no DTensor exists before that module is loaded (the sharding engines load it)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     """Write a whole tensor into ``param``: all of it, or, for a sharded DTensor, this rank's part."""
     with torch.no_grad():
-        if isinstance(param, DTensor):
+        if is_dtensor(param):
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
             shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)

@@ -22,16 +22,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from slurmvla.weights import copy_full_into, parameter_generator, parameters_on_meta, supports_deferred_init
+from slurmvla.weights import (
+    copy_full_into,
+    is_dtensor,
+    parameter_generator,
+    parameters_on_meta,
+    supports_deferred_init,
+)
 
 # Threads initialising parameters at once (each holds one fp32 tensor on the host while it draws).
 INIT_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 def has_meta_parameters(module: nn.Module) -> bool:
-    return any(p.is_meta or (isinstance(p, DTensor) and p.to_local().is_meta) for p in module.parameters())
+    return any(p.is_meta or (is_dtensor(p) and p.to_local().is_meta) for p in module.parameters())
 
 
 def materialize(policy: nn.Module, device: torch.device) -> None:

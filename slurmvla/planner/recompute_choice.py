@@ -13,9 +13,9 @@ engine's rule, the activations measured on fake tensors with that setting; with 
 compiled step keeps them, :mod:`slurmvla.planner.compiled`) against the plan's budget: the GPU's
 memory less ``RESERVED_BYTES`` and the allocator margin. The planner's peak is taken as falling with ``k`` (fewer
 layers keep everything), so the largest ``k`` is found by a search: a first probe where the line through the peaks
-at ``k = 1`` and at the deepest stack's depth meets the budget, its neighbour, then bisection. Where nothing fits, full recomputation, the
-least memory, and the choice says so. An engine that refuses activation checkpointing (ZeRO-3) gets none, as does
-a run without a GPU (nothing to fit). :func:`choose` is pure: the GPU is an argument, so any GPU of
+at ``k = 1`` and at the deepest stack's depth meets the budget, its neighbour, then bisection. Where nothing fits,
+full recomputation, the least memory, and the choice says so. An engine that refuses activation checkpointing
+(ZeRO-3) gets none, as does a run without a GPU (nothing to fit). :func:`choose` is pure: the GPU is an argument, so any GPU of
 :data:`slurmvla.planner.gpus.GPUS` can be asked about; :func:`resolve` is what training calls at start-up.
 """
 
