@@ -19,12 +19,10 @@ import argparse
 import copy
 import time
 
-import numpy as np
 import torch
-from observations import compose_every_camera_sent, observation
+from observations import compose_every_camera_sent, observation, observation_as_batch
 from sample_latency import timed  # noqa: I001 (sibling scripts)
 
-from slurmvla.data.prepare import observation_batch, prepare_image
 from slurmvla.engine.materialize import place
 from slurmvla.inference.fp8 import check_fp8, quantize_prefix
 from slurmvla.inference.graphs import GraphedSampler
@@ -58,12 +56,6 @@ def main() -> None:
           f"{len(cameras)} cameras; {count} prefix linear layers in float8; {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}", flush=True)
 
-    def batch_of(obs: dict) -> dict:
-        state = np.concatenate([obs["observation/joint_position"], obs["observation/gripper_position"]])
-        images = [prepare_image(obs[k], spec.image_size, name=k, mode=cfg.data.image_resize) for k in cameras]
-        batch = observation_batch(images, [True] * len(cameras), state, obs["prompt"], spec)
-        return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-
     samplers = {}
     for name, policy in (("bf16", reference), ("fp8 prefix", quantized)):
         fuse_projections(policy)
@@ -76,7 +68,7 @@ def main() -> None:
     t0 = time.perf_counter()
     diffs, actions = [], []
     for i in range(args.observations):
-        batch = batch_of(observation(cameras, seed=i))
+        batch = observation_as_batch(observation(cameras, seed=i), cameras, spec, cfg, device)
         want, got = call("bf16", batch, i).float(), call("fp8 prefix", batch, i).float()
         diffs.append((got - want).abs().flatten())
         actions.append(want.flatten())
@@ -85,7 +77,7 @@ def main() -> None:
           f"against bf16: max |a - b| {diff.max():.4f}, mean {diff.mean():.5f}; bf16 actions' spread (std) "
           f"{spread:.4f}: max {diff.max() / spread:.2%} of it", flush=True)
 
-    batch = batch_of(observation(cameras))
+    batch = observation_as_batch(observation(cameras), cameras, spec, cfg, device)
     rows = {name: timed(lambda n=name: call(n, batch, 0), args.iters, True) for name in samplers}
     for name, row in rows.items():
         print(f"{name:>11}: p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms  min {row['min_ms']:7.2f} ms",

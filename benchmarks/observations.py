@@ -10,9 +10,11 @@ time: three cameras by default, two under ``experiment=pi05_droid`` (exterior 1 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from slurmvla.compose import compose
 from slurmvla.config import Config
+from slurmvla.data.prepare import observation_batch, prepare_image
 from slurmvla.droid_features import DROID_CLIENT_CAMERAS
 
 
@@ -32,3 +34,12 @@ def observation(cameras: list[str], seed: int = 0) -> dict:
     obs = {key: g.integers(0, 256, (180, 320, 3), dtype=np.uint8) for key in cameras}
     return obs | {"observation/joint_position": g.normal(size=7), "observation/gripper_position": g.uniform(size=1),
                   "prompt": "put the marker in the cup"}
+
+
+def observation_as_batch(obs: dict, cameras: list[str], spec, cfg: Config, device: torch.device) -> dict:  # noqa: ANN001
+    """``obs`` as the server prepares it for the policy (``spec``: its sample spec), on ``device``: each camera at the
+    policy's image size, or as sent for a policy that resizes frames itself; the state; the prompt."""
+    state = np.concatenate([obs["observation/joint_position"], obs["observation/gripper_position"]])
+    images = [prepare_image(obs[k], spec.image_size, name=k, mode=cfg.data.image_resize) for k in cameras]
+    batch = observation_batch(images, [True] * len(cameras), state, obs["prompt"], spec)
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}

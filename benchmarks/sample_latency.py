@@ -44,9 +44,8 @@ import time
 import numpy as np
 import torch
 from jitter import Instrumented, SmClock, StageClock, measure, slowest, summary, table, verdict
-from observations import compose_every_camera_sent, observation
+from observations import compose_every_camera_sent, observation, observation_as_batch
 
-from slurmvla.data.prepare import observation_batch, prepare_image
 from slurmvla.engine.materialize import place
 from slurmvla.inference.graphs import GraphedSampler
 from slurmvla.inference.harness import serving_in_thread
@@ -114,12 +113,7 @@ def main() -> None:
 
     loaded = Loaded(policy=policy, cfg=cfg, step=0, source="benchmark")
     spec = type(policy).sample_spec(cfg.policy)
-    obs = observation(cameras)
-    state = np.concatenate([obs["observation/joint_position"], obs["observation/gripper_position"]])
-    # As the server prepares them: at the policy's image size, or as sent for a policy that resizes them itself.
-    images = [prepare_image(obs[k], spec.image_size, name=k, mode=cfg.data.image_resize) for k in cameras]
-    batch = observation_batch(images, [True] * len(cameras), state, obs["prompt"], spec)
-    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    batch = observation_as_batch(observation(cameras), cameras, spec, cfg, device)
     autocast = cuda and cfg.precision == "bf16"
     ctx = (lambda: torch.autocast("cuda", torch.bfloat16)) if autocast else torch.no_grad
 
