@@ -1,6 +1,7 @@
 """Runs several trainings in one torchrun job (one process group), for the distributed tests.
 
     torchrun --standalone --nproc_per_node=N tests/dist_driver.py SPEC.json
+    python tests/dist_driver.py SPEC.json    # one plain process: no process group (tests/test_gpu.py's resume)
 
 SPEC: {"out": DIR, "base": [overrides...], "runs": [{"name", "overrides", "dir", "stop_at"}...]} (a run's folder:
 OUT/<dir>, by default OUT/<name>; "stop_at": the step its fit stops at).
@@ -13,7 +14,7 @@ For each run, rank 0 writes OUT/<name>.safetensors (the full fp32 weights, gathe
 engine), OUT/<name>.ema.safetensors (their moving average, with trainer.ema_decay) and OUT/<name>.json (optimizer parameter and state dtypes, the last metrics).
 Starting processes and importing torch / DeepSpeed costs more than a tiny training, hence one job. Rank 0
 composes each run's config and sends it to the others (what every rank of a job gets alike), so the
-composition is paid once a job, not once a rank.
+composition is paid once a job, not once a rank; a plain process (no process group) composes for itself.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def main() -> None:
             if rank0:
                 shutil.copytree(out / source / "checkpoints" / f"step_{step:08d}",
                                 run_dir / "checkpoints" / f"step_{step:08d}")
-            torch.distributed.barrier()
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
         trainer = Trainer(copy.deepcopy(configs[overrides]), run_dir)
         if "kill_before_commit" in run:
             kill_before_commit(trainer, run["kill_before_commit"])
@@ -103,7 +105,10 @@ def main() -> None:
 
 
 def composed_on_rank0(overrides: list[str], rank0: bool):
-    """Rank 0's composition, on every rank; an error composing is raised on every rank (none waits)."""
+    """Rank 0's composition, on every rank; an error composing is raised on every rank (none waits). A plain
+    process (``python tests/dist_driver.py``: one rank, no process group to broadcast over) is rank 0 alone."""
+    if not torch.distributed.is_initialized():
+        return compose(overrides)
     box: list = [None]
     if rank0:
         try:
