@@ -38,7 +38,7 @@ from slurmvla.data.mixture import Mixture
 from slurmvla.data.readers import EpisodeStream
 from slurmvla.data.synthetic import write_droid_sample
 from slurmvla.policy import sample_spec
-from slurmvla.policy.flow_vla_config import FlowVLAConfig
+from slurmvla.policy.flow_vla.config import FlowVLAConfig
 
 CAMERAS = ["observation.images.exterior_1_left", "observation.images.exterior_2_left",
            "observation.images.wrist_left"]

@@ -34,7 +34,7 @@ from slurmvla.config import DataConfig, KeepRangesConfig  # noqa: E402
 from slurmvla.data.mixture import Mixture  # noqa: E402
 from slurmvla.droid_features import DROID_CAMERAS  # noqa: E402
 from slurmvla.policy import sample_spec  # noqa: E402
-from slurmvla.policy.flow_vla_config import FlowVLAConfig  # noqa: E402
+from slurmvla.policy.flow_vla.config import FlowVLAConfig  # noqa: E402
 
 FPS = 15
 

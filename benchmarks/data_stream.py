@@ -44,7 +44,7 @@ from slurmvla.data.readers import EpisodeStream
 from slurmvla.data.synthetic import CODECS, write_droid_sample
 from slurmvla.data.video import decode_range
 from slurmvla.policy import sample_spec
-from slurmvla.policy.flow_vla_config import FlowVLAConfig
+from slurmvla.policy.flow_vla.config import FlowVLAConfig
 
 
 class RandomAccess(Dataset):

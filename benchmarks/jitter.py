@@ -6,13 +6,13 @@ what grew in them. ``benchmarks/sample_latency.py --jitter`` drives it; the repo
 Stages (exclusive: time is charged to the innermost stage running; nothing of the runner is changed, its
 methods are wrapped on the instance for the loop and restored after):
 
-- ``preprocess``: ``runner.read`` / ``read_rtc`` / ``batch`` (image resize / pad, state checks, stacking,
+- ``preprocess``: ``runner.processor.read`` / ``runner.read_rtc`` / ``runner.processor.batch`` (image resize / pad, state checks, stacking,
   numpy -> tensor);
 - ``prompt``: tokenization (the sample spec's tokenizer; pi0.5's prompt written from the state, ``_text``);
 - ``h2d``: ``runner.act`` up to the sampler (the batch and the noise copied to the device, the noise drawn);
 - ``launch``: the sampler's ``sample_actions`` (a graph's input copies and replay; eager: the whole forward);
 - ``sync``: from the sampler's return to ``act``'s (the wait for the device, the actions copied back);
-- ``post``: ``runner.absolute``; ``other``: the rest (the session's own code).
+- ``post``: ``runner.processor.to_commands``; ``other``: the rest (the session's own code).
 
 The instrumentation allocates no Python object the collector tracks per call (records go to preallocated
 arrays), so it does not itself change how often the collector runs.
@@ -239,16 +239,18 @@ class Instrumented:
 
     def __enter__(self) -> Instrumented:
         r, c = self.runner, self.clock
+        p = r.processor
         push = lambda stage: lambda: c.push(stage)  # noqa: E731
         sampler, policy = r.sampler, r.policy
-        patches = [(r, name, _wrap(getattr(r, name), push(PRE), c.pop)) for name in ("read", "read_rtc", "batch")]
-        patches += [(r, "absolute", _wrap(r.absolute, push(POST), c.pop)),
+        patches = [(p, name, _wrap(getattr(p, name), push(PRE), c.pop)) for name in ("read", "batch")]
+        patches += [(r, "read_rtc", _wrap(r.read_rtc, push(PRE), c.pop)),
+                    (p, "to_commands", _wrap(p.to_commands, push(POST), c.pop)),
                     (r, "act", _wrap(r.act, push(H2D), c.pop)),
                     (sampler, "sample_actions", _wrap(sampler.sample_actions, self._sampler_before, self._sampler_after))]
         if callable(getattr(policy, "_text", None)):
             patches.append((policy, "_text", _wrap(policy._text, push(PROMPT), c.pop)))
-        if r.spec.tokenizer is not None:
-            patches.append((r, "spec", dataclasses.replace(r.spec, tokenizer=_wrap(r.spec.tokenizer, push(PROMPT), c.pop))))
+        if p.spec.tokenizer is not None:  # the prompt's tokens are made by the processor, from its spec
+            patches.append((p, "spec", dataclasses.replace(p.spec, tokenizer=_wrap(p.spec.tokenizer, push(PROMPT), c.pop))))
         self.stack.enter_context(patched(patches))
         return self
 

@@ -14,7 +14,7 @@ import torch
 
 from slurmvla.compose import compose
 from slurmvla.config import Config
-from slurmvla.data.prepare import observation_batch, prepare_image
+from slurmvla.data.processor import Processor
 from slurmvla.droid_features import DROID_CLIENT_CAMERAS
 
 
@@ -37,9 +37,9 @@ def observation(cameras: list[str], seed: int = 0) -> dict:
 
 
 def observation_as_batch(obs: dict, cameras: list[str], spec, cfg: Config, device: torch.device) -> dict:  # noqa: ANN001
-    """``obs`` as the server prepares it for the policy (``spec``: its sample spec), on ``device``: each camera at the
-    policy's image size, or as sent for a policy that resizes frames itself; the state; the prompt."""
-    state = np.concatenate([obs["observation/joint_position"], obs["observation/gripper_position"]])
-    images = [prepare_image(obs[k], spec.image_size, name=k, mode=cfg.data.image_resize) for k in cameras]
-    batch = observation_batch(images, [True] * len(cameras), state, obs["prompt"], spec)
+    """``obs`` as the server prepares it for the policy (``spec``: its sample spec), on ``device``: the policy's
+    processor (each camera at the policy's image size, or as sent for a policy that resizes frames itself; the
+    state; the prompt). ``cameras``: the client keys of ``cfg.serve.cameras`` (:func:`compose_every_camera_sent`)."""
+    processor = Processor.of(cfg, spec)
+    batch = processor.batch([processor.read(obs)])
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from slurmvla.policy import build_policy
-from slurmvla.policy.pi0_config import Pi05Config
+from slurmvla.policy.pi0.config import Pi05Config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -55,7 +55,7 @@ def main() -> None:
     prev = np.random.default_rng(1).normal(size=(k, cfg.policy.action_dim))
     rtc = runner.read_rtc({"prev_actions": prev, "delay": min(args.delay, k, cfg.policy.action_horizon - 1)})
     rtc = rtc.to(device)
-    batch = runner.batch(collections.deque([runner.read(obs)]))
+    batch = runner.processor.batch(collections.deque([runner.processor.read(obs)]))
     batch = {key: v.to(device) if torch.is_tensor(v) else v for key, v in batch.items()}
     prepare = getattr(policy, "prepare_inference", None)
     batch = prepare(batch) if callable(prepare) else batch

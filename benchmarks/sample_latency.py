@@ -247,7 +247,7 @@ def jitter_call(variant: str, runner: PolicyRunner, session, obs: dict, batch: d
     if variant in ("full", "nogc"):
         return lambda: session.infer(obs)
     if variant == "act":
-        host = runner.batch(collections.deque([runner.read(obs)], maxlen=1))
+        host = runner.processor.batch(collections.deque([runner.processor.read(obs)], maxlen=1))
         return lambda: runner.act(host)
     sampler = runner.sampler
     if isinstance(sampler, GraphedSampler):
@@ -287,7 +287,7 @@ def server_overhead(loaded: Loaded, cfg, iters: int, cuda: bool) -> dict:
     # The layers were compiled in place by the compile_graph mode when it ran: the graphs hold its kernels.
     runner = PolicyRunner(loaded, GraphedSampler(loaded.policy) if cuda else None)
     obs = observation(list(cfg.serve.cameras))
-    batch = runner.batch(collections.deque([runner.read(obs)], maxlen=1))
+    batch = runner.processor.batch(collections.deque([runner.processor.read(obs)], maxlen=1))
     alone = timed(lambda: runner.act(batch), iters, cuda)
     server = PolicyServer(runner, "127.0.0.1", 0)
     with serving_in_thread(server) as port:

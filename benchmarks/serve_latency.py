@@ -123,8 +123,8 @@ def main() -> None:
     # The reference: the policy alone on the batch the server would build, in this process, loaded as the
     # server loads it (its device, bf16 weights under precision=bf16 on a GPU).
     runner = build_runner(str(source), [], device=device)
-    past = collections.deque([runner.read(observation(0))], maxlen=1)
-    batch = runner.batch(past)
+    past = collections.deque([runner.processor.read(observation(0))], maxlen=1)
+    batch = runner.processor.batch(past)
     alone = []
     for i in range(min(args.requests, 100) + 5):
         t0 = time.perf_counter()

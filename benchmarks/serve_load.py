@@ -235,7 +235,7 @@ def main() -> None:
         if args.soak:
             soak(port, proc.pid, args.soak, args.soak_clients, args.soak_seconds, args.soak_reconnect)
             return
-        history = runner.history > 1
+        history = runner.processor.history > 1
         references = None if history else {
             seed_of(i, k): runner.infer(observation(seed_of(i, k)))["actions"]
             for i in range(max(args.clients)) for k in range(PER_CLIENT)}

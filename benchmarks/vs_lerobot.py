@@ -159,7 +159,7 @@ def slurmvla_loading(root: str, workers: int, batch_size: int, batches: int) -> 
     from slurmvla.data.loader import TrainData
     from slurmvla.data.mixture import Mixture
     from slurmvla.policy import sample_spec
-    from slurmvla.policy.flow_vla_config import FlowVLAConfig
+    from slurmvla.policy.flow_vla.config import FlowVLAConfig
 
     cfg = DataConfig(root=root, num_workers=workers, image_resize="pad")
     spec = sample_spec(FlowVLAConfig(image_size=IMAGE_SIZE, patch_size=16, action_horizon=HORIZON, max_text_len=48))
@@ -220,7 +220,7 @@ def slurmvla_startup(root: str, cache: str) -> dict:
     from slurmvla.config import DataConfig
     from slurmvla.data.mixture import Mixture
     from slurmvla.policy import sample_spec
-    from slurmvla.policy.flow_vla_config import FlowVLAConfig
+    from slurmvla.policy.flow_vla.config import FlowVLAConfig
 
     t0 = time.perf_counter()
     cfg = DataConfig(root=root, cache_dir=cache, cameras=[CAMERA], state_keys=["observation.state"],

@@ -43,8 +43,8 @@ from pathlib import Path
 
 import torch
 
-from slurmvla.compose import ArgumentParser, program
-from slurmvla.errors import FAILED, USAGE, Failure, exit_with
+from slurmvla.cli import ArgumentParser, program
+from slurmvla.errors import FAILED, Failure, exit_code, exit_with
 from slurmvla.policy.check import (
     CHECKS,
     FSDP_SAFETY,
@@ -269,8 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         subject = Subject.checked(args.overrides)
         subject.build()  # a policy that cannot be built is said once, not as a failure of every check
-    except ValueError as e:
-        exit_with(e, USAGE)
+    except ValueError as e:  # a user's mistake (2), or a dataset file that cannot be read (a DataError: 1)
+        exit_with(e, exit_code(e))
     except Exception as e:  # the policy's own constructor failed: its error, once
         exit_with(Failure(f"building the policy raised {type(e).__name__}: {e}"), FAILED)
     print(f"checking {subject.cls.__module__}.{subject.cls.__qualname__} on {len(subject.batch['actions'])} samples of "

@@ -563,10 +563,9 @@ class CheckpointManager:
                 f"{engine.env.world_size}; engine={engine.name!r} resumes at the same world size only"
             )
         if LORA_BASE in meta:
-            from slurmvla.policy.lora import check_base
+            from slurmvla.policy.lora import check_base, pretrained_path
 
-            check_base(meta[LORA_BASE], getattr(getattr(engine.module, "cfg", None), "pretrained_path", None),
-                       f"checkpoint {path}")
+            check_base(meta[LORA_BASE], pretrained_path(engine.module), f"checkpoint {path}")
         if ema is not None and (path / EMA_FILE).is_file():
             ema.load_state_dict(load_file(str(path / EMA_FILE)))  # first: it passes through the weights
         engine.load(path)

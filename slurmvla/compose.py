@@ -7,11 +7,9 @@ Every entry point (train, profile, inspect, the tests) composes through :func:`c
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import re
-import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -150,22 +148,6 @@ def explain_config_error(error: BaseException) -> str | None:
     if outer and not outer.startswith("Error merging override"):  # Hydra's own words say more (e.g. use +key=)
         return outer
     return f"{key}: {one_line(str(cause.msg))}"
-
-
-def program(module: str) -> str:
-    """A program's name as its user types it: ``python -m slurmvla.X``, or the console script that started it
-    (``slurmvla-serve``); argparse's default would be the file's name (``serve.py``), which runs nothing."""
-    started = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
-    return started if started.startswith("slurmvla-") else f"python -m {module}"
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """The programs' command-line parser: a usage mistake (an unknown flag, a missing argument, a value of the
-    wrong type) prints one ``error:`` line, as every other mistake does, and exits 2. Each program names
-    itself with ``prog=program("slurmvla.X")``."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"error: {message} (--help lists the arguments)\n")
 
 
 def config_dir() -> Path:

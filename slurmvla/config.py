@@ -11,7 +11,7 @@ machine, and files are checked where they are opened.
 
 What every policy has is here (``PolicyConfig``, and ``TransformerPolicyConfig`` for the built-in
 policies' shared shape); each policy's own options are its schema, a subclass beside its model
-(``slurmvla/policy/pi0_config.py``, ...) named by its registry entry and imported by that name when a
+(``slurmvla/policy/pi0/config.py``, ...) named by its registry entry and imported by that name when a
 config is validated (:func:`policy_schema`): a schema module imports no torch.
 """
 
@@ -25,7 +25,15 @@ from typing import Any
 from omegaconf import MISSING
 
 from slurmvla.droid_features import DROID_CAMERAS, DROID_INSTRUCTION_KEYS
-from slurmvla.registry import DATA_MODES, ENGINES, EXECUTION_MODES, IMAGE_RESIZE_MODES, POLICIES, SCHEDULERS
+from slurmvla.registry import (
+    DATA_MODES,
+    ENGINES,
+    EXECUTION_MODES,
+    IMAGE_RESIZE_MODES,
+    POLICIES,
+    SCHEDULERS,
+    SIM_ENVS,
+)
 
 log = logging.getLogger("slurmvla")
 
@@ -708,9 +716,13 @@ class ServeConfig:
 
 @dataclass
 class RolloutConfig:
-    """python -m slurmvla.rollout and trainer.rollout_every_steps: closed-loop episodes in the simulated
-    pick task (slurmvla.sim, the [sim] extra), the policy queried through openpi's client."""
+    """python -m slurmvla.rollout and trainer.rollout_every_steps: closed-loop episodes in a simulated task
+    (slurmvla.sim, the [sim] extra), the policy queried through openpi's client."""
 
+    # The embodiment: pick (the DROID-shaped pick task) or metaworld (a Meta-World v3 task, rollout.task).
+    env: str = "pick"
+    # The Meta-World task (e.g. assembly-v3; every v3 task the package ships); null for the pick task.
+    task: str | None = None
     episodes: int = 50
     # Episode e is the environment's seed first_seed + e. The recorded demonstrations use 0..N-1;
     # the default evaluates on seeds no demonstration was recorded from.
@@ -742,6 +754,12 @@ class RolloutConfig:
     delay: str = "fixed"
 
     def __post_init__(self) -> None:
+        check_choice("rollout.env", self.env, SIM_ENVS)
+        if self.env == "metaworld" and not self.task:
+            raise ValueError("rollout.env=metaworld needs rollout.task (a Meta-World v3 task, e.g. rollout.task=assembly-v3)")
+        if self.env == "pick" and self.task is not None:
+            raise ValueError(f"rollout.task={self.task!r}: the pick task has no tasks to choose (rollout.env=pick); "
+                             "set rollout.env=metaworld for a Meta-World task, or leave rollout.task null")
         check_choice("rollout.execution", self.execution, EXECUTION_MODES)
         check_choice("rollout.delay", self.delay, ("fixed", "measured"))
         check_positive("rollout.delay_steps", self.delay_steps, allow_zero=True)

@@ -2,8 +2,13 @@
 
 A user's mistake (a bad value, option, file or command line: a ``ValueError``) is one ``error:`` line on stderr
 and exit code 2. A failure of what the run stands on (a disk that filled, a peer that stopped answering, a
-dataset file found damaged mid-run: a :class:`Failure`) is one line and exit code 1. Anything else is the
+dataset file that cannot be read: a :class:`Failure`) is one line and exit code 1. Anything else is the
 project's own bug and keeps its traceback. Every program's ``main`` runs its work inside :func:`boundary`.
+
+One exit-code rule (:func:`exit_code`): the error's class decides, never the moment it is found. A
+:class:`Failure` exits 1 even where it is a ``ValueError`` too: ``slurmvla.data.DataError`` (a damaged or
+incomplete dataset file) exits 1 whether start-up or a data loader worker mid-run reads it first, as
+``python -m slurmvla.inspect --scan`` does when it finds one.
 """
 
 from __future__ import annotations
@@ -48,13 +53,16 @@ def exit_with(error: BaseException, code: int) -> NoReturn:
     sys.exit(code)
 
 
+def exit_code(error: BaseException) -> int:
+    """The one rule: a :class:`Failure` (a ``DataError`` too) exits ``FAILED`` (1), a user's mistake ``USAGE`` (2)."""
+    return FAILED if isinstance(error, Failure) else USAGE
+
+
 @contextlib.contextmanager
 def boundary(mistakes: tuple[type[BaseException], ...] = (ValueError,)) -> Iterator[None]:
-    """A program's work: ``mistakes`` (default ``ValueError``) exit 2, a :class:`Failure` exits 1, each as one
-    line; anything else passes with its traceback."""
+    """A program's work: a :class:`Failure` exits 1, ``mistakes`` (default ``ValueError``) exit 2, each as one
+    line (:func:`exit_code`); anything else passes with its traceback."""
     try:
         yield
-    except mistakes as e:
-        exit_with(e, USAGE)
-    except Failure as e:
-        exit_with(e, FAILED)
+    except (Failure, *mistakes) as e:
+        exit_with(e, exit_code(e))

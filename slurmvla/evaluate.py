@@ -28,12 +28,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from slurmvla.compose import ArgumentParser, program
+from slurmvla.cli import ArgumentParser, program
 from slurmvla.data.damaged import pop_marks
-from slurmvla.data.delta import current_state, to_absolute
 from slurmvla.data.loader import build_validation_loader, to_device
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.prepare import inference_fields
+from slurmvla.data.processor import Processor
 from slurmvla.data.readers import SPLITS
 from slurmvla.errors import boundary
 from slurmvla.eval.validate import bucket, per_sample
@@ -55,6 +55,8 @@ def evaluate(loaded: Loaded, split: str = "val", seed: int = 0, batch_size: int 
     cfg, policy = loaded.cfg, loaded.policy.to(device).eval()
     sampler = inference_sampler(policy, cuda_graph, compile, "--cuda-graph")
     spec = type(policy).sample_spec(cfg.policy)
+    # The samples come prepared by the training path (the same processor, inside the data layer).
+    processor = Processor(cfg.data, spec)
     mixture = Mixture(cfg.data, spec, cfg.trainer.seed)
     loader = build_validation_loader(mixture, cfg.data, batch_size, split=split)
     if loader is None:
@@ -82,9 +84,9 @@ def evaluate(loaded: Loaded, split: str = "val", seed: int = 0, batch_size: int 
         for key, value in per_sample(out, batch, mixture.control_modes, torch.float64, take).items():
             cols[key].append(value.cpu()[keep])
         pred, actions = pred[:take].double().cpu(), batch["actions"][:take].double().cpu()
-        if cfg.data.delta_actions:  # back to the commands the robot would get (the same errors; plots in its units)
-            state = current_state(batch["state"][:take]).double().cpu()
-            pred, actions = (to_absolute(a, state, cfg.data.delta_actions) for a in (pred, actions))
+        # Back to the commands the robot would get (data.delta_actions: the same errors; plots in its units).
+        state = batch["state"][:take].double().cpu()
+        pred, actions = processor.to_commands(pred, state), processor.to_commands(actions, state)
         cols["pred"].append(pred[keep])
         cols["actions"].append(actions[keep])
         cols["mask"].append(batch["action_mask"][:take].cpu()[keep])

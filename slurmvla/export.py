@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from slurmvla.checkpoint import LORA_BASE, META_FILE, load_model_file, resolve_checkpoint
-from slurmvla.compose import ArgumentParser, program
+from slurmvla.cli import ArgumentParser, program
 from slurmvla.errors import boundary
 from slurmvla.inference.lerobot import lerobot_type, not_lerobot_reason
 from slurmvla.inference.load import CONFIG_FILE, Loaded, load_exported, read_config
@@ -104,7 +104,7 @@ def export_lerobot(source: str | Path, out: str | Path, overrides: list[str] | t
     """A pi0 / pi0.5 checkpoint as a LeRobot 0.6.1 checkpoint directory: ``model.safetensors`` with
     every key LeRobot's PI0Policy / PI05Policy holds (it loads with ``strict=True``), plus LeRobot's
     config and processor files when the run started from a LeRobot checkpoint directory."""
-    from slurmvla.policy.pretrained import lerobot_state_dict
+    from slurmvla.policy.pi0.weights import lerobot_state_dict
 
     loaded = load_exported(source, overrides, ema=ema)
     pc = loaded.cfg.policy

@@ -18,12 +18,13 @@ import dataclasses
 import json
 import logging
 import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
-from slurmvla.compose import ArgumentParser, compose, group_options, program
+from slurmvla.cli import ArgumentParser, program
+from slurmvla.compose import compose, group_options
 from slurmvla.config import Config
+from slurmvla.errors import boundary
 from slurmvla.planner import PlanError
 from slurmvla.planner.gpus import DEFAULT_MARGIN, DEFAULT_UTILIZATION, GPU, GPUS
 from slurmvla.planner.recompute_choice import AUTO, choose
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="fraction of the usable memory kept free for the allocator's fragmentation (default 0.05)")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    try:
+    # PlanError, a config mistake (compose's one line), a batch that does not divide: one line, exit 2.
+    with boundary():
         gpu = GPUS.get(args.gpu.lower())
         if gpu is None:
             raise PlanError(f"--gpu {args.gpu} is not a GPU the planner knows; choose one of {list(GPUS)}")
@@ -91,9 +93,6 @@ def main(argv: list[str] | None = None) -> None:
             raise PlanError(f"--margin {args.margin} is not valid; it must be in [0, 1), e.g. 0.05")
         rows, configured = run(list(args.overrides), gpu, args.nodes, args.gpus_per_node, args.compare, args.margin,
                                args.mfu)
-    except ValueError as e:  # PlanError, a config mistake (compose's one line), a batch that does not divide
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(2)
     if args.compare:
         full = next((r for r in rows if "refused" not in r and r["engine"] == configured),
                     next((r for r in rows if "refused" not in r), None))

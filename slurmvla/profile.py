@@ -34,10 +34,11 @@ from pathlib import Path
 import psutil
 import torch
 
+from slurmvla.cli import ArgumentParser, program
 from slurmvla.collectives import gather_dict
-from slurmvla.compose import ArgumentParser, compose, program
+from slurmvla.compose import compose
 from slurmvla.config import Config
-from slurmvla.errors import USAGE, exit_with
+from slurmvla.errors import Failure, exit_code, exit_with
 from slurmvla.planner.recompute_choice import Setting
 from slurmvla.registry import ENGINES
 
@@ -145,29 +146,18 @@ def kernel_table(fn, device: torch.device, top: int = 15, calls: int = 1) -> str
 
 
 def count_flops_per_sample(cfg: Config, batch: dict, policy: torch.nn.Module | None = None) -> float:
-    """Forward + backward FLOPs of the policy on one sample, counted on a copy built on the meta
-    device (shapes only: no weights, no memory, whatever the policy's size). ``policy``: the real one,
-    which first does the sample's host-side work where it has any (``prepare_inference``: pi0.5 writes
-    its prompt from the state's values, which a meta tensor does not have), its prompt cut exactly as
-    the training forward cuts it."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from slurmvla.policy import build_policy
+    """Model FLOPs (forward + backward, no recomputation) of the policy on one sample of ``batch``, by the
+    planner's counter (:func:`slurmvla.planner.activations.count_flops`: a copy built on the meta device).
+    ``policy``: the real one, which first does the sample's host-side work where it has any
+    (``prepare_inference``: pi0.5 writes its prompt from the state's values, which a meta tensor does not
+    have), its prompt cut exactly as the training forward cuts it."""
+    from slurmvla.planner.activations import count_flops
 
     one = {k: v[:1] for k, v in batch.items()}
-    if policy is not None and callable(getattr(policy, "prepare_inference", None)):
+    if policy is not None and policy.prepare_inference is not None:
         with torch.no_grad():
             one = policy.prepare_inference(one, bucket=1)
-    with torch.device("meta"):
-        shapes_only = build_policy(cfg.policy)
-    if hasattr(shapes_only, "gradient_checkpointing"):
-        # Model FLOPs, as MFU counts them: activation checkpointing's recomputation is extra work the
-        # hardware does (it shows in the step time), not work the model needs.
-        shapes_only.gradient_checkpointing = False
-    one = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in one.items()}
-    with FlopCounterMode(display=False) as counter:
-        shapes_only(one)["loss"].backward()
-    return float(counter.get_total_flops())
+    return count_flops(cfg, one, issued=False)[0]
 
 
 def profile_run(cfg: Config, run_dir: Path) -> dict:
@@ -346,8 +336,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(flush=True)
                 reports.append(report)
                 labels.append(variant or " ".join(args.overrides) or "defaults")
-    except ValueError as e:
-        exit_with(e, USAGE)
+    except (ValueError, Failure) as e:  # one line, exit 2 or 1 (errors.exit_code), as inside errors.boundary
+        exit_with(e, exit_code(e))
     finally:
         shutdown_process_group()
     if not reports:

@@ -1,19 +1,22 @@
 """Registries: one table per kind of pluggable component, and what each entry can do.
 
 Config validation, the builders and the tools read these tables; nothing else lists the names.
-Adding an engine, a policy or a schedule is its own file (or function) plus one entry here. An
+Adding an engine or a schedule is its own file (or function) plus one entry here; a policy is one folder
+of ``slurmvla/policy/`` that declares its own entries (:func:`policy_folders`). An
 entry names its implementation as ``"module:attribute"`` and imports it only when used, so
 validating a config never imports torch's distributed stack or DeepSpeed; a policy's entry names its
 options' schema the same way (``PolicyEntry.schema``), so it needs no other table.
 
-This module is at the bottom of the import graph: it imports no other slurmvla module.
+This module is at the bottom of the import graph: it imports no other slurmvla module, but for the policy
+folders' torch-free ``config`` modules, by name, when the policy table is first read.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
@@ -103,16 +106,28 @@ E = TypeVar("E", bound=Entry)
 
 
 class Registry(Generic[E]):
-    """Name -> entry, in registration order. Iterating yields the names."""
+    """Name -> entry, in registration order. Iterating yields the names.
 
-    def __init__(self, key: str):
+    ``discover``: a function returning entries declared elsewhere (the policies' folders), called once, on
+    the table's first use, so that importing this module imports nothing else."""
+
+    def __init__(self, key: str, discover: Callable[[], Iterable[E]] | None = None):
         self.key = key  # the config key that selects an entry, for error messages
-        self._entries: dict[str, E] = {}
+        self._table: dict[str, E] = {}
+        self._discover = discover
+
+    @property
+    def _entries(self) -> dict[str, E]:
+        if self._discover is not None:
+            discover, self._discover = self._discover, None
+            for entry in discover():
+                self.add(entry)
+        return self._table
 
     def add(self, entry: E) -> E:
         if entry.name in self._entries:
             raise ValueError(f"{self.key}: {entry.name!r} is registered twice")
-        self._entries[entry.name] = entry
+        self._table[entry.name] = entry
         return entry
 
     def __iter__(self) -> Iterator[str]:
@@ -163,12 +178,30 @@ for _stage in (1, 2, 3):
 
 # -- policies ------------------------------------------------------------------------------------
 
-POLICIES: Registry[PolicyEntry] = Registry("policy.name")
-POLICIES.add(PolicyEntry("flow_vla", "slurmvla.policy.flow_vla:FlowMatchingVLA",
-                         schema="slurmvla.policy.flow_vla_config:FlowVLAConfig"))
-POLICIES.add(PolicyEntry("pi0", "slurmvla.policy.pi0:Pi0Policy", schema="slurmvla.policy.pi0_config:Pi0Config"))
-POLICIES.add(PolicyEntry("pi05", "slurmvla.policy.pi0:Pi05Policy", schema="slurmvla.policy.pi0_config:Pi05Config"))
-POLICIES.add(PolicyEntry("custom", ""))
+# A built-in policy is one folder of slurmvla/policy/ whose config.py (its options, no torch) declares what
+# policy.name selects: ENTRIES, a tuple of PolicyEntry. Nothing is listed here.
+POLICY_PACKAGE = "slurmvla.policy"
+POLICY_ENTRIES = "ENTRIES"
+
+
+def policy_folders(package: str = POLICY_PACKAGE) -> list[PolicyEntry]:
+    """The entries of every policy folder on ``package``'s path (sorted by folder name), then ``custom`` (the
+    class ``policy.target`` names). Reads each folder's ``config`` module alone: no model, no torch."""
+    entries: list[PolicyEntry] = []
+    for directory in importlib.import_module(package).__path__:
+        for folder in sorted(Path(directory).iterdir()):
+            if not ((folder / "__init__.py").is_file() and (folder / "config.py").is_file()):
+                continue
+            module = importlib.import_module(f"{package}.{folder.name}.config")
+            declared = getattr(module, POLICY_ENTRIES, None)
+            if not (isinstance(declared, tuple) and declared and all(isinstance(e, PolicyEntry) for e in declared)):
+                raise ValueError(f"{folder / 'config.py'}: a policy folder's config.py declares {POLICY_ENTRIES} = "
+                                 f"(PolicyEntry(name, 'module:Class', schema='module:Config'), ...); got {declared!r}")
+            entries += declared
+    return [*entries, PolicyEntry("custom", "")]
+
+
+POLICIES: Registry[PolicyEntry] = Registry("policy.name", discover=policy_folders)
 
 # -- learning-rate schedules ---------------------------------------------------------------------
 
@@ -187,6 +220,9 @@ DATA_MODES = (SAMPLE_MODES[0], JOINT_MODE, *SAMPLE_MODES[1:])
 # data.image_resize: camera frames to the policy's square input. pad keeps the aspect ratio and
 # pads with black (openpi's resize-with-pad, what pretrained SigLIP backbones expect); squash stretches.
 IMAGE_RESIZE_MODES = ("pad", "squash")
+
+# rollout.env: the closed loop's simulated embodiments (slurmvla.sim.make_env).
+SIM_ENVS = ("pick", "metaworld")
 
 # rollout.execution and the robot-side executor (slurmvla/inference/executor.py): how action chunks run.
 EXECUTION_MODES = ("sync", "async", "rtc")

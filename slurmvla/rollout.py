@@ -35,7 +35,7 @@ import socket
 import time
 from pathlib import Path
 
-from slurmvla.compose import ArgumentParser, program
+from slurmvla.cli import ArgumentParser, program
 from slurmvla.config import RolloutConfig
 from slurmvla.errors import boundary
 from slurmvla.inference.closed_loop import (

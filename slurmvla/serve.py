@@ -53,7 +53,7 @@ import asyncio
 import logging
 
 from slurmvla import collector
-from slurmvla.compose import ArgumentParser, program
+from slurmvla.cli import ArgumentParser, program
 from slurmvla.errors import Failure, boundary
 
 
@@ -66,30 +66,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, help="port to listen on (serve.port, default 8000; 0: a free one)")
     parser.add_argument("--max-request-mb", help="largest request accepted, in MiB (serve.max_request_mb; default: "
                                                  "derived from the policy's observation size, see above)")
-    parser.add_argument("--max-connections", help="connections served at once; one more gets HTTP 503 "
-                                                  "(serve.max_connections, default 64)")
-    parser.add_argument("--max-pending", help="requests answered or waiting at once, over all connections; one more "
-                                              "gets an error frame and close code 1013 (serve.max_pending, default 32)")
+    parser.add_argument("--max-connections", type=int, help="connections served at once; one more gets HTTP 503 "
+                                                            "(serve.max_connections, default 64)")
+    parser.add_argument("--max-pending", type=int, help="requests answered or waiting at once, over all connections; "
+                                                        "one more gets an error frame and close code 1013 "
+                                                        "(serve.max_pending, default 32)")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. serve.cameras=[...] policy.num_inference_steps=5")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = list(args.overrides)
     overrides += [f"serve.host={args.host}"] if args.host is not None else []
     overrides += [f"serve.port={args.port}"] if args.port is not None else []
+    limits = {k: v for k, v in (("max_connections", args.max_connections), ("max_pending", args.max_pending))
+              if v is not None}
+    overrides += [f"serve.{k}={v}" for k, v in limits.items()]
     with boundary():
+        from slurmvla.config import ServeConfig
+
+        ServeConfig(**limits)  # the admission flags, by their options' one rule, before anything is read
         if args.max_request_mb is not None:
             try:
                 float(args.max_request_mb)
             except ValueError:
                 raise ValueError(f"--max-request-mb {args.max_request_mb!r} is not a number of MiB (e.g. 64)") from None
             overrides.append(f"serve.max_request_mb={args.max_request_mb}")
-        for flag, key in (("--max-connections", "max_connections"), ("--max-pending", "max_pending")):
-            value = getattr(args, key)
-            if value is None:
-                continue
-            if not value.strip().isdecimal() or int(value) < 1:
-                raise ValueError(f"{flag} {value!r} is not valid: give an integer >= 1 (serve.{key})")
-            overrides.append(f"serve.{key}={int(value)}")
         try:
             import msgpack  # noqa: F401
             import websockets  # noqa: F401

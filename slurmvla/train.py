@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from slurmvla import collector
 from slurmvla.compose import check_overrides, config_dir, to_config
-from slurmvla.errors import FAILED, USAGE, Failure, boundary, exit_with
+from slurmvla.errors import FAILED, Failure, boundary, exit_code, exit_with
 from slurmvla.launch.grace import SIGNAL_DELAY_ENV
 from slurmvla.launch.preempt import REQUEUE_EXIT_CODE, PreemptionFlag, report_stop
 
@@ -148,7 +148,7 @@ def cli() -> None:
             dry_run(overrides)
             return
     except ValueError as e:
-        exit_with(e, USAGE)
+        exit_with(e, exit_code(e))
     main()
 
 

@@ -48,7 +48,7 @@ from slurmvla.logger import MetricLogger
 from slurmvla.optim import build_scheduler
 from slurmvla.planner.recompute_choice import resolve as resolve_recompute
 from slurmvla.policy import build_policy, policy_class
-from slurmvla.policy.graphed import compile_units
+from slurmvla.policy.compiled_layers import compile_units
 from slurmvla.policy.stats import resolve_stats
 from slurmvla.registry import ENGINES
 from slurmvla.seeding import GlobalGenerators, seed_everything
@@ -241,8 +241,8 @@ class Trainer:
     def _host_part(self, batch: dict[str, Any]) -> dict[str, Any]:
         """The policy's host-side work on the batch before it moves (``prepare_training``: pi0.5 writes its
         prompt from the state), so the forward never waits on the device for values it needs on the host."""
-        prepare = getattr(self.policy, "prepare_training", None)
-        return prepare(batch) if callable(prepare) else batch
+        prepare = self.policy.prepare_training
+        return batch if prepare is None else prepare(batch)
 
     # -- one optimizer step -----------------------------------------------------------------------
 

@@ -35,8 +35,10 @@ def parameter_generator(seed: int, name: str) -> torch.Generator:
 
 def supports_deferred_init(cls: type) -> bool:
     """Whether a policy class can initialise each parameter on its own (``init_parameter(name, tensor,
-    generator)``): then it can be built on the meta device and initialised where it will live."""
-    return callable(getattr(cls, "init_parameter", None))
+    generator)``): then it can be built on the meta device and initialised where it will live. ``cls``: a
+    policy class as :func:`slurmvla.policy.policy_class` gives it (the contract declared: ``init_parameter`` is
+    None where not offered)."""
+    return cls.init_parameter is not None
 
 
 @contextlib.contextmanager

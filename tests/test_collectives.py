@@ -17,7 +17,7 @@ from slurmvla.config import OptimConfig
 from slurmvla.engine.precision import MasterWeightOptimizer, check_fp32_master_state
 from slurmvla.optim import build_adamw
 from slurmvla.policy import build_policy
-from slurmvla.policy.flow_vla_config import FlowVLAConfig
+from slurmvla.policy.flow_vla.config import FlowVLAConfig
 
 pytestmark = pytest.mark.multiproc
 

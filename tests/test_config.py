@@ -227,8 +227,8 @@ def test_an_option_the_policy_does_not_have_is_one_line_naming_the_policy_and_it
 
 def test_a_policy_config_built_by_hand_must_be_its_policys_schema():
     from slurmvla.config import policy_schema
-    from slurmvla.policy.flow_vla_config import FlowVLAConfig
-    from slurmvla.policy.pi0_config import Pi05Config
+    from slurmvla.policy.flow_vla.config import FlowVLAConfig
+    from slurmvla.policy.pi0.config import Pi05Config
 
     assert policy_schema("pi05") is Pi05Config and Pi05Config().state_input == "discrete"
     with pytest.raises(ValueError, match="policy.name='pi05' has the schema Pi05Config, not FlowVLAConfig"):

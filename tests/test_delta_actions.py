@@ -164,7 +164,7 @@ def _obs(size: int, seed: int) -> dict:
 
 def _policy_chunk(runner: PolicyRunner, obs: dict, rtc: Guidance | None = None) -> np.ndarray:
     """The policy's own (delta) chunk for ``obs``, with the noise serve.seed draws, called here."""
-    batch = runner.batch(collections.deque([runner.read(obs)]))
+    batch = runner.processor.batch(collections.deque([runner.processor.read(obs)]))
     pc = runner.cfg.policy
     noise = torch.randn((1, pc.action_horizon, pc.action_dim), generator=torch.Generator().manual_seed(runner.cfg.serve.seed))
     with torch.no_grad():

@@ -22,8 +22,10 @@ import pytest
 import torch
 
 from slurmvla import check, evaluate, export, inspect, serve, train
-from slurmvla.data import synthetic
+from slurmvla.data import DataError, synthetic
+from slurmvla.errors import Failure, boundary, exit_code
 from slurmvla.launch import __main__ as launch
+from slurmvla.launch.runlock import RunDirInUse
 
 REPO = Path(__file__).resolve().parents[1]
 NO_DATA = ["logging.wandb.mode=disabled", "data.num_workers=0"]
@@ -35,14 +37,15 @@ def one_error_line(err: str) -> str:
     return lines[0]
 
 
-def fails(capsys, call, *words: str) -> str:
-    """``call()`` exits non-zero (SystemExit, or a returned code) with one error line holding ``words``."""
+def fails(capsys, call, *words: str, code: int | None = None) -> str:
+    """``call()`` exits non-zero (SystemExit, or a returned code; ``code`` where given) with one error line
+    holding ``words``."""
     capsys.readouterr()
     try:
-        code = call()
+        got = call()
     except SystemExit as e:
-        code = e.code
-    assert code not in (0, None)
+        got = e.code
+    assert got not in (0, None) and code in (None, got), got
     line = one_error_line(capsys.readouterr().err)
     for word in words:
         assert word in line, line
@@ -84,6 +87,15 @@ def damaged(sample_root, tmp_path):
     root = tmp_path / "damaged"
     shutil.copytree(sample_root, root)
     return root
+
+
+@pytest.mark.parametrize("error, code", [(ValueError("a bad value"), 2), (Failure("the disk is full"), 1),
+                                         (DataError("a damaged file"), 1), (RunDirInUse("a run holds it"), 2)])
+def test_one_exit_code_rule_the_class_decides(error, code, capsys):
+    """errors.exit_code: a DataError (a ValueError and a Failure) exits 1 wherever it is met, start-up included."""
+    with pytest.raises(SystemExit) as e, boundary():
+        raise error
+    assert e.value.code == exit_code(error) == code and one_error_line(capsys.readouterr().err) == f"error: {error}"
 
 
 # -- the three mistakes users found ---------------------------------------------------------------
@@ -177,7 +189,9 @@ def test_a_missing_video_found_while_training_is_one_line(damaged, tmp_path):
 def test_inspect_names_a_corrupted_metadata_file(damaged, capsys):
     meta = sorted((damaged / "meta" / "episodes").glob("**/*.parquet"))[0]
     meta.write_bytes(b"PAR1 not really")
-    fails(capsys, lambda: inspect.main([f"data.root={damaged}", *NO_DATA]), str(meta), "cannot be read as parquet")
+    # A DataError met at start-up: exit 1, as mid-run (errors.exit_code).
+    fails(capsys, lambda: inspect.main([f"data.root={damaged}", *NO_DATA]), str(meta), "cannot be read as parquet",
+          code=1)
 
 
 @pytest.mark.filterwarnings("ignore:'slurmvla.inspect' found in sys.modules")  # the old path runs it by name
@@ -299,7 +313,7 @@ def test_evaluate_names_a_corrupted_data_file(trained_run, damaged, capsys):
     data.write_bytes(data.read_bytes()[:300])
     fails(capsys, lambda: evaluate.main([str(trained_run), "--split", "all", "--plot-episodes", "0",
                                          f"data.root={damaged}", "data.on_damaged=error"]), str(data),
-          "cannot be read as parquet")
+          "cannot be read as parquet", code=1)
 
 
 # -- the sample-data writer and the launch helpers --------------------------------------------------
@@ -321,12 +335,12 @@ def test_launch_helpers_name_missing_arguments_and_bad_numbers(capsys, monkeypat
 
 # Every program that reads its command line with argparse (python -m slurmvla.X).
 ARGPARSE_PROGRAMS = ("slurmvla.serve", "slurmvla.check", "slurmvla.rollout", "slurmvla.export", "slurmvla.sim.record",
-                     "slurmvla.plan", "slurmvla.data.synthetic", "slurmvla.evaluate", "slurmvla.profile")
+                     "slurmvla.plan", "slurmvla.data.synthetic", "slurmvla.evaluate", "slurmvla.profile", "slurmvla.table")
 
 
 def test_the_argparse_programs_are_all_listed():
     found = {".".join(p.relative_to(REPO).with_suffix("").parts) for p in (REPO / "slurmvla").rglob("*.py")
-             if "ArgumentParser(" in p.read_text() and p.name != "compose.py"}
+             if "ArgumentParser(" in p.read_text() and p.name != "cli.py"}
     assert found == set(ARGPARSE_PROGRAMS)
 
 

@@ -1,5 +1,6 @@
 """Imports run one way (docs/architecture.md): a module imports its own layer or those below, never one above;
 ``policy`` and ``engine`` never import each other, nor ``trainer`` and ``inference``; no module imports a program;
+no module of ``data`` imports ``compose``, ``policy``, ``engine`` or ``trainer``;
 models never import ``torch.distributed`` or ``slurmvla.collectives``. Read from the source with ``ast``, so an import inside a function counts as much as
 one at the top; code under ``if __name__ == "__main__":`` does not (a library may hand its old ``python -m``
 path over to the program that moved up).
@@ -24,8 +25,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "slurmvla"
 # (layer, module prefixes); a module belongs to the layer of its longest matching prefix. The package's own
 # ``__init__`` is matched exactly: as a prefix it would place every new module, unread, at the bottom.
 LAYERS = (
-    (0, ("slurmvla.registry", "slurmvla.errors", "slurmvla.collector", "slurmvla.collectives", "slurmvla.droid_features",
-         "slurmvla.weights", "slurmvla.seeding", "slurmvla.launch")),
+    (0, ("slurmvla.registry", "slurmvla.errors", "slurmvla.cli", "slurmvla.collector", "slurmvla.collectives",
+         "slurmvla.droid_features", "slurmvla.weights", "slurmvla.seeding", "slurmvla.units", "slurmvla.launch")),
     (1, ("slurmvla.config", "slurmvla.compose")),
     (2, ("slurmvla.data", "slurmvla.optim", "slurmvla.logger")),
     (3, ("slurmvla.policy", "slurmvla.engine")),
@@ -33,11 +34,14 @@ LAYERS = (
     (5, ("slurmvla.trainer", "slurmvla.inference")),
     (6, PROGRAMS := ("slurmvla.train", "slurmvla.serve", "slurmvla.evaluate", "slurmvla.export", "slurmvla.profile",
                      "slurmvla.inspect", "slurmvla.check", "slurmvla.check_ranks", "slurmvla.rollout",
-                     "slurmvla.plan")),
+                     "slurmvla.plan", "slurmvla.table")),
 )
 # Siblings in one layer that must not import each other (the engine reads a policy through the contract only;
 # the trainer gets the closed loop handed in by ``train``).
 SIBLINGS = (("slurmvla.policy", "slurmvla.engine"), ("slurmvla.trainer", "slurmvla.inference"))
+# The data layer reads the configuration's schemas (``config``), never the application's composition (Hydra:
+# ``compose``), a model, an engine or the trainer: it loads for a tool that has none of them.
+DATA, NOT_FOR_DATA = "slurmvla.data", ("slurmvla.compose", "slurmvla.policy", "slurmvla.engine", "slurmvla.trainer")
 # Models are pure functions of their batch: no module of the policy package may know that ranks exist.
 MODELS = "slurmvla.policy"
 RANK_AWARE = ("torch.distributed", "slurmvla.collectives")
@@ -117,6 +121,8 @@ def violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
                 out.append(f"{module} -> {imported} (a model module must not know that ranks exist)")
             if not _within(imported, "slurmvla"):
                 continue
+            if _within(module, DATA) and any(_within(imported, m) for m in NOT_FOR_DATA):
+                out.append(f"{module} -> {imported} (the data layer never imports {', '.join(NOT_FOR_DATA)})")
             theirs = layer_of(imported)
             if theirs is not None and theirs > mine:
                 out.append(f"{module} -> {imported} (layer {mine} imports layer {theirs})")
@@ -187,6 +193,9 @@ def test_no_library_imports_a_layer_above_it_and_models_know_nothing_of_ranks():
     ("slurmvla.data.x", "def f():\n    from slurmvla.trainer import Trainer\n",
      "slurmvla.data.x -> slurmvla.trainer (layer 2 imports layer 5)"),
     ("slurmvla.config", "from .data import spec\n", "slurmvla.config -> slurmvla.data.spec (layer 1 imports layer 2)"),
+    ("slurmvla.data.x", "from slurmvla.compose import compose\n", "slurmvla.data.x -> slurmvla.compose (the data layer"),
+    ("slurmvla.data.x", "def f():\n    from slurmvla.policy import build_policy\n",
+     "slurmvla.data.x -> slurmvla.policy (the data layer"),
     ("slurmvla.policy.x", "import slurmvla.engine.base\n", "slurmvla.policy.x -> slurmvla.engine.base (siblings"),
     ("slurmvla.engine.x", "from slurmvla import policy\n", "slurmvla.engine.x -> slurmvla.policy (siblings"),
     ("slurmvla.policy.x", "from torch import distributed as dist\n", "slurmvla.policy.x -> torch.distributed (a model"),
@@ -205,6 +214,12 @@ def test_the_checker_fails_a_violating_source(module, source, words):
     sources = {module: (source, False), **{k: ("", False) for k in known}}
     found = violations(sources)
     assert any(words in v for v in found), found
+
+
+def test_no_data_module_imports_the_composition_a_model_an_engine_or_the_trainer():
+    """``python -m slurmvla.data.synthetic`` and the loaders run without Hydra's composition or a model."""
+    found = [v for v in violations(package_sources()) if "(the data layer" in v]
+    assert not found, "the data layer importing what it must not:\n" + "\n".join(found)
 
 
 def test_no_program_imports_another_program():

@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 from slurmvla.config import PolicyConfig, policy_schema
 from slurmvla.inference.optimize import fuse_projections
 from slurmvla.policy import build_policy, sample_spec
-from slurmvla.policy.pi0 import rope
-from slurmvla.policy.pretrained import lerobot_state_dict
+from slurmvla.policy.pi0.model import rope
+from slurmvla.policy.pi0.weights import lerobot_state_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -246,7 +246,7 @@ def test_a_batch_prepared_for_inference_gives_the_same_chunk(name):
     """prepare_inference (the host's part: the prompt tokenized and cut to a multiple of 32 columns, so
     the model never waits on the device and its shapes take few values) changes no action: against
     sample_actions on the batch as it came, which trims the prompt to the exact longest one."""
-    from slurmvla.policy.pi0 import PROMPT_BUCKET, PROMPT_IDS
+    from slurmvla.policy.pi0.model import PROMPT_BUCKET, PROMPT_IDS
 
     cfg, policy = perturbed_policy(name)
     batch = batch_for(cfg)
@@ -312,7 +312,7 @@ def test_grouped_matmul_attention_equals_torchs_attention_with_the_heads_repeate
 def test_denoise_attention_as_matrix_products_gives_the_same_chunk(name, monkeypatch):
     """policy.denoise_attention=matmul (the default) changes how the cached denoising steps attend (every layer
     of every step after the first), not the actions: sdpa gives the same chunk."""
-    from slurmvla.policy import pi0
+    from slurmvla.policy.pi0 import model as pi0
 
     calls = []
     folded = pi0.grouped_matmul_attention
@@ -360,7 +360,7 @@ def test_a_training_batch_cut_to_the_prompt_bucket_has_the_same_loss_and_gradien
     columns, so a GPU's attention kernels and compiled layers see a few prompt lengths, not one per batch:
     the loss and every gradient are those of the batch cut to its exact longest prompt (1 column), as the
     forward trims a batch that comes unprepared. On the CPU the default is that exact cut."""
-    from slurmvla.policy.pi0 import PROMPT_IDS
+    from slurmvla.policy.pi0.model import PROMPT_IDS
 
     cfg, exact = perturbed_policy(name)
     assert exact.prepare_training(batch_for(cfg))[PROMPT_IDS].shape[1] == \

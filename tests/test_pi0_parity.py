@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from slurmvla.data.mixture import offset_scale
 from slurmvla.policy import build_policy
-from slurmvla.policy.pi0 import Pi0Policy
+from slurmvla.policy.pi0.model import Pi0Policy
 from slurmvla.policy.stats import checkpoint_stats
 
 pytest.importorskip("transformers")
@@ -160,7 +160,7 @@ def test_one_published_detail_changed_breaks_parity(case, change, monkeypatch):
 
         monkeypatch.setattr(type(policy), "prompts", prompts)
     elif change == "antialias":
-        import slurmvla.policy.pi0 as pi0
+        import slurmvla.policy.pi0.model as pi0
 
         real = pi0.F.interpolate
         monkeypatch.setattr(pi0.F, "interpolate", lambda *a, **kw: real(*a, **{**kw, "antialias": True}))
@@ -201,7 +201,7 @@ def test_export_in_lerobot_layout_is_lerobots_complete_key_set_and_round_trips(c
     """The export holds exactly the keys LeRobot 0.6.1's own save_pretrained writes, with LeRobot's
     shapes; the tensors the policy does not compute with come back from the source checkpoint, so a
     LeRobot checkpoint -> slurmvla -> LeRobot round trip is bitwise."""
-    from slurmvla.policy.pretrained import lerobot_state_dict
+    from slurmvla.policy.pi0.weights import lerobot_state_dict
 
     kind, folder, _ = case
     cfg, policy = built(kind, folder)
@@ -264,14 +264,14 @@ def test_a_pi05_prompt_that_fills_max_text_len_is_warned_about_once(caplog):
     cfg = policy_cfg("pi05_tiny", max_text_len=40)
     policy = build_policy(cfg)
     batch = {"state": torch.zeros(2, 8), "instruction": ["pick up the red block", "x"]}
-    with caplog.at_level("WARNING", logger="slurmvla.policy.pi0"):
+    with caplog.at_level("WARNING", logger="slurmvla.policy.pi0.model"):
         policy._text(batch)
         policy._text(batch)
     assert [r.getMessage() for r in caplog.records].count(
         "a pi0.5 prompt filled policy.max_text_len=40 tokens and may be cut (the state ids and 'Action: ' come last); "
         "raise policy.max_text_len") == 1
     caplog.clear()
-    with caplog.at_level("WARNING", logger="slurmvla.policy.pi0"):
+    with caplog.at_level("WARNING", logger="slurmvla.policy.pi0.model"):
         build_policy(policy_cfg("pi05_tiny"))._text(batch)  # 128 holds these prompts
     assert not caplog.records
 

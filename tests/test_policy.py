@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slurmvla.policy import attention, build_policy, flow_vla
-from slurmvla.policy.flow_vla_config import FlowVLAConfig
+from slurmvla.policy.flow_vla.config import FlowVLAConfig
 from slurmvla.policy.tokenizer import tokenize
 
 

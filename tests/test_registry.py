@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import shutil
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
-from torch import nn
 
 from slurmvla.checkpoint import load_model_file, resolve_checkpoint
 from slurmvla.compose import compose, config_dir, to_config
-from slurmvla.config import PolicyConfig, SchedulerConfig, check_positive
+from slurmvla.config import PolicyConfig, SchedulerConfig
 from slurmvla.engine import Engine
 from slurmvla.optim import build_scheduler
-from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.registry import (
     DATA_MODES,
     ENGINES,
@@ -22,7 +23,6 @@ from slurmvla.registry import (
     SAMPLE_MODES,
     SCHEDULERS,
     EngineEntry,
-    PolicyEntry,
     SchedulerEntry,
 )
 from slurmvla.trainer import Trainer
@@ -86,73 +86,40 @@ def test_a_new_engine_is_one_entry(monkeypatch, make_cfg, tmp_path):
     assert all(torch.equal(weights["single"][k], weights["one_process"][k]) for k in weights["single"])
 
 
-# -- a policy added in one module ------------------------------------------------------------------
-# Its options (a PolicyConfig subclass), its class and one registry entry naming both: no YAML file, no
-# edit to slurmvla/config.py. This test module is that one module.
+# -- a policy added as one folder --------------------------------------------------------------------
+# tests/policy_folder/pooled_flow/: its options and registry entry (config.py), its class (model.py). No YAML
+# file, no registry line, no edit to slurmvla/config.py.
 
-@dataclass
-class PooledFlowConfig(PolicyConfig):
-    """``policy=pooled_flow``: the options of the policy below."""
-
-    name: str = "pooled_flow"
-    size: str = "pooled_flow"
-    hidden: int = 32
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("policy.hidden", self.hidden)
+FOLDER = Path(__file__).parent / "policy_folder" / "pooled_flow"
 
 
-class PooledFlowPolicy(nn.Module):
-    """Flow matching as the built-in policies train it (slurmvla/policy/flow.py): the mean colour of each
-    frame, the normalized state, the noisy chunk and the time in, the velocity out, through one MLP."""
+@pytest.fixture
+def pooled_flow_folder(monkeypatch, tmp_path):
+    """``pooled_flow/`` on ``slurmvla.policy``'s path, as if it lay in slurmvla/policy/, and the policy table
+    read afresh (the built-in folders and this one); all of it undone afterwards."""
+    import slurmvla.policy
+    from slurmvla.registry import policy_folders
 
-    def __init__(self, cfg: PooledFlowConfig, stats: dict[str, torch.Tensor] | None = None):
-        super().__init__()
-        self.horizon, self.action_dim, self.steps = cfg.action_horizon, cfg.action_dim, cfg.num_inference_steps
-        frames = cfg.num_obs_history * cfg.num_cameras
-        inputs = 3 * frames + cfg.num_obs_history * cfg.state_dim + cfg.action_horizon * cfg.action_dim + 1
-        self.net = nn.Sequential(nn.Linear(inputs, cfg.hidden), nn.GELU(), nn.Linear(cfg.hidden, cfg.hidden), nn.GELU(),
-                                 nn.Linear(cfg.hidden, cfg.action_horizon * cfg.action_dim))
-        for part, dim in (("state", cfg.state_dim), ("action", cfg.action_dim)):
-            offset = torch.zeros(dim) if stats is None else stats[f"{part}_offset"].float().reshape(dim)
-            scale = torch.ones(dim) if stats is None else stats[f"{part}_scale"].float().reshape(dim)
-            self.register_buffer(f"{part}_offset", offset.clone())
-            self.register_buffer(f"{part}_scale", scale.clone())
-
-    def wrap_units(self) -> list[nn.Module]:
-        return [self.net]
-
-    def velocity(self, batch: dict, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        b = x_t.shape[0]
-        pixels = batch["images"].float().mean(dim=(2, 3)).flatten(1) / 255.0
-        state = ((batch["state"].float() - self.state_offset) / self.state_scale).reshape(b, -1)
-        out = self.net(torch.cat([pixels, state, x_t.flatten(1), t[:, None]], dim=1))
-        return out.view(b, self.horizon, self.action_dim)
-
-    def forward(self, batch: dict) -> dict:
-        actions = (batch["actions"].float() - self.action_offset) / self.action_scale
-        noise, t = noise_and_time(batch, actions, None, None)
-        pred = self.velocity(batch, noisy_actions(actions, noise, t), t)
-        return flow_matching_loss(pred, noise, actions, batch["action_mask"])
-
-    @torch.no_grad()
-    def sample_actions(self, batch: dict) -> torch.Tensor:
-        """Euler steps from noise (t = 1) to the chunk (t = 0), in the dataset's units."""
-        b = batch["state"].shape[0]
-        x = torch.randn(b, self.horizon, self.action_dim, device=batch["state"].device)
-        for i in range(self.steps):
-            t = torch.full((b,), 1.0 - i / self.steps, device=x.device)
-            x = x - self.velocity(batch, x, t) / self.steps
-        return x * self.action_scale + self.action_offset
+    shutil.copytree(FOLDER, tmp_path / "policies" / "pooled_flow")
+    monkeypatch.setattr(slurmvla.policy, "__path__", [*slurmvla.policy.__path__, str(tmp_path / "policies")])
+    monkeypatch.setattr(POLICIES, "_table", {})
+    monkeypatch.setattr(POLICIES, "_discover", policy_folders)
+    yield
+    for name in [m for m in sys.modules if m.startswith("slurmvla.policy.pooled_flow")]:
+        del sys.modules[name]
 
 
-def test_a_new_policy_is_one_module_and_one_entry(monkeypatch, make_cfg, tmp_path):
-    """Registered from one module, a policy is selected by its name on the command line, its options are
-    typed and checked by its schema (an option it lacks is the usual one line), it trains and checkpoints
-    through the trainer, and a saved config of it re-validates as its schema."""
-    monkeypatch.setitem(POLICIES._entries, "pooled_flow", PolicyEntry(
-        "pooled_flow", f"{__name__}:PooledFlowPolicy", schema=f"{__name__}:PooledFlowConfig"))
+def test_a_new_policy_is_one_folder(pooled_flow_folder, make_cfg, tmp_path):
+    """Dropped in as one folder, a policy is selected by its name on the command line, its options are typed
+    and checked by its schema (an option it lacks is the usual one line), it trains and checkpoints through
+    the trainer, a saved config of it re-validates as its schema, and the run directory serves it to openpi's
+    client: the chunk the client gets is the one the trained weights sample for that observation."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    from slurmvla.inference.build import build_server
+    from slurmvla.inference.harness import serving_in_thread
+
+    assert list(POLICIES)[-2:] == ["pooled_flow", "custom"]
     assert not (config_dir() / "policy" / "pooled_flow.yaml").exists()
     with pytest.raises(ValueError, match=r"policy.name=pooled_flow has no option 'mlp_ratio' \(an option of "
                                          r"policy.name=flow_vla\); its options: \[.*'hidden'"):
@@ -162,13 +129,14 @@ def test_a_new_policy_is_one_module_and_one_entry(monkeypatch, make_cfg, tmp_pat
 
     cfg = make_cfg("policy=pooled_flow", "policy.hidden=24", "trainer.max_steps=4", "checkpoint.every_steps=0",
                    "data.loader=map")
-    assert type(cfg.policy) is PooledFlowConfig and (cfg.policy.name, cfg.policy.hidden) == ("pooled_flow", 24)
+    schema = POLICIES.get("pooled_flow").load_schema()
+    assert type(cfg.policy) is schema and (cfg.policy.name, cfg.policy.hidden) == ("pooled_flow", 24)
     saved = OmegaConf.create(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    assert type(to_config(saved).policy) is PooledFlowConfig
+    assert type(to_config(saved).policy) is schema
 
     trainer = Trainer(cfg, tmp_path / "run")
     try:
-        assert isinstance(trainer.policy, PooledFlowPolicy)
+        assert type(trainer.policy).__name__ == "PooledFlowPolicy"
         start = {k: v.clone() for k, v in trainer.engine.model_state_dict().items()}
         last = trainer.fit()
         end = trainer.engine.model_state_dict()
@@ -177,3 +145,19 @@ def test_a_new_policy_is_one_module_and_one_entry(monkeypatch, make_cfg, tmp_pat
     assert torch.isfinite(torch.tensor(last["loss"]))
     assert any(not torch.equal(start[k], end[k]) for k in start if k.startswith("net."))
     assert load_model_file(resolve_checkpoint(tmp_path / "run")).keys() == end.keys()
+
+    server = build_server(str(tmp_path / "run"), ["serve.host=127.0.0.1", "serve.port=0", "serve.seed=3"], device="cpu")
+    runner = server.policy
+    assert all(torch.equal(end[k], v) for k, v in runner.policy.state_dict().items())
+    g = np.random.default_rng(0)
+    # What openpi's DROID client sends for the cameras the policy reads (serve.cameras' keys).
+    obs = {key: g.integers(0, 256, (224, 224, 3), dtype=np.uint8) for key in runner.processor.camera_keys if key}
+    obs.update({"observation/joint_position": g.normal(size=7), "observation/gripper_position": g.uniform(size=1),
+                "prompt": "pick up the cup"})
+    with serving_in_thread(server) as port:
+        client = WebsocketClientPolicy("127.0.0.1", port)
+        served = np.asarray(client.infer(obs)["actions"])
+        assert client.get_server_metadata()["policy"] == "pooled_flow"
+    # The same observation through the runner in this process, and the trained model sampled directly.
+    np.testing.assert_array_equal(served, runner.infer(obs)["actions"])
+    assert served.shape == (cfg.policy.action_horizon, cfg.policy.action_dim) and np.isfinite(served).all()

@@ -21,7 +21,7 @@ from slurmvla.inference.runner import PolicyRunner
 from slurmvla.inference.server import PolicyServer
 from slurmvla.policy import build_policy
 from slurmvla.policy.base import supports_rtc
-from slurmvla.policy.flow_vla_config import FlowVLAConfig
+from slurmvla.policy.flow_vla.config import FlowVLAConfig
 from slurmvla.policy.rtc import Guidance, guidance_weight, integrate, prefix_weights
 from tests.test_policy import make_batch
 
@@ -199,7 +199,7 @@ def droid_obs(runner: PolicyRunner, seed: int) -> dict:
 def plain_chunk(runner: PolicyRunner, obs: dict, rtc: Guidance | None = None) -> np.ndarray:
     """The chunk without the server: the batch as the runner reads it, the noise drawn from serve.seed as
     seeded_sample_actions draws it, sample_actions called here."""
-    batch = runner.batch(collections.deque([runner.read(obs)]))
+    batch = runner.processor.batch(collections.deque([runner.processor.read(obs)]))
     pc = runner.cfg.policy
     noise = torch.randn((1, pc.action_horizon, pc.action_dim), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():

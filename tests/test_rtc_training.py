@@ -13,7 +13,7 @@ import torch
 
 from slurmvla.config import RTCTrainingConfig
 from slurmvla.policy import build_policy
-from slurmvla.policy.flow_vla_config import FlowVLAConfig
+from slurmvla.policy.flow_vla.config import FlowVLAConfig
 from slurmvla.policy.rtc import Guidance, delay_probabilities, draw_delays, prefix_mask
 from tests.test_policy import make_batch
 
@@ -189,13 +189,13 @@ def test_a_policy_trained_for_delays_serves_rtc_by_its_prefix_without_guidance(n
 
 
 def test_a_policy_without_training_time_rtc_refuses_it():
-    from slurmvla.policy.base import construct
+    from slurmvla.policy.base import as_policy_class, construct
     from slurmvla.sim.policies import KeypointPolicy
 
     cfg = FlowVLAConfig(rtc_training=DELAYS)
     with pytest.raises(ValueError, match=r"policy.rtc_training.max_delay=3: slurmvla.sim.policies.KeypointPolicy does "
                                          r"not support training-time real-time chunking"):
-        construct(KeypointPolicy, cfg, None)
+        construct(as_policy_class(KeypointPolicy), cfg, None)  # construct takes policy_class's
 
 
 def test_the_server_says_how_it_answers_rtc(tmp_path):

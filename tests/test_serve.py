@@ -33,9 +33,10 @@ from slurmvla.inference.auth import ApiKey, check_exposure, read_api_key
 from slurmvla.inference.build import build_server
 from slurmvla.inference.harness import serving_in_thread
 from slurmvla.inference.load import Loaded, load_exported
-from slurmvla.inference.runner import MiB, PolicyRunner, default_max_request_bytes
+from slurmvla.inference.runner import PolicyRunner, default_max_request_bytes
 from slurmvla.inference.server import InferencePolicy, PolicyServer
 from slurmvla.policy import build_policy
+from slurmvla.units import MiB
 
 wcp = pytest.importorskip("openpi_client.websocket_client_policy", reason="pip install --no-deps openpi-client")
 image_tools = pytest.importorskip("openpi_client.image_tools")
@@ -244,14 +245,14 @@ def test_history_frames_follow_training_layout(sample_root):
     cfg = compose([f"data.root={sample_root}", "policy.num_obs_history=2", "data.num_obs_history=2",
                    "data.history_interval=2"])
     runner = PolicyRunner(Loaded(build_policy(cfg.policy).eval(), cfg, 0, "memory"))
-    past: collections.deque = collections.deque(maxlen=runner.history)
+    past: collections.deque = collections.deque(maxlen=runner.processor.history)
     size = cfg.policy.image_size
     frames = []
     for i in range(4):
         obs = droid_obs(20 + i)
-        past.append(runner.read(obs))
+        past.append(runner.processor.read(obs))
         frames.append(prepare_image(obs["observation/exterior_image_1_left"], size))
-        batch = runner.batch(past)
+        batch = runner.processor.batch(past)
         assert batch["images"].shape == (1, 6, size, size, 3)
         older = i - 2 if i >= 2 else 0
         assert torch.equal(batch["images"][0, 0], torch.from_numpy(frames[older]))
@@ -599,7 +600,7 @@ def test_serve_seed_null_draws_fresh_noise_per_request(trained_run):
     (openpi's server), each still a chunk the policy samples (its spread matches seeded draws')."""
     fixed = PolicyRunner(load_exported(trained_run, ["serve.seed=3"]))
     fresh = PolicyRunner(load_exported(trained_run, ["serve.seed=null"]))
-    batch = fixed.batch(collections.deque([fixed.read(droid_obs(5))], maxlen=1))
+    batch = fixed.processor.batch(collections.deque([fixed.processor.read(droid_obs(5))], maxlen=1))
     a, b = fixed.act(batch), fixed.act(batch)
     np.testing.assert_array_equal(a, b)
     draws = np.stack([fresh.act(batch) for _ in range(4)])

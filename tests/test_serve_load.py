@@ -274,16 +274,20 @@ def test_a_request_beyond_max_pending_is_refused_at_once_with_1013():
 @pytest.mark.parametrize("kwargs", [{"max_connections": 0}, {"max_pending": -1}, {"max_pending": 1.5},
                                     {"max_connections": True}])
 def test_bad_admission_limits_are_refused_naming_the_value_and_range(kwargs):
+    """The one check of the admission limits: the schema's (the server is handed them from it)."""
+    from slurmvla.config import ServeConfig
+
     [(name, value)] = kwargs.items()
     with pytest.raises(ValueError, match=f"serve.{name}={value!r} is not valid: give an integer >= 1"):
-        PolicyServer(Echo(), "127.0.0.1", 0, **kwargs)
+        ServeConfig(**kwargs)
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--max-connections", "0"], "--max-connections '0' is not valid: give an integer >= 1 (serve.max_connections)"),
-    (["--max-pending", "many"], "--max-pending 'many' is not valid: give an integer >= 1 (serve.max_pending)"),
+    (["--max-connections", "0"], "serve.max_connections=0 is not valid: give an integer >= 1 (default 64)"),
+    (["--max-pending", "many"], "argument --max-pending: invalid int value: 'many'"),
 ])
 def test_bad_admission_flags_fail_at_start_with_one_line(capsys, args, expected):
+    """A flag's value is checked as its option's (serve.max_connections, serve.max_pending), before anything loads."""
     from slurmvla import serve
 
     with pytest.raises(SystemExit) as e:

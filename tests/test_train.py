@@ -238,7 +238,7 @@ def test_the_prompt_is_prepared_on_the_host_and_trains_bitwise_as_in_the_forward
     """The trainer does the policy's host-side work (pi0.5's prompt from the state, the prompt's padding cut)
     before the batch moves, in training and validation, so the forward waits on the device for nothing: the
     same weights and validation metrics, bitwise, as the forward doing it itself."""
-    from slurmvla.policy.pi0 import PROMPT_IDS
+    from slurmvla.policy.pi0.model import PROMPT_IDS
 
     def fit(run: str) -> tuple[dict, dict]:
         trainer = Trainer(make_cfg(f"policy={policy}", "trainer.max_steps=3", "checkpoint.every_steps=0",

@@ -1,5 +1,5 @@
 """Data layer: LeRobot-format readers, the DROID dataset, the sample-data writer. Imports only the layers below it
-(the configuration and the foundation; docs/architecture.md)."""
+(the configuration's schemas, not its composition, and the foundation; docs/architecture.md)."""
 
 from slurmvla.errors import Failure
 

@@ -4,11 +4,11 @@
 ``data.delta_actions`` holds one flag per action dim from the first; where a flag is true the policy trains
 on, and predicts, ``action - state`` (the state's dim at the same index), the other dims staying absolute.
 Every action of a chunk is taken relative to the one state the chunk starts from: the sample's current
-observation (the last of its history), the request's observation at inference. Three places apply it, each
-once: :meth:`slurmvla.data.source.LeRobotSource.sample` (training, validation, evaluation),
-:func:`chunk_action_stats` (the action statistics, so the policy normalizes the deltas it sees) and the
-policy runner (:mod:`slurmvla.inference.runner`: the chunk back to absolute commands, a request's
-``prev_actions`` to deltas).
+observation (the last of its history), the request's observation at inference. Two places apply it: the
+policy's processor (:class:`slurmvla.data.processor.Processor`: a recorded chunk to deltas in training,
+validation and evaluation, a request's ``prev_actions`` to deltas and the policy's chunk back to absolute
+commands in the server and evaluation) and :func:`chunk_action_stats` (the action statistics, so the policy
+normalizes the deltas it sees).
 
 The functions take numpy arrays or torch tensors and return new ones; dims that are not flagged are copied
 untouched (not shifted by zero).

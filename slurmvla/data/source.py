@@ -23,12 +23,12 @@ import torch
 
 from slurmvla.config import DataConfig, KeepRangesConfig, check_delta_actions
 from slurmvla.data.augment import Augmenter
-from slurmvla.data.delta import chunk_action_stats, chunk_actions, to_delta
+from slurmvla.data.delta import chunk_action_stats, chunk_actions
 from slurmvla.data.facts import cached_arrays, episode_values
 from slurmvla.data.index import SampleIndex, build_index, keep_range_keys
 from slurmvla.data.keep_ranges import load_keep_ranges, read_json
 from slurmvla.data.lerobot import LeRobotMetadata
-from slurmvla.data.prepare import text_fields
+from slurmvla.data.processor import Processor
 from slurmvla.data.spec import DataFeatures, SampleSpec
 from slurmvla.data.video import FrameReader, decode_range, read_concurrently
 from slurmvla.registry import JOINT_MODE, SAMPLE_MODES
@@ -166,6 +166,8 @@ class LeRobotSource:
         """``spec``: which dataset; ``cfg``: what every dataset of the mixture shares; ``sample_spec``:
         what the policy needs its samples to look like."""
         self.spec, self.cfg, self.sample_spec = spec, cfg, sample_spec
+        # What a recorded chunk and instruction become for the policy (the server's and evaluation's too).
+        self.processor = Processor(cfg, sample_spec)
         self.seed, self.dataset_index = seed, dataset_index
         self.meta = meta = LeRobotMetadata(spec.root)
         needed = "the policy (data.state_keys, data.action_keys)"
@@ -409,8 +411,7 @@ class LeRobotSource:
         valid = chunk < length
         # Past the episode end the last value repeats; the mask keeps it out of the loss.
         actions = episode.action[np.minimum(chunk, length - 1)]
-        if cfg.delta_actions:  # relative to the current state (the last of the history)
-            actions = to_delta(actions, episode.state[t], cfg.delta_actions)
+        actions = self.processor.to_policy(actions, episode.state[t])  # relative to the current state, if deltas
         hist = t + self.history_offsets
         hist_ok = hist >= 0
         hist = self.history_frames(t)
@@ -436,7 +437,7 @@ class LeRobotSource:
             "dataset_name": self.name,
             "control_mode": self.spec.control_mode,
         }
-        out.update(text_fields(self.sample_spec, instruction))
+        out.update(self.processor.tokens(instruction))
         if cfg.mode != SAMPLE_MODES[0]:
             mode = cfg.mode if cfg.mode != JOINT_MODE else SAMPLE_MODES[int(torch.randint(len(SAMPLE_MODES), (), generator=g))]
             future = np.arange(t + 1, t + 1 + horizon)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from slurmvla.compose import ArgumentParser, program
+from slurmvla.cli import ArgumentParser, program
 from slurmvla.data.keep_ranges import episode_key
 from slurmvla.data.writer import (
     CODECS,

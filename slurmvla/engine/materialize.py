@@ -58,7 +58,7 @@ def materialize(policy: nn.Module, device: torch.device) -> None:
     params = sorted(policy.named_parameters(), key=lambda item: -item[1].numel())
     with torch.no_grad(), ThreadPoolExecutor(max_workers=INIT_THREADS) as pool:
         list(pool.map(init, params))
-    if callable(getattr(policy, "load_initial_weights", None)):
+    if policy.load_initial_weights is not None:
         policy.load_initial_weights()
 
 

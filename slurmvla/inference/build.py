@@ -12,8 +12,9 @@ from slurmvla.inference.fp8 import check_fp8, quantize_prefix
 from slurmvla.inference.graphs import inference_sampler
 from slurmvla.inference.load import Loaded, load_exported
 from slurmvla.inference.optimize import lower_weights
-from slurmvla.inference.runner import MiB, PolicyRunner
+from slurmvla.inference.runner import PolicyRunner
 from slurmvla.inference.server import PolicyServer
+from slurmvla.units import MiB
 
 log = logging.getLogger("slurmvla.serve")
 

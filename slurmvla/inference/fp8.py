@@ -34,7 +34,7 @@ MIN_CAPABILITY = (8, 9)
 
 def check_fp8(policy: nn.Module, device: torch.device) -> None:
     """A ValueError naming ``serve.fp8_prefix`` when the FP8 prefix cannot run here."""
-    if not callable(getattr(policy, "prefix_modules", None)):
+    if policy.prefix_modules is None:
         raise ValueError(f"{OPTION} needs a policy with prefix_modules() (the modules a request runs once before "
                          f"denoising; pi0 and pi0.5 have it); {type(policy).__qualname__} has none: leave it off")
     if device.type != "cuda":

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from slurmvla.inference.optimize import fuse_projections
-from slurmvla.policy.graphed import compile_units
+from slurmvla.policy.compiled_layers import compile_units
 
 log = logging.getLogger(__name__)
 # Graphs kept at once (each holds its activations' memory); the least recently used goes first.
@@ -49,7 +49,7 @@ def check_graphable(policy: nn.Module, device: torch.device, what: str) -> None:
     if device.type != "cuda":
         raise ValueError(f"{what} replays CUDA graphs and needs the policy on a GPU (it is on {device}); "
                          f"leave {what} off, or run on a GPU")
-    if not callable(getattr(policy, "prepare_inference", None)):
+    if policy.prepare_inference is None:
         raise ValueError(f"{what} needs a policy with prepare_inference(batch) (the host's part of sample_actions, "
                          f"after which it never waits on the device; pi0 and pi0.5 have it); "
                          f"{type(policy).__qualname__} has none: leave {what} off")
@@ -77,7 +77,7 @@ class GraphedSampler:
         device = next(policy.parameters()).device
         check_graphable(policy, device, what)
         self.policy, self.warmup = policy, warmup
-        self.supports_rtc = bool(getattr(policy, "supports_rtc", False))
+        self.supports_rtc = policy.supports_rtc is True
         self.graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
         self.eager: set[tuple] = set()  # RTC input shapes whose capture failed: they run eagerly
         if compile:

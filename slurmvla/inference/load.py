@@ -143,7 +143,7 @@ def _load_lerobot(path: Path, overrides, device) -> Loaded:
 
 
 def _without_pretrained(pc):
-    from slurmvla.policy.pretrained import tokenizer_dir
+    from slurmvla.policy.pi0.weights import tokenizer_dir
 
     if pc.name not in ("pi0", "pi05"):
         return pc

@@ -49,8 +49,8 @@ def fuse_projections(policy: nn.Module) -> int:
     e.g. pi0 / pi0.5's q / k / v and gate / up of every Gemma layer) fused by :func:`fuse_linears`; the model
     reads ``owner.<name>`` when it is there. Returns how many groups were fused (none for a policy that
     declares none; a LoRA-wrapped group stays as it is)."""
-    groups = getattr(policy, "projection_groups", None)
-    if not callable(groups):
+    groups = policy.projection_groups
+    if groups is None:
         return 0
     fused = sum(fuse_linears(owner, name, linears) for owner, name, linears in groups())
     log.info("fused %d groups of projections for inference", fused)

@@ -3,8 +3,9 @@
 serves (``infer(obs) -> {"actions"}``, ``metadata()``, ``session()`` per connection, ``max_request_bytes``);
 the closed loop and the benchmarks drive it too.
 
-Observations map to the policy's inputs through ``serve.*`` (:class:`slurmvla.config.ServeConfig`), and are
-prepared by the functions training uses (:mod:`slurmvla.data.prepare`).
+Observations map to the policy's inputs, and its chunks to commands, through the policy's processor
+(:class:`slurmvla.data.processor.Processor`: ``serve.*`` keys, images, prompt, history, delta actions), the one
+training's samples and open-loop evaluation use.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from slurmvla.data.delta import delta_dims, to_absolute, to_delta
-from slurmvla.data.prepare import observation_batch, prepare_image
+from slurmvla.data.processor import Observation, Processor
 from slurmvla.inference.load import Loaded
 from slurmvla.policy.base import seeded_sample_actions, supports_rtc
 from slurmvla.policy.rtc import Guidance
+from slurmvla.units import MiB
 
 # The default request-size limit (default_max_request_bytes): each camera counted as at least one
 # 1280 x 720 RGB uint8 frame (a raw camera frame; DROID's are 180 x 320, openpi's clients send
@@ -30,7 +31,6 @@ CAMERA_FRAME_BYTES = 1280 * 720 * 3
 PROMPT_BYTES = 64 * 1024
 MARGIN = 4
 HEADROOM = 16 * 2**20
-MiB = 2**20
 
 
 class PolicyRunner:
@@ -45,13 +45,8 @@ class PolicyRunner:
         self.policy = loaded.policy
         self.device = next(iter(self.policy.parameters()), torch.empty(0)).device
         self.spec = type(self.policy).sample_spec(cfg.policy)
-        serve, cameras = cfg.serve, list(cfg.data.cameras)
-        if len(serve.cameras) != len(cameras):
-            raise ValueError(f"serve.cameras={list(serve.cameras)} has {len(serve.cameras)} entries but the policy "
-                             f"reads {len(cameras)} cameras (data.cameras={cameras}); give one client key (or null "
-                             "for a camera the client does not send) per camera, in that order")
-        self.camera_keys = list(serve.cameras)
-        self.history = cfg.data.history_interval * (self.spec.num_obs_history - 1) + 1
+        # Requests in, chunks out: the client's keys, images, prompt, history and delta actions.
+        self.processor = Processor.of(cfg, self.spec)
         self.lock = threading.Lock()
         self.fresh = np.random.default_rng()  # serve.seed=null: a new noise seed per request
         autocast = cfg.precision == "bf16" and self.device.type == "cuda"
@@ -65,13 +60,13 @@ class PolicyRunner:
         return {
             "server": "slurmvla", "policy": pc.target or pc.name, "step": self.loaded.step, "source": self.loaded.source,
             "action_horizon": pc.action_horizon, "action_dim": pc.action_dim, "image_size": self.spec.image_size,
-            "cameras": {cam: key for cam, key in zip(self.cfg.data.cameras, self.camera_keys)},
+            "cameras": {cam: key for cam, key in zip(self.cfg.data.cameras, self.processor.camera_keys)},
             "state": list(self.cfg.serve.state), "prompt": self.cfg.serve.prompt, "seed": self.cfg.serve.seed,
             "max_request_bytes": self.max_request_bytes,
             "execution_modes": ["sync", "async", "rtc"] if self.rtc else ["sync", "async"],
             # The policy predicts these action dims relative to the observed state (data.delta_actions); the
             # chunk sent back has the state added again, so every dim is an absolute command.
-            "delta_action_dims": delta_dims(self.cfg.data.delta_actions),
+            "delta_action_dims": self.processor.delta_dims,
             **({"rtc": self.rtc_metadata()} if self.rtc else {}),
         }
 
@@ -90,7 +85,7 @@ class PolicyRunner:
         image size (or ``camera_bytes``, whichever is larger), the state as float64, the prompt."""
         size = self.spec.image_size or self.cfg.policy.image_size or 0
         per_camera = max(size * size * 3, camera_bytes)
-        cameras = sum(1 for key in self.camera_keys if key)
+        cameras = sum(1 for key in self.processor.camera_keys if key)
         return cameras * per_camera + 8 * self.cfg.policy.state_dim + PROMPT_BYTES
 
     @property
@@ -99,47 +94,12 @@ class PolicyRunner:
         mb = self.cfg.serve.max_request_mb
         return int(mb * MiB) if mb is not None else default_max_request_bytes(self)
 
-    def read(self, obs: Any) -> tuple[list[np.ndarray], np.ndarray, str]:
-        """Prepared images (one per camera, None where padded), raw state and prompt of one request;
-        a ValueError names the key and what was expected."""
-        serve = self.cfg.serve
-        if not isinstance(obs, dict):
-            raise ValueError(f"a request must be a dict of observations, got {type(obs).__name__}")
-        needed = [k for k in self.camera_keys if k] + list(serve.state) + [serve.prompt]
-        missing = [k for k in needed if k not in obs]
-        if missing:
-            raise ValueError(f"missing key {missing[0]!r}: this server reads {needed}; the request has "
-                             f"{sorted(map(str, obs))}")
-        size = self.spec.image_size
-        mode = self.cfg.data.image_resize
-        images = [None if key is None else prepare_image(obs[key], size, name=key, mode=mode) for key in self.camera_keys]
-        parts = []
-        for key in serve.state:
-            value = np.asarray(obs[key])
-            if value.dtype.kind not in "biuf":
-                raise ValueError(f"{key}: expected numbers, got dtype {value.dtype}")
-            parts.append(value.astype(np.float32).reshape(-1))
-        state = np.concatenate(parts)
-        want = self.cfg.policy.state_dim
-        if state.shape[0] != want:
-            got = ", ".join(f"{k}: {p.shape[0]}" for k, p in zip(serve.state, parts))
-            raise ValueError(f"state keys {list(serve.state)} give {state.shape[0]} values ({got}); the policy's state "
-                             f"has {want} (policy.state_dim)")
-        if not np.isfinite(state).all():
-            raise ValueError(f"state keys {list(serve.state)} hold NaN or inf: {state.tolist()}")
-        prompt = obs[serve.prompt]
-        if isinstance(prompt, bytes):
-            prompt = prompt.decode("utf-8", errors="replace")
-        if not isinstance(prompt, str):
-            raise ValueError(f"{serve.prompt}: expected a string, got {type(prompt).__name__}")
-        return images, state, prompt
-
     def read_rtc(self, obs: dict, state: np.ndarray | None = None) -> Guidance | None:
         """Real-time chunking's optional keys: ``prev_actions`` ``[k, action_dim]`` (the previous chunk from the
         observation's step on, dataset units: absolute commands, as the server sent them) and ``delay`` d (its
         first d actions execute while this request is answered). None without them (or with ``delay`` 0 alone):
         the plain chunk. Under ``data.delta_actions`` the guidance is in the policy's delta units, relative to
-        ``state`` (the request's raw state, :meth:`read`), which must then be given. A ValueError names the key
+        ``state`` (the request's raw state, :meth:`Processor.read`), which must then be given. A ValueError names the key
         and what was expected."""
         pc = self.cfg.policy
         horizon = pc.action_horizon
@@ -170,43 +130,14 @@ class PolicyRunner:
                              f"{horizon} (policy.action_horizon)")
         padded = np.zeros((1, horizon, pc.action_dim), np.float32)
         padded[0, :k] = prev
-        if self.cfg.data.delta_actions:
+        if self.processor.delta_flags:
             if state is None:
                 raise ValueError("prev_actions: this policy predicts delta actions (data.delta_actions); pass the "
                                  "request's state to read_rtc to express the previous chunk relative to it")
-            padded[0, :k] = to_delta(padded[0, :k], state, self.cfg.data.delta_actions)
+            padded[0, :k] = self.processor.to_policy(padded[0, :k], state)
         serve = self.cfg.serve
         return Guidance(torch.from_numpy(padded), torch.tensor([delay]), torch.tensor([k]),
                         serve.rtc_max_guidance, serve.rtc_schedule)
-
-    def _frame_shape(self, past: collections.deque) -> tuple[int, int, int]:
-        """One frame's shape: the policy's size, or (a policy that resizes frames itself) the size the
-        client sent, which every camera of every kept observation must share."""
-        if self.spec.image_size is not None:
-            return (self.spec.image_size,) * 2 + (3,)
-        shapes = {img.shape for cams, _, _ in past for img in cams if img is not None}
-        if len(shapes) > 1:
-            keys = [k for k in self.camera_keys if k]
-            raise ValueError(f"the images of {keys} differ in size ({sorted(shapes)}); this policy resizes them itself "
-                             "and needs one size per request: send every camera at one size (e.g. 224 x 224)")
-        return next(iter(shapes), (self.cfg.policy.image_size,) * 2 + (3,))
-
-    def batch(self, past: collections.deque) -> dict:
-        """The policy's batch of one from this connection's observations (newest last): the history
-        frames training would take, the ones before the first observation masked (as in training)."""
-        n, interval = self.spec.num_obs_history, self.cfg.data.history_interval
-        images, mask, states = [], [], []
-        shape = self._frame_shape(past)
-        for k in range(n - 1, -1, -1):
-            i = len(past) - 1 - k * interval
-            ok = i >= 0
-            cams, state, prompt = past[max(i, 0)]
-            for img in cams:
-                images.append(np.zeros(shape, np.uint8) if img is None else img)
-                mask.append(ok and img is not None)
-            states.append(state)
-        state = states[0] if n == 1 else np.stack(states)
-        return observation_batch(images, mask, state, past[-1][2], self.spec)
 
     def infer(self, obs: Any) -> dict:
         """``{"actions": chunk}`` for one observation with no past (openpi's ``BasePolicy.infer``)."""
@@ -216,16 +147,10 @@ class PolicyRunner:
         """One client's conversation: its observations, kept as far back as the policy's history reaches."""
         return Session(self)
 
-    def absolute(self, chunk: np.ndarray, state: np.ndarray) -> np.ndarray:
-        """The policy's chunk (:meth:`act`) as absolute commands: ``state`` (the request's raw state) added
-        back on the dims ``data.delta_actions`` names; the chunk itself without it."""
-        flags = self.cfg.data.delta_actions
-        return to_absolute(chunk, state, flags) if flags else chunk
-
     @torch.no_grad()
     def act(self, batch: dict, rtc: Guidance | None = None) -> np.ndarray:
         """The policy's action chunk ``[action_horizon, action_dim]`` float32 in dataset units (deltas where
-        ``data.delta_actions`` says; :meth:`absolute` turns them into commands). Noise is drawn on the
+        ``data.delta_actions`` says; :meth:`Processor.to_commands` turns them into commands). Noise is drawn on the
         CPU, seeded by ``serve.seed`` for each request: the same observation always gives the same chunk,
         on any server and device (up to the device's precision). ``serve.seed=null``: fresh noise for each
         request (as openpi's server), from a generator seeded once from the OS. ``rtc``: guided towards a
@@ -243,16 +168,19 @@ class Session:
 
     def __init__(self, runner: PolicyRunner):
         self.runner = runner
-        self.past: collections.deque = collections.deque(maxlen=runner.history)
+        self.past: collections.deque[Observation] = collections.deque(maxlen=runner.processor.history)
 
     def infer(self, obs: Any) -> dict:
-        """``{"actions": chunk}`` for ``obs`` after this session's earlier observations; a ValueError (the
-        observation is kept out of the history then) names the key and what was expected."""
-        observation = self.runner.read(obs)
-        state = observation[1]  # the chunk's deltas are relative to this observation's state
-        rtc = self.runner.read_rtc(obs, state)
+        """``{"actions": chunk}`` for ``obs`` after this session's earlier observations: inputs -> sample ->
+        outputs. A ValueError (the observation is kept out of the history then) names the key and what was
+        expected."""
+        processor = self.runner.processor
+        observation = processor.read(obs)
+        # The chunk's deltas (and a previous chunk's) are relative to this observation's state.
+        rtc = self.runner.read_rtc(obs, observation.state)
         self.past.append(observation)
-        return {"actions": self.runner.absolute(self.runner.act(self.runner.batch(self.past), rtc), state)}
+        chunk = self.runner.act(processor.batch(self.past), rtc)
+        return {"actions": processor.to_commands(chunk, observation.state)}
 
 
 def default_max_request_bytes(runner: PolicyRunner) -> int:

@@ -41,10 +41,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from slurmvla.inference.auth import DEFAULT_KEY_ENV, ApiKey, check_exposure, is_local
 from slurmvla.inference.wire import packb, unpackb
+from slurmvla.units import MiB
 
 log = logging.getLogger("slurmvla.serve")
 
-MiB = 2**20
 # Frames that may wait per connection before the server stops reading from it (websockets' max_queue).
 MAX_QUEUE = 2
 # The request-size limit of a policy that names none (no max_request_bytes attribute).
@@ -87,9 +87,7 @@ class PolicyServer:
         if max_request_bytes is None:
             max_request_bytes = getattr(policy, "max_request_bytes", None) or DEFAULT_MAX_REQUEST_BYTES
         self.max_size = int(max_request_bytes)
-        for name, value in (("max_connections", max_connections), ("max_pending", max_pending)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"serve.{name}={value!r} is not valid: give an integer >= 1")
+        # Each >= 1: checked once, where serve.max_connections / serve.max_pending are read (ServeConfig).
         self.max_connections, self.max_pending = max_connections, max_pending
         self.workers = workers
         self.pool = self._new_pool()

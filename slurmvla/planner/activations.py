@@ -124,9 +124,9 @@ def fake_batch(cfg: Config, policy: nn.Module, micro: int, frame: tuple[int, int
         batch["mode"] = torch.full((micro,), mode, dtype=torch.long)
         batch["future_states"] = torch.randn(micro, spec.action_horizon, p.state_dim, generator=g)
         batch["future_mask"] = torch.ones(micro, spec.action_horizon, dtype=torch.bool)
-    prepare = getattr(policy, "prepare_inference", None)
-    if callable(prepare):
-        hushed = logging.getLogger("slurmvla.policy.pi0")
+    prepare = policy.prepare_inference  # a capability of the contract (slurmvla/policy/base.py): None if not offered
+    if prepare is not None:
+        hushed = logging.getLogger("slurmvla.policy.pi0.model")
         level, hushed.level = hushed.level, logging.ERROR  # "a prompt filled max_text_len": meant to here
         try:
             with torch.no_grad():
@@ -189,8 +189,8 @@ class FakeStep:
     @contextmanager
     def _checkpointing(self, on: bool | None) -> Iterator[None]:
         """``on`` False: gradient checkpointing off for this pass (the model FLOPs count); None: as configured."""
-        has = hasattr(self.policy, "gradient_checkpointing")
-        before = getattr(self.policy, "gradient_checkpointing", None)
+        before = self.policy.gradient_checkpointing
+        has = before is not None  # None: the policy has no switch
         if has and on is not None:
             self.policy.gradient_checkpointing = on
         try:
@@ -211,8 +211,7 @@ class FakeStep:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             return tree_map(cast, args), tree_map(cast, kwargs)
 
-        wrap = getattr(self.policy, "wrap_units", None)
-        modules = [*(wrap() if callable(wrap) else []), self.policy]
+        modules = [*self.policy.wrap_units(), self.policy]
         return [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
 
     @contextmanager
@@ -229,30 +228,8 @@ class FakeStep:
             yield
 
     def flops_on_meta(self, low: bool) -> tuple[float, float]:
-        """(model FLOPs, issued FLOPs) of one sample's forward + backward, counted on a copy of the policy built
-        on the meta device from the prepared sample (shapes only: the same counts as fake-tensor passes at
-        under half their cost, FakeTensor's dispatch being what a pass spends its time in). Model: with gradient
-        checkpointing off; issued: as configured, the backward's recomputation included."""
-        from torch.utils.flop_counter import FlopCounterMode
-
-        from slurmvla.planner.model_states import shape_only
-        from slurmvla.policy import build_policy
-
-        with torch.device("meta"):
-            policy = build_policy(shape_only(self.cfg.policy), stats=None)
-        policy.train()
-        configured = getattr(policy, "gradient_checkpointing", False)
-        one = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in self.sample.items()}
-        counts = []
-        for on in (False, True) if configured else (False,):
-            if hasattr(policy, "gradient_checkpointing"):
-                policy.gradient_checkpointing = on
-            counter = FlopCounterMode(display=False, custom_mapping=sdpa_flop_mapping())
-            with counter, CudaAutocast(torch.bfloat16) if low else _nothing():
-                out = policy(dict(one))
-                backward(out["loss"] if isinstance(out, dict) else out)
-            counts.append(float(counter.get_total_flops()))
-        return counts[0], counts[-1]
+        """(model FLOPs, issued FLOPs) of the prepared sample: :func:`count_flops`."""
+        return count_flops(self.cfg, self.sample, low)
 
     def run(self, micro: int, compute: tuple[torch.dtype, torch.dtype], low: bool, count_flops: bool = False,
             checkpointing: bool | None = None, cast_inputs: bool = False, compiled: bool = False,
@@ -290,6 +267,36 @@ class FakeStep:
                     p.grad = None
         flops = float(counter.get_total_flops()) if counter is not None else 0.0
         return Pass(micro, tracker.peak, flops, forward_flops, time.perf_counter() - t0)
+
+
+def count_flops(cfg: Config, sample: dict[str, Any], low: bool = False, issued: bool = True) -> tuple[float, float]:
+    """(model FLOPs, issued FLOPs) of one prepared sample's forward + backward, counted on a copy of the policy
+    built on the meta device (shapes only: no weights, no memory, whatever the policy's size; the same counts as
+    fake-tensor passes at under half their cost, FakeTensor's dispatch being what a pass spends its time in).
+    Model: with gradient checkpointing off (as MFU counts them: the recomputation is extra work the hardware
+    does, not work the model needs); issued: as configured, the backward's recomputation included (``issued``
+    False: not counted, the model FLOPs twice). ``low``: under bf16 autocast. The one FLOP counter: the plan's,
+    and the profiler's (``slurmvla.profile.count_flops_per_sample``)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from slurmvla.planner.model_states import shape_only
+    from slurmvla.policy import build_policy
+
+    with torch.device("meta"):
+        policy = build_policy(shape_only(cfg.policy), stats=None)
+    policy.train()
+    configured = bool(policy.gradient_checkpointing)  # None: the policy has no switch
+    one = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in sample.items()}
+    counts = []
+    for on in (False, True) if configured and issued else (False,):
+        if policy.gradient_checkpointing is not None:
+            policy.gradient_checkpointing = on
+        counter = FlopCounterMode(display=False, custom_mapping=sdpa_flop_mapping())
+        with counter, CudaAutocast(torch.bfloat16) if low else _nothing():
+            out = policy(dict(one))
+            backward(out["loss"] if isinstance(out, dict) else out)
+        counts.append(float(counter.get_total_flops()))
+    return counts[0], counts[-1]
 
 
 @contextmanager

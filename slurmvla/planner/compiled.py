@@ -1,6 +1,6 @@
 """What a compiled training step holds (``trainer.compile=true``).
 
-Training compiles each of the policy's repeated layers (``wrap_units()``, :func:`slurmvla.policy.graphed.
+Training compiles each of the policy's repeated layers (``wrap_units()``, :func:`slurmvla.policy.compiled_layers.
 compile_units`). Inductor's backend traces a layer's forward and backward together (AOTAutograd, with inductor's
 decompositions) and splits the joint graph with the min-cut rematerialization partitioner: the forward keeps the
 fewest bytes it can for the backward, which recomputes cheap elementwise chains (norms, activations, rotary

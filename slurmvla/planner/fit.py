@@ -83,7 +83,7 @@ class Planner:
             try:
                 got = self._step().run(1, compute, low, count_flops=True, checkpointing=False)
                 issued = got.flops
-                if getattr(self._step().policy, "gradient_checkpointing", False):
+                if self._step().policy.gradient_checkpointing:
                     issued = self._step().run(1, compute, low, count_flops=True).flops
             except Exception as e:
                 self._fake_error = failure(e)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GiB = 2**30
-MiB = 2**20
+from slurmvla.units import GiB, MiB
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,7 @@ def count_tensors(cfg: Config, policy: nn.Module) -> Tensors:
     params = [(tuple(p.shape), p.requires_grad) for p in policy.parameters()]
     in_unit: dict[int, int] = {}
     units: list[tuple[int, int]] = []
-    wrap = getattr(policy, "wrap_units", None)
-    for i, unit in enumerate(wrap() if callable(wrap) else []):
+    for i, unit in enumerate(policy.wrap_units()):
         own = [p for p in unit.parameters() if id(p) not in in_unit]
         for p in own:
             in_unit[id(p)] = i

@@ -28,8 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from slurmvla.config import Config
-from slurmvla.planner.gpus import DEFAULT_MARGIN, GPU, RESERVED_BYTES, GiB
+from slurmvla.planner.gpus import DEFAULT_MARGIN, GPU, RESERVED_BYTES
 from slurmvla.registry import ENGINES
+from slurmvla.units import GiB
 
 log = logging.getLogger("slurmvla")
 

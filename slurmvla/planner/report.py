@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slurmvla.planner.gpus import GiB, MiB
+from slurmvla.units import GiB, MiB
 
 
 def _unit(largest: float) -> tuple[str, float]:

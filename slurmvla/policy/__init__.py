@@ -2,7 +2,7 @@
 a user's own (``policy=custom policy.target=package.module.Class``).
 
 Importing the package imports no torch: each built-in policy's options (its schema, e.g.
-``slurmvla.policy.pi0_config``) live here beside its model, and validating a config imports the schema
+``slurmvla.policy.pi0.config``) live here beside its model, and validating a config imports the schema
 alone. The contract and the builders import torch when first used."""
 
 from __future__ import annotations

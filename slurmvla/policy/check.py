@@ -254,7 +254,7 @@ def check_wrap_units(s: Subject) -> Result:
 def check_gradient_checkpointing(s: Subject) -> Result:
     name = GRADIENT_CHECKPOINTING
     policy = s.build()
-    if not hasattr(policy, "gradient_checkpointing"):
+    if policy.gradient_checkpointing is None:
         return Result(name, "skipped", "the policy has no gradient_checkpointing switch")
     policy.gradient_checkpointing = False
     loss_off, off = s.loss_and_grads(policy, s.batch)

@@ -108,7 +108,7 @@ def apply_lora(policy: nn.Module, cfg: PolicyConfig) -> nn.Module:
     # The policy's own seed for per-parameter generators; a policy without one (a plug-in initialising
     # itself from torch's global generator) gets one draw from it, after its own weights: the same on
     # every rank, which the trainer seeds alike.
-    seed = getattr(policy, "init_seed", None)
+    seed = policy.init_seed
     if seed is None:
         seed = int(torch.randint(0, 2**62, (), device="cpu").item())
     # On the meta device the engine materialises the parameters through the policy's init_parameter,
@@ -138,7 +138,7 @@ def _route_initialisation(policy: nn.Module, init: str, seed: int) -> None:
     """Per-parameter initialisation (``init_parameter``, what materialising a meta-built policy calls)
     that knows the adapted names: a base weight is initialised as the same policy without adapters
     initialises it (its plain name, its generator), an adapter factor by :func:`init_adapter`."""
-    original = getattr(policy, "init_parameter", None)
+    original = policy.init_parameter
     if original is None or getattr(original, "_lora_aware", False):
         return
 
@@ -186,12 +186,18 @@ def base_record(policy: nn.Module) -> dict[str, Any] | None:
     if not has_adapters(policy):
         return None
     record: dict[str, Any] = {}
-    if hasattr(policy, "init_seed"):
+    if policy.init_seed is not None:
         record["init_seed"] = int(policy.init_seed)
-    path = getattr(getattr(policy, "cfg", None), "pretrained_path", None)
+    path = pretrained_path(policy)
     if path:
         record["pretrained"] = _pretrained_files(path)
     return record
+
+
+def pretrained_path(policy: nn.Module) -> str | None:
+    """The pretrained files the policy's weights were loaded from: its config's ``pretrained_path`` (the
+    contract's ``cfg``; None for a policy that keeps no config, or whose config has no such option)."""
+    return getattr(policy.cfg, "pretrained_path", None)
 
 
 def _pretrained_files(path: str | Path) -> dict[str, int]:

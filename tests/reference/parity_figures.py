@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import slurmvla.policy.pi0 as pi0  # noqa: E402
+import slurmvla.policy.pi0.model as pi0  # noqa: E402
 from tests.test_pi0_parity import (  # noqa: E402
     GOLDEN,
     META,

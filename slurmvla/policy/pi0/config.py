@@ -1,4 +1,4 @@
-"""pi0's and pi0.5's options (``policy=pi0|pi0_tiny|pi05|pi05_tiny``; the models are slurmvla/policy/pi0.py).
+"""pi0's and pi0.5's options (``policy=pi0|pi0_tiny|pi05|pi05_tiny``; the models: ``model`` beside it).
 Imports no torch: validating a config reads it, never the model."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from slurmvla.config import LoraConfig, TransformerPolicyConfig, check_choice, check_positive
+from slurmvla.registry import PolicyEntry
 
 # torch's scaled-dot-product attention kernels by the names policy.attention_kernels takes.
 ATTENTION_KERNELS = ("flash", "efficient", "cudnn", "math")
@@ -21,7 +22,7 @@ GEMMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
 
 @dataclass
 class Pi0Config(TransformerPolicyConfig):
-    """policy=pi0|pi0_tiny: pi0 on transformers' PaliGemma (slurmvla/policy/pi0.py)."""
+    """policy=pi0|pi0_tiny: pi0 on transformers' PaliGemma (slurmvla/policy/pi0/model.py)."""
 
     name: str = "pi0"
     size: str = "pi0_tiny"
@@ -107,3 +108,10 @@ class Pi05Config(Pi0Config):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("policy.state_input", self.state_input, STATE_INPUTS)
+
+
+# What policy.name selects (slurmvla.registry.POLICIES finds this folder's ENTRIES).
+ENTRIES = (
+    PolicyEntry("pi0", "slurmvla.policy.pi0.model:Pi0Policy", schema="slurmvla.policy.pi0.config:Pi0Config"),
+    PolicyEntry("pi05", "slurmvla.policy.pi0.model:Pi05Policy", schema="slurmvla.policy.pi0.config:Pi05Config"),
+)

@@ -9,7 +9,7 @@
 
 Both streams are transformers' own ``GemmaDecoderLayer`` modules (their projections, MLPs and
 RMSNorms; the policy's state dict therefore maps one-to-one onto PaliGemma's and LeRobot's, see
-:mod:`slurmvla.policy.pretrained`). Each (backbone layer, expert layer) pair is bundled in one
+:mod:`slurmvla.policy.pi0.weights`). Each (backbone layer, expert layer) pair is bundled in one
 :class:`JointLayer` whose own ``forward`` runs the whole layer: it is the FSDP / ZeRO-3 unit, so the
 all-gather of both layers' weights happens before any of them is touched. SigLIP's encoder layers
 are units too.
@@ -59,7 +59,7 @@ from slurmvla.policy.rtc import Guidance, Prefix, conditioning, delay_draws, del
 from slurmvla.weights import parameter_generator
 
 log = logging.getLogger(__name__)
-# policy.attention_kernels' names (slurmvla.policy.pi0_config.ATTENTION_KERNELS) for torch's kernels.
+# policy.attention_kernels' names (slurmvla.policy.pi0.config.ATTENTION_KERNELS) for torch's kernels.
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                  "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 # A batch made by Pi0Policy.prepare_inference carries its prompt under these keys, cut to a multiple of
@@ -364,7 +364,7 @@ class Pi0Policy(Policy):
     def load_initial_weights(self) -> None:
         """Pretrained weights from ``policy.pretrained_path`` (after random initialisation)."""
         if self.cfg.pretrained_path:
-            from slurmvla.policy.pretrained import load_pretrained
+            from slurmvla.policy.pi0.weights import load_pretrained
 
             load_pretrained(self, self.cfg.pretrained_path)
 
@@ -384,7 +384,7 @@ class Pi0Policy(Policy):
 
     @classmethod
     def sample_spec(cls, cfg: PolicyConfig) -> SampleSpec:
-        from slurmvla.policy.pretrained import tokenizer_for
+        from slurmvla.policy.pi0.weights import tokenizer_for
 
         # image_size=None: frames arrive as recorded; _pixels applies the reference preprocessing (a
         # resize in the data layer first would be a second, different one).
@@ -404,7 +404,7 @@ class Pi0Policy(Policy):
     def check_data(cls, cfg: PolicyConfig, features: DataFeatures) -> None:
         super().check_data(cfg, features)
         if cfg.pretrained_path:  # before a model of billions of parameters is built for it
-            from slurmvla.policy.pretrained import check_pretrained_path
+            from slurmvla.policy.pi0.weights import check_pretrained_path
 
             check_pretrained_path(cfg.pretrained_path)
         for what, dim, cap in (("state", features.state_dim, cfg.max_state_dim),
@@ -664,7 +664,7 @@ class Pi05Policy(Pi0Policy):
         if self.cfg.state_input == "continuous":
             self.state_proj = nn.Linear(self.cfg.num_obs_history * self.cfg.max_state_dim, self.cfg.width)
         else:
-            from slurmvla.policy.pretrained import tokenizer_for
+            from slurmvla.policy.pi0.weights import tokenizer_for
 
             self.prompt_tokenizer = tokenizer_for(self.cfg)
         self.time_mlp_in = nn.Linear(w, w)

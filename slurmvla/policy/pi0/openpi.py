@@ -5,7 +5,7 @@ checkpoint of the parameter tree: PaliGemma's SigLIP under ``PaliGemma/img``, it
 expert under ``PaliGemma/llm`` -- the expert's weights with the suffix ``_1`` --, and the action heads at
 the top) and ``assets/<asset_id>/norm_stats.json``. The tree is read with orbax (the ``openpi`` extra:
 JAX and orbax-checkpoint; orbax writes OCDBT through tensorstore, which nothing lighter reads) and mapped
-onto the names of LeRobot's PI0Policy / PI05Policy state dict, which :mod:`slurmvla.policy.pretrained`
+onto the names of LeRobot's PI0Policy / PI05Policy state dict, which :mod:`slurmvla.policy.pi0.weights`
 loads strictly. The mapping follows openpi's examples/convert_jax_model_to_pytorch.py: the layers of both
 Gemma stacks and of SigLIP are stacked on a leading axis (``nn.scan``); Gemma's attention and MLP
 weights are einsum kernels (``q_einsum`` [N, D, H], ``kv_einsum`` [2, K, D, H], ``attn_vec_einsum``
@@ -133,7 +133,7 @@ def lerobot_tensors(flat: dict[str, np.ndarray], where: str = "params") -> dict[
     left = t.left()
     if left:
         raise ValueError(f"{where}: {len(left)} tensor(s) of openpi's parameter tree have no place in slurmvla's "
-                         f"mapping (slurmvla/policy/openpi_ckpt.py), first: {left[:5]}")
+                         f"mapping (slurmvla/policy/pi0/openpi.py), first: {left[:5]}")
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 

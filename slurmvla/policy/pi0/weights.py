@@ -10,7 +10,7 @@ Three layouts load, through one explicit name table each (:data:`PALIGEMMA_NAMES
   ``model.paligemma_with_expert.``): every weight, strictly (its normalization statistics are
   read by :mod:`slurmvla.policy.stats` when ``policy.stats_source=checkpoint``);
 - openpi's own checkpoint directory (``params/``, an orbax parameter tree, and ``assets/<id>/norm_stats.json``):
-  every weight, strictly, its tree mapped onto LeRobot's names first (:mod:`slurmvla.policy.openpi_ckpt`,
+  every weight, strictly, its tree mapped onto LeRobot's names first (:mod:`slurmvla.policy.pi0.openpi`,
   which needs the ``openpi`` extra) and then through :data:`LEROBOT_NAMES`.
 
 A key a table maps to ``None`` is known and deliberately unused (PaliGemma's LM head and final
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from slurmvla.config import PolicyConfig
-from slurmvla.policy import openpi_ckpt
+from slurmvla.policy.pi0 import openpi
 from slurmvla.policy.tokenizer import VOCAB_SIZE, ByteTokenizer
 from slurmvla.weights import base_parameters, copy_full_into
 
@@ -64,7 +64,7 @@ LEROBOT_NAMES: tuple[tuple[str, str | None], ...] = (
      r"time_mlp_out)\.(.*)$", r"\1.\2"),
 )
 # Policy keys a pretrained file may hold but the policy does not have: the last layer's prefix
-# output (see slurmvla.policy.pi0.JointLayer).
+# output (see slurmvla.policy.pi0.model.JointLayer).
 _UNUSED_IN_POLICY = re.compile(r"^layers\.\d+\.backbone\.(self_attn\.[qo]_proj|mlp\.|post_attention_layernorm)")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 log = logging.getLogger(__name__)
@@ -104,8 +104,8 @@ def check_pretrained_path(path: str | Path) -> list[Path]:
     root = Path(path).expanduser()
     if not root.exists():
         raise ValueError(f"policy.pretrained_path={str(path)!r} does not exist")
-    if openpi_ckpt.is_openpi_checkpoint(root):
-        openpi_ckpt.require_orbax(path)
+    if openpi.is_openpi_checkpoint(root):
+        openpi.require_orbax(path)
         return [root / "params"]
     return _safetensors_files(root)
 
@@ -122,7 +122,7 @@ def _renamed(keys, table, path: str | Path, layout: str, label=str) -> dict[str,
             renamed[target] = key
     if unknown:
         raise ValueError(f"policy.pretrained_path={str(path)!r}: {len(unknown)} key(s) fit no entry of the {layout} "
-                         f"name table (slurmvla/policy/pretrained.py), first: {unknown[:5]}")
+                         f"name table (slurmvla/policy/pi0/weights.py), first: {unknown[:5]}")
     for target in [t for t in renamed if t.startswith("tied:")]:
         source = renamed.pop(target)
         renamed.setdefault(target[len("tied:"):], source)
@@ -133,8 +133,8 @@ def read_openpi(path: str | Path) -> dict[str, torch.Tensor]:
     """An openpi checkpoint directory's weights under LeRobot's names (``model.`` prefixed, as LeRobot saves
     them)."""
     root = Path(path).expanduser()
-    flat = openpi_ckpt.read_tree(root)
-    mapped = openpi_ckpt.lerobot_tensors(flat, str(root / "params"))
+    flat = openpi.read_tree(root)
+    mapped = openpi.lerobot_tensors(flat, str(root / "params"))
     return {f"model.{k}": torch.from_numpy(v) for k, v in mapped.items()}
 
 
@@ -144,7 +144,7 @@ def read_pretrained(path: str | Path) -> tuple[str, dict[str, torch.Tensor], lis
     from safetensors import safe_open
 
     files = check_pretrained_path(path)
-    if openpi_ckpt.is_openpi_checkpoint(Path(path).expanduser()):
+    if openpi.is_openpi_checkpoint(Path(path).expanduser()):
         lerobot = read_openpi(path)
         renamed = _renamed(lerobot, LEROBOT_NAMES, path, "openpi (mapped onto LeRobot's names)")
         return "openpi", {target: lerobot[key] for target, key in renamed.items()}, files
@@ -274,7 +274,7 @@ def _lerobot_originals(path: str | Path | None, keys: set[str]) -> dict[str, tor
         return {}
     from safetensors import safe_open
 
-    if openpi_ckpt.is_openpi_checkpoint(Path(path).expanduser()):
+    if openpi.is_openpi_checkpoint(Path(path).expanduser()):
         try:
             return {k: v for k, v in read_openpi(path).items() if k in keys}
         except ValueError:  # orbax is not installed here: the tensors are written as LeRobot's model starts them
