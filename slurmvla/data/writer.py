@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
@@ -59,20 +60,20 @@ def _scheduling_kept():
             os.sched_setscheduler(0, policy, param)
 
 
-def encode_video(path: Path, frames: np.ndarray, codec: str = "av1", gop: int | None = None) -> None:
-    """``frames`` ``[T, H, W, 3]`` uint8 as one mp4 at DROID's rate."""
+def encode_video(path: Path, frames: np.ndarray, codec: str = "av1", gop: int | None = None, fps: int = FPS) -> None:
+    """``frames`` ``[T, H, W, 3]`` uint8 as one mp4 at ``fps`` (DROID's rate by default)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its banner per encoder otherwise; errors only
     name, options = ENCODERS[codec]
     with _scheduling_kept(), av.open(str(path), mode="w") as container:
-        stream = container.add_stream(name, rate=Fraction(FPS))
+        stream = container.add_stream(name, rate=Fraction(fps))
         stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = "yuv420p"
         stream.options = {**options, "g": str(gop or DEFAULT_GOP[codec])}
         for i, img in enumerate(frames):
             frame = av.VideoFrame.from_ndarray(img, format="rgb24")
             frame.pts = i
-            frame.time_base = Fraction(1, FPS)
+            frame.time_base = Fraction(1, fps)
             for packet in stream.encode(frame):
                 container.mux(packet)
         for packet in stream.encode():
@@ -114,8 +115,9 @@ def _table(columns: dict[str, np.ndarray]) -> pa.Table:
     return pa.table(arrays)
 
 
-def _write_v3(tmp: Path, per_episode: list, tasks: list[str], episodes_per_file: int, video: tuple) -> None:
-    rows = []
+def _write_v3(tmp: Path, per_episode: list, tasks: list[str], episodes_per_file: int, video: tuple,
+              layout: Layout) -> None:
+    rows, fps = [], layout.fps
     for file_index in range(0, len(per_episode), episodes_per_file):
         group = per_episode[file_index : file_index + episodes_per_file]
         f = file_index // episodes_per_file
@@ -125,21 +127,21 @@ def _write_v3(tmp: Path, per_episode: list, tasks: list[str], episodes_per_file:
             start = int(columns["index"][0])
             row = {**row, "data/chunk_index": 0, "data/file_index": f, "dataset_from_index": start,
                    "dataset_to_index": start + n, "meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0}
-            for cam in DROID_CAMERAS:
+            for cam in layout.cameras:
                 row.update({f"videos/{cam}/chunk_index": 0, f"videos/{cam}/file_index": f,
-                            f"videos/{cam}/from_timestamp": cursor / FPS, f"videos/{cam}/to_timestamp": (cursor + n) / FPS})
+                            f"videos/{cam}/from_timestamp": cursor / fps, f"videos/{cam}/to_timestamp": (cursor + n) / fps})
             cursor += n
             # Per-episode stats, as LeRobot's writer keeps them beside the episode boundaries.
-            for key in EPISODE_STATS_KEYS:
+            for key in layout.episode_stats:
                 row.update({f"stats/{key}/{name}": value for name, value in _stats(_as_2d(columns[key])).items()})
             rows.append(row)
         merged = {k: np.concatenate([c[k] for c, _, _ in group]) for k in group[0][0]}
         path = tmp / DATA_PATH.format(chunk_index=0, file_index=f)
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(_table(merged), path)
-        for cam in DROID_CAMERAS:
+        for cam in layout.cameras:
             encode_video(tmp / VIDEO_PATH.format(video_key=cam, chunk_index=0, file_index=f),
-                    np.concatenate([frames[cam] for _, frames, _ in group]), *video)
+                         np.concatenate([frames[cam] for _, frames, _ in group]), *video, fps=fps)
     meta = tmp / "meta"
     (meta / "episodes" / "chunk-000").mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), meta / "episodes" / "chunk-000" / "file-000.parquet")
@@ -166,7 +168,7 @@ def write_tasks(path: Path, tasks: list[str]) -> None:
     pq.write_table(table.replace_schema_metadata({"pandas": json.dumps(pandas_meta)}), path)
 
 
-def _write_v2(tmp: Path, per_episode: list, tasks: list[str], video: tuple) -> None:
+def _write_v2(tmp: Path, per_episode: list, tasks: list[str], video: tuple, layout: Layout) -> None:
     meta = tmp / "meta"
     meta.mkdir(parents=True, exist_ok=True)
     episode_lines, stats_lines = [], []
@@ -175,32 +177,50 @@ def _write_v2(tmp: Path, per_episode: list, tasks: list[str], video: tuple) -> N
         path = tmp / V2_DATA_PATH.format(episode_chunk=0, episode_index=e)
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(_table(columns), path)
-        for cam in DROID_CAMERAS:
-            encode_video(tmp / V2_VIDEO_PATH.format(episode_chunk=0, video_key=cam, episode_index=e), frames[cam], *video)
+        for cam in layout.cameras:
+            encode_video(tmp / V2_VIDEO_PATH.format(episode_chunk=0, video_key=cam, episode_index=e), frames[cam], *video,
+                         fps=layout.fps)
         episode_lines.append(json.dumps(row))
         # v2.1 per-episode stats carry no quantiles.
         ep_stats = {k: {s: v for s, v in _stats(_as_2d(columns[k])).items() if s not in ("q01", "q99")}
-                    for k in EPISODE_STATS_KEYS}
+                    for k in layout.episode_stats}
         stats_lines.append(json.dumps({"episode_index": e, "stats": ep_stats}))
     (meta / "episodes.jsonl").write_text("\n".join(episode_lines) + "\n")
     (meta / "episodes_stats.jsonl").write_text("\n".join(stats_lines) + "\n")
     (meta / "tasks.jsonl").write_text("".join(json.dumps({"task_index": i, "task": t}) + "\n" for i, t in enumerate(tasks)))
 
 
-def _info(format: str, num_episodes: int, num_frames: int, num_tasks: int, codec: str, height: int, width: int,
-          robot_type: str = "franka") -> dict:
-    def vec(n: int, names: list[str]) -> dict:
-        return {"dtype": "float32", "shape": [n], "names": names}
+def vec(n: int, names: list[str]) -> dict:
+    """A float32 feature of ``n`` named values, as ``meta/info.json`` describes it."""
+    return {"dtype": "float32", "shape": [n], "names": names}
 
+
+@dataclass(frozen=True)
+class Layout:
+    """What a dataset holds besides its bookkeeping columns: its cameras (video features), its other features
+    (``meta/info.json``'s entries; each episode's columns must match them), its rate, and the features whose
+    per-episode statistics are kept. :func:`droid_layout` by default; an embodiment's recorder gives its own."""
+
+    cameras: tuple[str, ...]
+    features: dict
+    fps: int = FPS
+    episode_stats: tuple[str, ...] = ("observation.state", "action")
+
+
+# Every dataset's bookkeeping features, after its own.
+BOOKKEEPING = {
+    "timestamp": {"dtype": "float32", "shape": [1], "names": None},
+    "frame_index": {"dtype": "int64", "shape": [1], "names": None},
+    "episode_index": {"dtype": "int64", "shape": [1], "names": None},
+    "index": {"dtype": "int64", "shape": [1], "names": None},
+    "task_index": {"dtype": "int64", "shape": [1], "names": None},
+}
+
+
+def droid_layout() -> Layout:
+    """DROID's layout, as LeRobot's port of DROID 1.0.1 has it (:func:`droid_columns` writes its columns)."""
     joints = [f"joint_{i}" for i in range(7)]
-    features = {
-        cam: {
-            "dtype": "video", "shape": [height, width, 3], "names": ["height", "width", "channels"],
-            "info": {"video.fps": FPS, "video.height": height, "video.width": width, "video.channels": 3,
-                     "video.codec": codec, "video.pix_fmt": "yuv420p", "video.is_depth_map": False, "has_audio": False},
-        }
-        for cam in DROID_CAMERAS
-    }
+    features = {}
     features.update({
         "observation.state": vec(8, [*joints, "gripper"]),
         "observation.state.joint_position": vec(7, joints),
@@ -220,16 +240,26 @@ def _info(format: str, num_episodes: int, num_frames: int, num_tasks: int, codec
         "is_first": {"dtype": "bool", "shape": [1], "names": None},
         "is_last": {"dtype": "bool", "shape": [1], "names": None},
         "is_terminal": {"dtype": "bool", "shape": [1], "names": None},
-        "timestamp": {"dtype": "float32", "shape": [1], "names": None},
-        "frame_index": {"dtype": "int64", "shape": [1], "names": None},
-        "episode_index": {"dtype": "int64", "shape": [1], "names": None},
-        "index": {"dtype": "int64", "shape": [1], "names": None},
-        "task_index": {"dtype": "int64", "shape": [1], "names": None},
     })
-    common = {"robot_type": robot_type, "fps": FPS, "total_episodes": num_episodes, "total_frames": num_frames,
+    return Layout(DROID_CAMERAS, features, FPS, EPISODE_STATS_KEYS)
+
+
+def _info(format: str, num_episodes: int, num_frames: int, num_tasks: int, codec: str, height: int, width: int,
+          robot_type: str, layout: Layout) -> dict:
+    features = {
+        cam: {
+            "dtype": "video", "shape": [height, width, 3], "names": ["height", "width", "channels"],
+            "info": {"video.fps": layout.fps, "video.height": height, "video.width": width, "video.channels": 3,
+                     "video.codec": codec, "video.pix_fmt": "yuv420p", "video.is_depth_map": False, "has_audio": False},
+        }
+        for cam in layout.cameras
+    }
+    features.update(layout.features)
+    features.update(BOOKKEEPING)
+    common = {"robot_type": robot_type, "fps": layout.fps, "total_episodes": num_episodes, "total_frames": num_frames,
               "total_tasks": num_tasks, "chunks_size": 1000, "splits": {"train": f"0:{num_episodes}"}}
     if format == "v2.1":
-        return {"codebase_version": "v2.1", **common, "total_chunks": 1, "total_videos": 3 * num_episodes,
+        return {"codebase_version": "v2.1", **common, "total_chunks": 1, "total_videos": len(layout.cameras) * num_episodes,
                 "data_path": V2_DATA_PATH, "video_path": V2_VIDEO_PATH, "features": features}
     return {"codebase_version": "v3.0", **common, "data_files_size_in_mb": 100,
             "video_files_size_in_mb": 500, "data_path": DATA_PATH, "video_path": VIDEO_PATH, "features": features}
@@ -293,9 +323,11 @@ def out_folder_problem(out: Path, flag: str = "--out") -> str | None:
 
 def write_dataset(out: str | Path, per_episode: list, tasks: list[str], format: str = "v3.0", codec: str = "av1",
                   gop: int | None = None, episodes_per_file: int = 8, extra_files: dict[str, str] | None = None,
-                  robot_type: str = "franka") -> Path:
+                  robot_type: str = "franka", layout: Layout | None = None) -> Path:
     """Write the episodes into ``out`` atomically (a temporary folder renamed at the end); ``extra_files``
-    (name -> text) go beside ``meta/`` (e.g. DROID's keep-ranges file)."""
+    (name -> text) go beside ``meta/`` (e.g. DROID's keep-ranges file). ``layout``: the cameras and features
+    (default DROID's, :func:`droid_layout`)."""
+    layout = layout or droid_layout()
     check_layout(format, codec, gop)
     out = Path(out)
     if (out / "meta" / "info.json").is_file():
@@ -304,14 +336,14 @@ def write_dataset(out: str | Path, per_episode: list, tasks: list[str], format: 
     shutil.rmtree(tmp, ignore_errors=True)
     video = (codec, gop)
     if format == "v3.0":
-        _write_v3(tmp, per_episode, tasks, episodes_per_file, video)
+        _write_v3(tmp, per_episode, tasks, episodes_per_file, video, layout)
     else:
-        _write_v2(tmp, per_episode, tasks, video)
+        _write_v2(tmp, per_episode, tasks, video, layout)
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text)
     height, width = next(iter(per_episode[0][1].values())).shape[1:3]
     num_frames = sum(row["length"] for _, _, row in per_episode)
-    info = _info(format, len(per_episode), num_frames, len(tasks), codec, height, width, robot_type)
+    info = _info(format, len(per_episode), num_frames, len(tasks), codec, height, width, robot_type, layout)
     (tmp / "meta" / "info.json").write_text(json.dumps(info, indent=2))
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)

@@ -1,12 +1,13 @@
-"""The closed loop: a policy drives the simulated arm (:mod:`slurmvla.sim`) through openpi's published client
-(``openpi_client.WebsocketClientPolicy``), as a robot would, and the success rate is the metric.
+"""The closed loop: a policy drives a simulated arm (:mod:`slurmvla.sim`: ``rollout.env``, the pick task or a
+Meta-World task) through openpi's published client (``openpi_client.WebsocketClientPolicy``), as a robot would,
+and the success rate is the metric.
 
-Each request is the observation under openpi's DROID keys (the cameras and state the server's metadata
-names, and the prompt), each reply an action chunk, of which ``rollout.replan_steps`` actions are executed
+Each request is the observation under the environment's client keys (openpi's DROID keys for the pick task: the
+cameras and state the server's metadata names, and the prompt), each reply an action chunk, of which ``rollout.replan_steps`` actions are executed
 before the next request (open loop in between, as openpi's clients do). The chunks run through
 :class:`~slurmvla.inference.executor.Executor` in ``rollout.execution``'s mode, and the simulator keeps time:
 an answer takes effect ``rollout.delay_steps`` control steps after its observation (or the call's measured
-wall time at 15 Hz), the environment advancing meanwhile. Per episode: success, return (the dense progress
+wall time at the environment's control rate), the environment advancing meanwhile. Per episode: success, return (the dense progress
 reward, in [0, 1] per step, summed over ``rollout.max_steps`` with success absorbing: the steps after it
 count 1 each), length, the action jumps at chunk switches and within chunks, the steps held;
 :func:`summarize` gives the ``rollout/*`` metrics.
@@ -34,8 +35,6 @@ from slurmvla.inference.executor import Executor, switch_metrics
 log = logging.getLogger("slurmvla.rollout")
 
 INSTALL = "pip install -e '.[sim]' (bash scripts/install.sh sim)"
-# The state the simulator sends, under openpi's DROID keys.
-STATE_KEYS = ("observation/joint_position", "observation/gripper_position")
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -93,95 +92,101 @@ def _need(module: str):  # noqa: ANN202
 
 
 def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: Path | None = None) -> list[dict]:
-    """Run one episode per seed against ``client`` (anything with openpi's ``infer(obs) -> {"actions"}``
-    and ``get_server_metadata()``); returns one dict per episode."""
+    """Run one episode per seed of ``rollout.env`` against ``client`` (anything with openpi's
+    ``infer(obs) -> {"actions"}`` and ``get_server_metadata()``); returns one dict per episode."""
     from slurmvla.data.writer import encode_video
-    from slurmvla.sim.env import CLIENT_CAMERAS, FPS, PickCube
-    from slurmvla.sim.record import INSTRUCTIONS
+    from slurmvla.sim import make_env
 
     metadata = client.get_server_metadata() or {}
-    wanted = [k for k in (metadata.get("cameras") or {}).values() if k]
-    unknown = [k for k in wanted if k not in CLIENT_CAMERAS]
-    if unknown or not wanted:
-        raise ValueError(f"the server asks for cameras {wanted}; the simulator sends {list(CLIENT_CAMERAS)} "
-                         "(set serve.cameras to those keys)")
-    state_keys = metadata.get("state") or list(STATE_KEYS)
-    if [k for k in state_keys if k not in STATE_KEYS]:
-        raise ValueError(f"the server asks for state keys {state_keys}; the simulator sends {list(STATE_KEYS)} "
-                         "(set serve.state to those keys)")
-    prompt_key = metadata.get("prompt") or "prompt"
-    horizon = int(metadata.get("action_horizon") or cfg.replan_steps)
-    replan = min(cfg.replan_steps, horizon)
-    if cfg.replan_steps > horizon:
-        log.warning("rollout.replan_steps=%d is more than the policy's action_horizon=%d: replanning every %d",
-                    cfg.replan_steps, horizon, horizon)
-    modes = metadata.get("execution_modes") or ["sync", "async"]
-    if cfg.execution == "rtc" and "rtc" not in modes:
-        raise ValueError(f"rollout.execution=rtc: the server does not offer real-time chunking (its execution_modes: "
-                         f"{modes}); serve a policy that supports it, or use rollout.execution=async")
-    video_keys = ["observation/exterior_image_1_left", "observation/wrist_image_left"]
-    env = PickCube(height=cfg.height, width=cfg.width, cameras=tuple(CLIENT_CAMERAS.values()))
-    executor = Executor(_Checked(client), cfg.execution, replan, "measured" if cfg.delay == "measured" else cfg.delay_steps,
-                        control_hz=FPS)
-    results = []
+    env = make_env(cfg.env, cfg.task, cfg.height, cfg.width, cfg.max_steps)
     try:
-        for i, seed in enumerate(seeds):
-            env.reset(seed)
-            # Before its first chunk the arm holds: still, the gripper where it starts.
-            executor.reset(rest=np.array([0.0] * 7 + [env.gripper_position()]))
-            total, success, frames, ticks = 0.0, False, [], []
-            record = video_dir is not None and i < cfg.videos
-            start = time.perf_counter()
-            for _ in range(cfg.max_steps):
-                obs = None
-                if record:
-                    obs = env.observe(tuple(dict.fromkeys(wanted + video_keys)))
-                    frames.append(np.concatenate([obs[k] for k in video_keys], axis=1))
-
-                def request(obs: dict | None = obs) -> dict:
-                    obs = obs if obs is not None else env.observe(tuple(wanted))
-                    out = {k: obs[k] for k in wanted}
-                    out.update({k: obs[k] for k in state_keys})
-                    out[prompt_key] = INSTRUCTIONS[0]
-                    return out
-
-                tick = executor.step(request)
-                ticks.append(tick)
-                step = env.step(tick.action)
-                total += step.reward
-                if step.success:
-                    success = True
-                    # Success is absorbing: the steps left count at the full reward, so a quick success
-                    # never returns less than a slow one or a near miss.
-                    total += float(cfg.max_steps - env.steps)
-                    break
-            requests = executor.requests
-            result = {"seed": int(seed), "success": success, "return": total, "length": env.steps, "requests": requests,
-                      "wall_s": time.perf_counter() - start, **switch_metrics(ticks)}
-            if record and frames:
-                path = video_dir / f"episode_{seed}.mp4"
-                encode_video(path, np.stack(frames), codec="h264")
-                result["video"] = path.name
-            results.append(result)
-            log.info("episode seed %d: %s in %d steps (return %.2f)", seed, "success" if success else "failure",
-                     env.steps, total)
+        wanted, state_keys = _requested(env, metadata)
+        prompt_key = metadata.get("prompt") or "prompt"
+        horizon = int(metadata.get("action_horizon") or cfg.replan_steps)
+        replan = min(cfg.replan_steps, horizon)
+        if cfg.replan_steps > horizon:
+            log.warning("rollout.replan_steps=%d is more than the policy's action_horizon=%d: replanning every %d",
+                        cfg.replan_steps, horizon, horizon)
+        modes = metadata.get("execution_modes") or ["sync", "async"]
+        if cfg.execution == "rtc" and "rtc" not in modes:
+            raise ValueError(f"rollout.execution=rtc: the server does not offer real-time chunking (its execution_modes: "
+                             f"{modes}); serve a policy that supports it, or use rollout.execution=async")
+        video_keys = [k for k in env.video_keys if k in env.client_cameras]
+        executor = Executor(_Checked(client, env), cfg.execution, replan,
+                            "measured" if cfg.delay == "measured" else cfg.delay_steps, control_hz=env.fps)
+        return [_episode(env, executor, cfg, seed, wanted, state_keys, prompt_key, video_keys,
+                         video_dir if video_dir is not None and i < cfg.videos else None, encode_video)
+                for i, seed in enumerate(seeds)]
     finally:
         env.close()
-    return results
+
+
+def _requested(env: Any, metadata: dict) -> tuple[list[str], list[str]]:
+    """The cameras and state keys the server's metadata asks for, each one the environment sends."""
+    wanted = [k for k in (metadata.get("cameras") or {}).values() if k]
+    unknown = [k for k in wanted if k not in env.client_cameras]
+    if unknown or not wanted:
+        raise ValueError(f"the server asks for cameras {wanted}; the simulator sends {list(env.client_cameras)} "
+                         "(set serve.cameras to those keys)")
+    state_keys = metadata.get("state") or list(env.state_keys)
+    if [k for k in state_keys if k not in env.state_keys]:
+        raise ValueError(f"the server asks for state keys {state_keys}; the simulator sends {list(env.state_keys)} "
+                         "(set serve.state to those keys)")
+    return wanted, list(state_keys)
+
+
+def _episode(env: Any, executor: Executor, cfg: RolloutConfig, seed: int, wanted: list[str], state_keys: list[str],
+             prompt_key: str, video_keys: list[str], video_dir: Path | None, encode_video: Any) -> dict:
+    env.reset(seed)
+    # Before its first chunk the arm rests (the pick task: still, the gripper where it starts).
+    executor.reset(rest=env.rest_action())
+    total, success, frames, ticks = 0.0, False, [], []
+    start = time.perf_counter()
+    for _ in range(cfg.max_steps):
+        obs = None
+        if video_dir is not None:
+            obs = env.observe(tuple(dict.fromkeys(wanted + video_keys)))
+            frames.append(np.concatenate([obs[k] for k in video_keys], axis=1))
+
+        def request(obs: dict | None = obs) -> dict:
+            obs = obs if obs is not None else env.observe(tuple(wanted))
+            out = {k: obs[k] for k in wanted}
+            out.update({k: obs[k] for k in state_keys})
+            out[prompt_key] = env.instruction
+            return out
+
+        tick = executor.step(request)
+        ticks.append(tick)
+        step = env.step(tick.action)
+        total += step.reward
+        if step.success:
+            success = True
+            # Success is absorbing: the steps left count at the full reward, so a quick success
+            # never returns less than a slow one or a near miss.
+            total += float(cfg.max_steps - env.steps)
+            break
+    result = {"seed": int(seed), "success": success, "return": total, "length": env.steps,
+              "requests": executor.requests, "wall_s": time.perf_counter() - start, **switch_metrics(ticks)}
+    if video_dir is not None and frames:
+        path = video_dir / f"episode_{seed}.mp4"
+        encode_video(path, np.stack(frames), codec="h264", fps=env.fps)
+        result["video"] = path.name
+    log.info("episode seed %d: %s in %d steps (return %.2f)", seed, "success" if success else "failure", env.steps, total)
+    return result
 
 
 class _Checked:
-    """The client, its answers checked against the simulator's action space."""
+    """The client, its answers checked against the environment's action space."""
 
-    def __init__(self, client: Any):
-        self.client = client
+    def __init__(self, client: Any, env: Any):
+        self.client, self.env = client, env
 
     def infer(self, request: dict) -> dict:
         answer = self.client.infer(request)
         actions = np.asarray(answer["actions"], dtype=np.float64)
-        if actions.ndim != 2 or actions.shape[1] != 8:
+        if actions.ndim != 2 or actions.shape[1] != self.env.action_dim:
             raise ValueError(f"the server returned actions of shape {actions.shape}; the simulator acts in "
-                             "DROID's space: [horizon, 8] (7 joint velocities, gripper position)")
+                             f"[horizon, {self.env.action_dim}]: {self.env.action_space}")
         return {**answer, "actions": actions}
 
 

@@ -1,9 +1,32 @@
-"""The simulated pick task the closed loop runs in (the [sim] extra): :mod:`slurmvla.sim.env` (the scene),
-:mod:`slurmvla.sim.expert` (the scripted expert), :mod:`slurmvla.sim.record` (its demonstrations as a
-LeRobot dataset), :mod:`slurmvla.sim.policies` (reference policies). ``python -m slurmvla.rollout`` runs it."""
+"""The simulated tasks the closed loop runs in (the [sim] extra), one module per embodiment:
+:mod:`slurmvla.sim.env` (the DROID-shaped pick task, ``rollout.env=pick``; its scripted expert in
+:mod:`slurmvla.sim.expert`) and :mod:`slurmvla.sim.metaworld` (Meta-World's tasks, ``rollout.env=metaworld
+rollout.task=...``, with their own scripted experts); :mod:`slurmvla.sim.record` (demonstrations as a LeRobot
+dataset), :mod:`slurmvla.sim.policies` (reference policies). ``python -m slurmvla.rollout`` runs them.
+
+An environment offers ``reset(seed)``, ``observe(client_keys) -> obs``, ``step(action) -> Step``,
+``rest_action()``, ``close()`` and, as facts the closed loop reads, ``client_cameras`` (client key -> camera),
+``state_keys``, ``action_dim``, ``action_space`` (in words), ``video_keys``, ``fps``, ``instruction``, ``steps``.
+"""
 
 import os
 
 # Offscreen rendering without a display: EGL (Mesa's llvmpipe on a CPU machine, the GPU's driver on a
 # GPU node). MuJoCo reads it when first imported; a user's MUJOCO_GL wins.
 os.environ.setdefault("MUJOCO_GL", "egl")
+
+
+def make_env(name: str, task: str | None = None, height: int = 180, width: int = 320, max_steps: int = 100):  # noqa: ANN201
+    """The environment ``rollout.env`` names (one of :data:`slurmvla.registry.SIM_ENVS`), rendering at ``height`` x
+    ``width``."""
+    if name == "pick":
+        from slurmvla.sim.env import CAMERAS, PickCube
+
+        return PickCube(height=height, width=width, cameras=CAMERAS)
+    if name == "metaworld":
+        from slurmvla.sim.metaworld import MetaWorld
+
+        return MetaWorld(task, height=height, width=width, max_steps=max_steps)
+    from slurmvla.registry import SIM_ENVS
+
+    raise ValueError(f"rollout.env={name!r} is not valid; choose one of {list(SIM_ENVS)}")

@@ -143,6 +143,19 @@ class PickCube:
     ``step(action)`` applies an 8-D action (7 joint velocities in rad/s, then the gripper position in
     [0, 1], 1 = closed) for one 1/15 s control period."""
 
+    # The closed loop's facts about this embodiment (slurmvla.sim.make_env; Meta-World's: slurmvla.sim.metaworld).
+    client_cameras = CLIENT_CAMERAS
+    state_keys = ("observation/joint_position", "observation/gripper_position")
+    action_dim = 8
+    action_space = "DROID's: 7 joint velocities (rad/s) and the gripper position (0 open, 1 closed)"
+    video_keys = ("observation/exterior_image_1_left", "observation/wrist_image_left")
+    fps = FPS
+    instruction = INSTRUCTION
+
+    def rest_action(self) -> np.ndarray:
+        """What the arm does before its first chunk arrives: hold still, the gripper where it is."""
+        return np.array([0.0] * 7 + [self.gripper_position()])
+
     def __init__(self, height: int = 180, width: int = 320, cameras: tuple[str, ...] = CAMERAS):
         unknown = [c for c in cameras if c not in CAMERAS]
         if unknown:

@@ -1,7 +1,15 @@
-"""Record the scripted expert's demonstrations of the simulated pick task as a LeRobot v3.0 dataset in
-DROID's layout, through the project's writer (:mod:`slurmvla.data.writer`).
+"""Record a scripted expert's demonstrations as a LeRobot v3.0 dataset, through the project's writer
+(:mod:`slurmvla.data.writer`): the simulated pick task's in DROID's layout, or a Meta-World task's.
 
     python -m slurmvla.sim.record --out DIR [--episodes 100] [--first-seed 0] [--height 180 --width 320]
+    python -m slurmvla.sim.record --env metaworld --task assembly-v3 --out DIR [--episodes 10] [--first-seed 0]
+
+Meta-World (:func:`slurmvla.sim.metaworld.record`): 200-step episodes at 128 x 128 from the ``corner2`` camera,
+only those where the task succeeded on at least 5 steps (3D Diffusion Policy's rule), seeds tried from
+``--first-seed`` on; beside the data ``metaworld.json`` lists every seed tried. The evaluation's seeds
+(``rollout.first_seed``, 100000 by default) are none of them.
+
+The pick task:
 
 Episode ``e`` is the environment's seed ``first_seed + e``. Per step: the observed joint and gripper
 positions (``observation.state``), DROID's action keys (``action.joint_velocity``: the commanded joint
@@ -21,10 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from slurmvla.compose import ArgumentParser, program
+from slurmvla.cli import ArgumentParser, program
 from slurmvla.data.keep_ranges import episode_key
 from slurmvla.data.writer import droid_columns, out_folder_problem, write_dataset
 from slurmvla.droid_features import DROID_CAMERAS
+from slurmvla.registry import SIM_ENVS
 
 # Steps recorded after the cube first counts as lifted: the demonstrations go on lifting, so a chunk
 # predicted near the goal still lifts.
@@ -128,29 +137,52 @@ def _rel_path(seed: int, success: bool) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog=program("slurmvla.sim.record"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output folder (must not hold a dataset yet)")
-    parser.add_argument("--episodes", type=int, default=100)
+    parser.add_argument("--env", default="pick", help="pick (default) or metaworld")
+    parser.add_argument("--task", help="the Meta-World task, e.g. assembly-v3 (--env metaworld)")
+    parser.add_argument("--episodes", type=int, default=None, help="demonstrations (default 100; Meta-World: 10)")
     parser.add_argument("--first-seed", type=int, default=0, help="episode e is the environment's seed first_seed + e")
     parser.add_argument("--noise", type=float, default=0.0,
                         help="std (rad/s) of Gaussian noise added to the executed joint velocities; the expert's "
                              "command is what is recorded (default 0)")
-    parser.add_argument("--height", type=int, default=180)
-    parser.add_argument("--width", type=int, default=320)
+    parser.add_argument("--height", type=int, default=None, help="camera frames' height (default 180; Meta-World: 128)")
+    parser.add_argument("--width", type=int, default=None, help="camera frames' width (default 320; Meta-World: 128)")
     args = parser.parse_args(argv)
+    metaworld = args.env == "metaworld"
+    args.episodes = args.episodes if args.episodes is not None else (10 if metaworld else 100)
+    args.height = args.height if args.height is not None else (128 if metaworld else 180)
+    args.width = args.width if args.width is not None else (128 if metaworld else 320)
     out = Path(args.out).expanduser()
     problem = None
-    if args.episodes < 1:
+    if args.env not in SIM_ENVS:
+        problem = f"--env={args.env!r} is not valid; choose one of {list(SIM_ENVS)}"
+    elif metaworld and not args.task:
+        problem = "--env metaworld needs --task (a Meta-World v3 task, e.g. --task assembly-v3)"
+    elif not metaworld and args.task:
+        problem = f"--task={args.task!r}: the pick task has no tasks to choose; use --env metaworld"
+    elif args.episodes < 1:
         problem = f"--episodes={args.episodes} must be >= 1"
     elif args.noise < 0:
         problem = f"--noise={args.noise} must be >= 0 (rad/s)"
     elif min(args.height, args.width) < 16 or args.height % 2 or args.width % 2:
         problem = f"--height={args.height} --width={args.width}: each must be an even number >= 16 (the video is yuv420p)"
+    elif metaworld and args.noise:
+        problem = "--noise applies to the pick task's expert only"
     else:
         problem = out_folder_problem(out)
     if problem is None:
         try:
-            summary = record(out, args.episodes, args.first_seed, args.height, args.width, noise=args.noise)
+            if metaworld:
+                from slurmvla.sim.metaworld import check_task
+                from slurmvla.sim.metaworld import record as record_metaworld
+
+                check_task(args.task, "--task")
+                summary = record_metaworld(out, args.task, args.episodes, args.first_seed, args.height, args.width)
+            else:
+                summary = record(out, args.episodes, args.first_seed, args.height, args.width, noise=args.noise)
         except OSError as e:
             problem = f"cannot write the dataset to --out={args.out!r}: {e.strerror or e}"
+        except ValueError as e:
+            problem = str(e)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)

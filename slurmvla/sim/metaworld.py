@@ -1,0 +1,280 @@
+"""Meta-World (``pip install -e '.[sim]'``: metaworld 3.1.1 on MuJoCo 3.3.0) as a second embodiment of the closed
+loop: a Sawyer arm acting in end-effector space, one camera.
+
+The regime is 3D Diffusion Policy's (Ze et al., RSS 2024; its ``metaworld_wrapper.py``), on the v3 tasks the
+package now ships where DP3 used v2:
+
+- the goal-observable task with its object and goal drawn anew at each reset (DP3: ``_freeze_rand_vec = False``),
+  here from the episode's seed (the environment's own generator seeded with it), so an episode is reproducible
+  and training seeds are disjoint from evaluation seeds;
+- one camera, ``corner2``, moved to [0.6, 0.295, 0.8] as DP3 moves it, at 128 x 128 (``rollout.height`` /
+  ``width``); rendered without shadows (four times faster through Mesa's llvmpipe, which a CPU evaluation of
+  20 x 200 frames per checkpoint needs), the same for the demonstrations and the evaluation;
+- the state is DP3's ``agent_pos``: the end effector's position and both fingertips' (9 numbers);
+- the action is Meta-World's: the end effector's displacement (x, y, z, scaled by the environment) and the
+  gripper's effort, each in [-1, 1];
+- 200 control steps an episode; an episode succeeds when the task's ``success`` flag is raised at any step.
+
+Under openpi's client the observation is ``observation/image`` (the camera), ``observation/state`` (the 9 numbers)
+and the prompt (openpi's LIBERO client's names, the nearest published single-arm layout). The full environment
+state (Meta-World's 39 numbers: hand, gripper opening, objects, goal) is offered as ``observation/env_state`` for
+a policy that asks for it in its metadata: the scripted experts (:class:`ExpertPolicy`), served through the same
+server and client, check every convention here without learning anything.
+"""
+
+from __future__ import annotations
+
+import mujoco  # slurmvla.sim (imported first) chose the offscreen backend
+import numpy as np
+
+from slurmvla.sim.env import Step
+
+CAMERA = "corner2"
+# DP3's corner2 (metaworld_wrapper.py: cam_pos[2] = [0.6, 0.295, 0.8]).
+CAMERA_POSITION = (0.6, 0.295, 0.8)
+IMAGE_KEY = "observation/image"
+STATE_KEY = "observation/state"
+ENV_STATE_KEY = "observation/env_state"
+STATE_DIM = 9
+ACTION_DIM = 4
+EPISODE_STEPS = 200
+# Meta-World's control rate: 5 physics steps of 2.5 ms an action (MetaWorld.fps reads it off the model).
+FPS = 80
+# The table's seven tasks (docs/benchmarks.md#meta-world), with the instruction each episode is recorded and
+# asked with; any other Meta-World v3 task runs with its name as the instruction.
+INSTRUCTIONS = {
+    "assembly-v3": "put the nut on the peg",
+    "disassemble-v3": "pick the nut up off the peg",
+    "stick-push-v3": "use the stick to push the thermos to the goal",
+    "hammer-v3": "hammer the nail into the wall",
+    "peg-insert-side-v3": "insert the peg into the hole from the side",
+    "coffee-pull-v3": "pull the coffee mug out of the machine",
+    "button-press-v3": "press the button",
+}
+
+
+def tasks() -> list[str]:
+    """Every Meta-World v3 task this package ships."""
+    from metaworld.env_dict import ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE
+
+    return sorted(k.removesuffix("-goal-observable") for k in ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE)
+
+
+def check_task(task: str | None, where: str = "rollout.task") -> str:
+    """``task`` if Meta-World has it, else a ValueError naming it and the choices."""
+    names = tasks()
+    if task not in names:
+        raise ValueError(f"{where}={task!r} is not a Meta-World v3 task; choose one of {names}")
+    return task
+
+
+def instruction(task: str) -> str:
+    return INSTRUCTIONS.get(task, task.removesuffix("-v3").replace("-", " "))
+
+
+class MetaWorld:
+    """One Meta-World task under the closed loop's interface: ``reset(seed)``, ``observe(keys)``, ``step(action)``
+    (a 4-D action), ``close()``; what it sends and takes as class facts (:data:`client_cameras`, ...)."""
+
+    # The closed loop's facts about this embodiment.
+    client_cameras = {IMAGE_KEY: CAMERA}
+    state_keys = (STATE_KEY, ENV_STATE_KEY)
+    action_dim = ACTION_DIM
+    action_space = "4 numbers in [-1, 1]: the end effector's x, y, z displacement and the gripper's effort"
+    video_keys = (IMAGE_KEY,)
+
+    def __init__(self, task: str, height: int = 128, width: int = 128, max_steps: int = EPISODE_STEPS):
+        from metaworld.env_dict import ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE
+
+        self.task = check_task(task)
+        self.instruction = instruction(task)
+        self.env = ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE[f"{task}-goal-observable"](seed=0)
+        # A new object and goal at each reset, drawn from the environment's generator (seeded per episode).
+        self.env._freeze_rand_vec = False
+        self.env.seeded_rand_vec = True
+        # Meta-World's own limit (500) would end an episode early with a truncation; the loop keeps the count.
+        self.env.max_path_length = max(max_steps, self.env.max_path_length)
+        model = self.env.model
+        model.cam_pos[model.camera(CAMERA).id] = CAMERA_POSITION
+        self.fps = round(1.0 / (self.env.frame_skip * model.opt.timestep))  # 80 Hz
+        self.height, self.width = height, width
+        self._renderer: mujoco.Renderer | None = None
+        self._obs: np.ndarray | None = None
+        self.steps = 0
+
+    def reset(self, seed: int) -> None:
+        self.env.seed(int(seed))
+        self._obs, _ = self.env.reset()
+        self.steps = 0
+
+    def rest_action(self) -> np.ndarray:
+        """What the arm does before its first chunk arrives: stay, the gripper relaxed."""
+        return np.zeros(ACTION_DIM)
+
+    def step(self, action: np.ndarray) -> Step:
+        action = np.asarray(action, dtype=np.float64).reshape(-1)
+        if action.shape != (ACTION_DIM,) or not np.isfinite(action).all():
+            raise ValueError(f"a Meta-World action is {self.action_space}; got {action.tolist()}")
+        self._obs, reward, _, _, info = self.env.step(np.clip(action, -1.0, 1.0).astype(np.float32))
+        self.steps += 1
+        # Meta-World's reward is in [0, 10]; the loop's return counts progress in [0, 1] a step.
+        return Step(success=bool(info["success"]), reward=float(reward) / 10.0)
+
+    def state(self) -> np.ndarray:
+        """DP3's ``agent_pos``: the end effector's position, then the right and the left fingertip's."""
+        env = self.env
+        return np.concatenate([env.get_endeff_pos(), env._get_site_pos("rightEndEffector"),
+                               env._get_site_pos("leftEndEffector")]).astype(np.float32)
+
+    def env_state(self) -> np.ndarray:
+        """Meta-World's own observation (39 numbers), what its scripted experts act on."""
+        return np.asarray(self._obs, np.float64).copy()
+
+    def observe(self, keys: tuple[str, ...] | None = None) -> dict:
+        """The observation under the client's keys (``keys``: the cameras rendered; default every one)."""
+        keys = tuple(self.client_cameras) if keys is None else keys
+        obs = {key: self.render(self.client_cameras[key]) for key in keys if key in self.client_cameras}
+        obs[STATE_KEY] = self.state()
+        obs[ENV_STATE_KEY] = self.env_state()
+        return obs
+
+    def render(self, camera: str = CAMERA) -> np.ndarray:
+        if self._renderer is None:
+            self._renderer = mujoco.Renderer(self.env.model, self.height, self.width)
+            self._renderer.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = False
+        self._renderer.update_scene(self.env.data, camera)
+        return self._renderer.render().copy()
+
+    def close(self) -> None:
+        if self._renderer is not None:
+            self._renderer.close()
+            self._renderer = None
+        self.env.close()
+
+
+def expert(task: str):  # noqa: ANN201 - a metaworld.policies.Policy
+    """Meta-World's scripted policy for ``task`` (``get_action(env_state) -> action``)."""
+    from metaworld.policies import ENV_POLICY_MAP
+
+    return ENV_POLICY_MAP[check_task(task, "task")]()
+
+
+class ExpertPolicy:
+    """A task's scripted expert as something a :class:`slurmvla.inference.server.PolicyServer` serves
+    (``infer(obs) -> {"actions"}``, ``metadata()``): it reads the full environment state the simulator offers
+    (:data:`ENV_STATE_KEY`) and answers a chunk of one action. Served through openpi's client, it reaches the
+    success rate it reaches acting on the environment directly; anything else is a convention broken between
+    the two (tests/test_metaworld.py)."""
+
+    def __init__(self, task: str):
+        import warnings
+
+        self.task = check_task(task, "task")
+        self.policy = expert(task)
+        # Meta-World's experts warn that their gains exceed the action range, every call; the environment clips.
+        warnings.filterwarnings("ignore", message="Constant\\(s\\) may be too high", category=UserWarning)
+
+    def metadata(self) -> dict:
+        return {"server": "slurmvla", "policy": f"metaworld_expert:{self.task}", "action_horizon": 1,
+                "action_dim": ACTION_DIM, "cameras": {"corner2": IMAGE_KEY}, "state": [ENV_STATE_KEY],
+                "prompt": "prompt", "execution_modes": ["sync", "async"]}
+
+    def infer(self, obs: dict) -> dict:
+        return {"actions": np.asarray(self.policy.get_action(np.asarray(obs[ENV_STATE_KEY])), np.float64)[None]}
+
+
+# -- demonstrations ------------------------------------------------------------------------------------------------
+
+# DP3 keeps a demonstration when its task succeeded on at least this many steps (gen_demonstration_expert.py).
+MIN_SUCCESS_STEPS = 5
+# Camera and features of a recorded Meta-World dataset (LeRobot's names: observation.environment_state is the
+# simulator's full state, which its Meta-World datasets keep too).
+VIDEO_KEY = f"observation.images.{CAMERA}"
+
+
+def layout():  # noqa: ANN201 - slurmvla.data.writer.Layout
+    """The recorded dataset's cameras and features (slurmvla.data.writer)."""
+    from slurmvla.data.writer import Layout, vec
+
+    xyz = ["x", "y", "z"]
+    features = {
+        "observation.state": vec(STATE_DIM, [f"{part}_{a}" for part in ("hand", "right_finger", "left_finger") for a in xyz]),
+        "observation.environment_state": vec(39, [f"s{i}" for i in range(39)]),
+        "action": vec(ACTION_DIM, ["dx", "dy", "dz", "gripper"]),
+        "next.reward": {"dtype": "float32", "shape": [1], "names": None},
+        "next.success": {"dtype": "bool", "shape": [1], "names": None},
+    }
+    return Layout((VIDEO_KEY,), features, fps=FPS, episode_stats=("observation.state", "action"))
+
+
+def expert_episode(env: MetaWorld, seed: int, steps: int = EPISODE_STEPS, render: bool = True) -> dict:
+    """One seeded episode of the task's scripted expert, ``steps`` long whatever happens (as DP3 records them):
+    per-step state, environment state, action, reward and success, and the camera's frames."""
+    policy = ExpertPolicy(env.task)
+    env.reset(seed)
+    states, env_states, actions, rewards, successes, frames = [], [], [], [], [], []
+    for _ in range(steps):
+        states.append(env.state())
+        env_states.append(env.env_state())
+        if render:
+            frames.append(env.render())
+        action = policy.infer({ENV_STATE_KEY: env_states[-1]})["actions"][0]
+        actions.append(action)
+        step = env.step(action)
+        rewards.append(step.reward)
+        successes.append(step.success)
+    return {"state": np.asarray(states, np.float32), "env_state": np.asarray(env_states, np.float32),
+            "action": np.clip(np.asarray(actions, np.float32), -1.0, 1.0), "reward": np.asarray(rewards, np.float32),
+            "success": np.asarray(successes, bool), "frames": np.stack(frames) if render else None, "seed": seed}
+
+
+def columns(ep: dict, episode_index: int, start_index: int, fps: int) -> dict[str, np.ndarray]:
+    """One episode's columns in :func:`layout`'s features."""
+    n = len(ep["state"])
+    return {
+        "observation.state": ep["state"], "observation.environment_state": ep["env_state"], "action": ep["action"],
+        "next.reward": ep["reward"][:, None], "next.success": ep["success"],
+        "timestamp": (np.arange(n) / fps).astype(np.float32), "frame_index": np.arange(n, dtype=np.int64),
+        "episode_index": np.full(n, episode_index, dtype=np.int64),
+        "index": np.arange(start_index, start_index + n, dtype=np.int64), "task_index": np.zeros(n, dtype=np.int64),
+    }
+
+
+def record(out, task: str, episodes: int, first_seed: int = 0, height: int = 128, width: int = 128,  # noqa: ANN001
+           steps: int = EPISODE_STEPS, max_tries: int | None = None) -> dict:
+    """``episodes`` successful expert demonstrations of ``task`` into ``out`` (LeRobot v3.0), from seeds
+    ``first_seed``, ``first_seed + 1``, ...: an episode is kept when the task succeeded on at least
+    :data:`MIN_SUCCESS_STEPS` steps (DP3's rule), the others skipped; at most ``max_tries`` seeds (default
+    ``4 x episodes``) are tried. Returns ``metaworld.json``'s summary (every seed tried, and which were kept)."""
+    from slurmvla.data.writer import write_dataset
+
+    env = MetaWorld(task, height=height, width=width, max_steps=steps)
+    spec = layout()
+    per_episode, tried, kept = [], [], []
+    start, seed = 0, first_seed
+    max_tries = 4 * episodes if max_tries is None else max_tries
+    try:
+        while len(per_episode) < episodes and len(tried) < max_tries:
+            ep = expert_episode(env, seed, steps)
+            ok = int(ep["success"].sum()) >= MIN_SUCCESS_STEPS
+            tried.append({"seed": seed, "success_steps": int(ep["success"].sum()), "kept": ok})
+            if ok:
+                e = len(per_episode)
+                per_episode.append((columns(ep, e, start, spec.fps), {VIDEO_KEY: ep["frames"]},
+                                    {"episode_index": e, "tasks": [env.instruction], "length": steps}))
+                kept.append(seed)
+                start += steps
+            seed += 1
+    finally:
+        env.close()
+    if len(per_episode) < episodes:
+        raise ValueError(f"the scripted expert of {task} succeeded on {len(per_episode)} of {len(tried)} seeds from "
+                         f"{first_seed}; {episodes} demonstrations were asked for")
+    summary = {"env": "metaworld", "task": task, "instruction": instruction(task), "camera": CAMERA,
+               "camera_position": list(CAMERA_POSITION), "height": height, "width": width, "steps": steps,
+               "seeds": kept, "tried": tried, "expert_success_rate": len(kept) / len(tried), "frames": start}
+    import json
+
+    write_dataset(out, per_episode, [instruction(task)], extra_files={"metaworld.json": json.dumps(summary, indent=1)},
+                  robot_type="sawyer", layout=spec)
+    return summary

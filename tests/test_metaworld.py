@@ -1,0 +1,125 @@
+"""Meta-World as the closed loop's second embodiment (slurmvla/sim/metaworld.py): the environment, its
+demonstrations as a LeRobot dataset read back through the data layer, and every convention between the
+simulator, openpi's client and the server checked without learning: the scripted expert served as a policy
+plays exactly the episodes it plays acting on the environment directly."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import slurmvla.sim  # noqa: F401 - chooses the offscreen backend before MuJoCo loads (metaworld loads it)
+
+pytest.importorskip("metaworld", reason="pip install -e '.[sim]'")
+pytest.importorskip("openpi_client", reason="pip install --no-deps openpi-client")
+
+from slurmvla.config import RolloutConfig  # noqa: E402
+from slurmvla.sim.metaworld import (  # noqa: E402
+    ENV_STATE_KEY,
+    IMAGE_KEY,
+    STATE_KEY,
+    ExpertPolicy,
+    MetaWorld,
+    expert_episode,
+)
+
+TASK = "button-press-v3"  # the expert presses it in ~60 steps, from every seed tried
+
+
+def test_episodes_are_drawn_from_their_seed_and_observed_as_dp3_observes_them():
+    env = MetaWorld(TASK, height=64, width=64)
+    try:
+        starts = {}
+        for seed in (3, 4, 3):
+            env.reset(seed)
+            obs = env.observe()
+            starts.setdefault(seed, []).append(obs[ENV_STATE_KEY])
+        assert np.array_equal(*starts[3])  # the same seed, the same object and goal
+        assert not np.array_equal(starts[3][0], starts[4][0])  # another seed, another place
+        assert obs[IMAGE_KEY].shape == (64, 64, 3) and obs[IMAGE_KEY].dtype == np.uint8
+        # DP3's agent_pos: the hand (Meta-World's own first 3 numbers), then both fingertips, a little below it
+        # and on either side.
+        state = obs[STATE_KEY]
+        assert state.shape == (9,)
+        np.testing.assert_allclose(state[:3], obs[ENV_STATE_KEY][:3], atol=1e-6)
+        between = (state[3:6] + state[6:9]) / 2
+        np.testing.assert_allclose(between[:2], state[:2], atol=0.01)
+        assert 0.02 < state[2] - between[2] < 0.08 and np.linalg.norm(state[3:6] - state[6:9]) > 0.02
+        with pytest.raises(ValueError, match=r"a Meta-World action is 4 numbers in \[-1, 1\].*got \[0.0, 0.0\]"):
+            env.step(np.zeros(2))
+    finally:
+        env.close()
+
+
+def test_demonstrations_read_back_through_the_data_layer_replay_the_episode(tmp_path, make_cfg):
+    """A recorded episode, read as training reads it, is the episode: its states and actions replayed in a fresh
+    environment from the same seed give the same states, and its frames decode to what the camera rendered
+    (AV1 at DROID's settings: lossy, within a few grey levels on average)."""
+    from slurmvla.data.mixture import Mixture
+    from slurmvla.policy import sample_spec
+    from slurmvla.sim.metaworld import record
+
+    summary = record(tmp_path / "demo", TASK, episodes=1, first_seed=7, height=64, width=64, steps=72)
+    assert summary["seeds"] == [7] and summary["tried"][0]["success_steps"] >= 5
+    assert json.loads((tmp_path / "demo" / "metaworld.json").read_text())["camera_position"] == [0.6, 0.295, 0.8]
+
+    cfg = make_cfg("experiment=metaworld", f"rollout.task={TASK}", f"data.root={tmp_path / 'demo'}", "data.num_workers=0",
+                   "policy.image_size=64")
+    mixture = Mixture(cfg.data, sample_spec(cfg.policy), cfg.trainer.seed)
+    source = mixture.sources[0]
+    env = MetaWorld(TASK, height=64, width=64)
+    try:
+        again = expert_episode(env, 7, steps=72)
+    finally:
+        env.close()
+    sample = source.sample(source.load_episode(0), 10, epoch=0)
+    # Sample at frame 10: its history is frames 9 and 10, its chunk actions 10..13.
+    np.testing.assert_allclose(sample["state"].numpy(), again["state"][9:11], atol=1e-6)
+    np.testing.assert_allclose(sample["actions"].numpy(), again["action"][10:14], atol=1e-6)
+    assert sample["instruction"] == "press the button"
+    frames = sample["images"].numpy()  # [history x cameras, H, W, 3] at the policy's size
+    assert np.abs(frames.astype(int) - again["frames"][9:11].astype(int)).mean() < 6
+
+
+def test_the_scripted_expert_served_through_openpis_client_plays_its_own_episodes():
+    """The expert acting on the environment directly, and the same expert behind the policy server, asked by
+    openpi's client at every step with what the simulator sends: the same success and length, seed by seed."""
+    from slurmvla.inference.closed_loop import run_served, summarize
+    from slurmvla.inference.server import PolicyServer
+
+    seeds = [100000, 100001, 100002]
+    env = MetaWorld(TASK, height=64, width=64)
+    direct = {}
+    try:
+        for seed in seeds:
+            expert = ExpertPolicy(TASK)
+            env.reset(seed)
+            for _ in range(120):
+                step = env.step(expert.infer({ENV_STATE_KEY: env.env_state()})["actions"][0])
+                if step.success:
+                    break
+            direct[seed] = (step.success, env.steps)
+    finally:
+        env.close()
+    assert all(success for success, _ in direct.values())
+
+    cfg = RolloutConfig(env="metaworld", task=TASK, episodes=len(seeds), first_seed=seeds[0], max_steps=120,
+                        replan_steps=1, height=64, width=64, videos=0)
+    served = run_served(PolicyServer(ExpertPolicy(TASK), "127.0.0.1", 0), cfg, seeds, None)
+    assert {e["seed"]: (e["success"], e["length"]) for e in served} == direct
+    assert summarize(served, 1.0)["rollout/success_rate"] == 1.0
+    assert all(e["requests"] == e["length"] for e in served)  # one request a step: replan_steps=1, horizon 1
+
+
+def test_rollout_settings_name_the_embodiment_and_its_task():
+    with pytest.raises(ValueError, match=r"rollout.env='libero' is not valid; choose one of \['pick', 'metaworld'\]"):
+        RolloutConfig(env="libero")
+    with pytest.raises(ValueError, match=r"rollout.env=metaworld needs rollout.task"):
+        RolloutConfig(env="metaworld")
+    with pytest.raises(ValueError, match=r"rollout.task='assembly-v3': the pick task has no tasks"):
+        RolloutConfig(task="assembly-v3")
+    with pytest.raises(ValueError, match=r"rollout.task='assembly-v2' is not a Meta-World v3 task; choose one of "
+                                         r"\['assembly-v3', 'basketball-v3'"):
+        MetaWorld("assembly-v2")

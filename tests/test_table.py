@@ -1,0 +1,58 @@
+"""python -m slurmvla.table: a sweep's closed-loop evaluations as the published protocol reports them (the mean of
+each run's best 5 evaluations, then mean ± std over seeds), against figures computed by hand."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from slurmvla.table import main
+
+
+def write_run(root, name: str, task: str, seed: int, rates: dict[int, float], policy: str = "keypoints_flow"):
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "config.resolved.yaml").write_text(
+        f"policy:\n  name: custom\n  size: {policy}\ntrainer:\n  seed: {seed}\nrollout:\n  env: metaworld\n  task: {task}\n")
+    for step, rate in rates.items():
+        folder = run / "rollout" / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "rollout.json").write_text(json.dumps({"step": step, "rollout/success_rate": rate, "rollout/episodes": 20}))
+    return run
+
+
+def test_each_run_counts_its_best_five_evaluations_and_seeds_give_mean_and_std(tmp_path, capsys):
+    sweep = tmp_path / "multirun"
+    # Seed 0: seven evaluations; the best five are 0.9, 0.8, 0.7, 0.6, 0.5 -> 70 %; its last is 0.5.
+    write_run(sweep, "0", "hammer-v3", 0, {100: 0.1, 200: 0.5, 300: 0.9, 400: 0.6, 500: 0.8, 600: 0.7, 700: 0.5})
+    # Seed 1: three evaluations (fewer than five: all of them) -> (0.2 + 0.4 + 0.3) / 3 = 30 %; last 0.3.
+    write_run(sweep, "1", "hammer-v3", 1, {100: 0.2, 200: 0.4, 300: 0.3})
+    write_run(sweep, "2", "button-press-v3", 0, {100: 1.0})
+    (sweep / "multirun.yaml").write_text("not a run\n")
+    (sweep / "3").mkdir()  # a job that never wrote its config: no run
+    main([str(sweep), "--no-plot"])
+    table = json.loads((sweep / "table.json").read_text())
+    rows = {r["task"]: r for r in table["rows"]}
+    assert rows["hammer-v3"]["seeds"] == [0, 1]
+    assert rows["hammer-v3"]["best"] == pytest.approx([50.0, 20.0])  # mean of 70 and 30, population std
+    assert rows["hammer-v3"]["final"] == pytest.approx([40.0, 10.0])  # 50 and 30
+    assert rows["button-press-v3"]["best"] == pytest.approx([100.0, 0.0])
+    text = (sweep / "table.md").read_text()
+    assert "| hammer-v3 | keypoints_flow | 0,1 | 50.0 ± 20.0 | 40.0 ± 10.0 | 15 ± 6 | 76 ± 4 |" in text
+    assert "| button-press-v3 | keypoints_flow | 0 | 100.0 ± 0.0 | 100.0 ± 0.0 | 99 ± 1 | - |" in text
+    assert text in capsys.readouterr().out
+
+
+def test_mistakes_are_one_line_naming_the_value(tmp_path):
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "slurmvla.table", *args], capture_output=True, text=True)
+
+    for args, message in (([str(tmp_path / "nowhere")], "is not a folder"),
+                          ([str(tmp_path)], "holds no run with a closed-loop evaluation"),
+                          ([str(tmp_path), "--reference", "dp4"], "--reference='dp4' is not valid; choose one of ['dp3', 'none']"),
+                          ([str(tmp_path), "--best", "0"], "--best=0 must be at least 1")):
+        done = run(*args)
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
