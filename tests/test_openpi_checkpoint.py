@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import save_file
 
 from slurmvla.data.mixture import offset_scale
-from slurmvla.policy import build_policy, openpi_ckpt
+from slurmvla.policy import build_policy
+from slurmvla.policy.pi0 import openpi as openpi_ckpt
 from slurmvla.policy.pi0.weights import check_pretrained_path, lerobot_state_dict, read_pretrained
 from slurmvla.policy.stats import checkpoint_stats
 

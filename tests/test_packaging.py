@@ -31,6 +31,10 @@ def test_wheel_ships_the_configs(tmp_path):
     shipped = sorted(p.relative_to(target / "slurmvla" / "conf").as_posix() for p in (target / "slurmvla" / "conf").rglob("*.yaml"))
     in_repo = sorted(p.relative_to(REPO / "conf").as_posix() for p in (REPO / "conf").rglob("*.yaml"))
     assert shipped == in_repo
+    # Every package of the source tree is in the wheel (the list in pyproject.toml is written by hand).
+    packages = sorted(p.parent.relative_to(REPO).as_posix() for p in (REPO / "slurmvla").rglob("__init__.py"))
+    missing = [p for p in packages if not (target / p / "__init__.py").is_file()]
+    assert not missing, f"packages the wheel lacks (pyproject.toml's [tool.setuptools] packages): {missing}"
     env = {**os.environ, "PYTHONPATH": str(target)}
     out = subprocess.run(
         [sys.executable, "-c", "import slurmvla, slurmvla.train as t; print(slurmvla.__file__); print(t.config_dir())"],

@@ -7,7 +7,8 @@ import warnings
 import pytest
 import torch
 
-from slurmvla.policy import attention, build_policy, flow_vla
+from slurmvla.policy import attention, build_policy
+from slurmvla.policy.flow_vla import model as flow_vla
 from slurmvla.policy.flow_vla.config import FlowVLAConfig
 from slurmvla.policy.tokenizer import tokenize
 
