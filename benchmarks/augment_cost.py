@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from slurmvla.config import DataConfig
 from slurmvla.data.augment import Augmenter
+from slurmvla.data.config import DataConfig
+from slurmvla.data.datasets import EpisodeStream
 from slurmvla.data.mixture import Mixture
-from slurmvla.data.readers import EpisodeStream
 from slurmvla.data.synthetic import write_droid_sample
 from slurmvla.policy import sample_spec
 from slurmvla.policy.flow_vla.config import FlowVLAConfig

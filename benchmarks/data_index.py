@@ -66,9 +66,9 @@ def main() -> None:
     parser.add_argument("--horizon", type=int, default=16)
     args = parser.parse_args()
 
-    from slurmvla.config import DataConfig
+    from slurmvla.data.config import DataConfig
+    from slurmvla.data.datasets import EpisodeStream
     from slurmvla.data.mixture import Mixture
-    from slurmvla.data.readers import EpisodeStream
 
     lengths, ids, rel, keep = synthetic_droid(args.episodes, args.frames)
     with tempfile.TemporaryDirectory() as tmp:

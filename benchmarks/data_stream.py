@@ -37,10 +37,10 @@ import psutil
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-from slurmvla.config import DataConfig
+from slurmvla.data.config import DataConfig
+from slurmvla.data.datasets import EpisodeStream
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.prepare import resize_frame
-from slurmvla.data.readers import EpisodeStream
 from slurmvla.data.synthetic import CODECS, write_droid_sample
 from slurmvla.data.video import decode_range
 from slurmvla.policy import sample_spec

@@ -26,8 +26,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from slurmvla.compose import compose
-from slurmvla.config import EngineConfig, OptimConfig
+from slurmvla.config import OptimConfig
 from slurmvla.engine.base import StepSettings
+from slurmvla.engine.config import EngineConfig
 from slurmvla.engine.distributed import init_process_group
 from slurmvla.launch import DistEnv
 from slurmvla.policy import build_policy

@@ -18,8 +18,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from slurmvla.config import Config, policy_options, policy_schema
+from slurmvla.config import Config
 from slurmvla.errors import one_line
+from slurmvla.policy.config import policy_options, policy_schema
 from slurmvla.registry import POLICIES
 
 SCHEMA_NAME = "slurmvla_schema"

@@ -30,18 +30,18 @@ import torch
 
 from slurmvla.cli import ArgumentParser, program
 from slurmvla.data.damaged import pop_marks
+from slurmvla.data.datasets import SPLITS
 from slurmvla.data.loader import build_validation_loader, to_device
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.prepare import inference_fields
 from slurmvla.data.processor import Processor
-from slurmvla.data.readers import SPLITS
 from slurmvla.errors import boundary
-from slurmvla.eval.validate import bucket, per_sample
 from slurmvla.inference.graphs import inference_sampler
-from slurmvla.inference.lerobot import lerobot_type
+from slurmvla.inference.lerobot_checkpoint import lerobot_type
 from slurmvla.inference.load import Loaded, load_exported
 from slurmvla.policy.base import seeded_sample_actions
 from slurmvla.policy.stats import resolve_stats
+from slurmvla.validation import bucket, per_sample
 
 METRICS_FILE = "metrics.json"
 

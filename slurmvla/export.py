@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from slurmvla.checkpoint import LORA_BASE, META_FILE, load_model_file, resolve_checkpoint
 from slurmvla.cli import ArgumentParser, program
 from slurmvla.errors import boundary
-from slurmvla.inference.lerobot import lerobot_type, not_lerobot_reason
+from slurmvla.inference.lerobot_checkpoint import lerobot_type, not_lerobot_reason
 from slurmvla.inference.load import CONFIG_FILE, Loaded, load_exported, read_config
 
 

@@ -23,6 +23,7 @@ import sys
 
 from slurmvla.compose import compose
 from slurmvla.config import Config
+from slurmvla.data.config import KEEP_RANGE_SEMANTICS
 from slurmvla.errors import FAILED, boundary
 
 
@@ -43,7 +44,7 @@ def summarize(cfg: Config) -> dict:
             continue
         # Samples per epoch under each semantics (the configured one is what training uses).
         per_mode = {}
-        for semantics in ("frame", "window"):
+        for semantics in KEEP_RANGE_SEMANTICS:
             other = dataclasses.replace(spec, keep_ranges=dataclasses.replace(spec.keep_ranges, semantics=semantics))
             source = LeRobotSource(other, cfg.data, samples, cfg.trainer.seed, i)
             per_mode[semantics] = {"samples": source.index.num_samples, "train_samples": source.train_index.num_samples}

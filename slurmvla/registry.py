@@ -5,7 +5,9 @@ Adding an engine or a schedule is its own file (or function) plus one entry here
 of ``slurmvla/policy/`` that declares its own entries (:func:`policy_folders`). An
 entry names its implementation as ``"module:attribute"`` and imports it only when used, so
 validating a config never imports torch's distributed stack or DeepSpeed; a policy's entry names its
-options' schema the same way (``PolicyEntry.schema``), so it needs no other table.
+options' schema the same way (``PolicyEntry.schema``), so it needs no other table. The fixed choice lists (data
+modes, resize modes, simulated embodiments, execution modes, ...) are no registry: each is in the schema module of
+the package that owns it (``slurmvla/data/config.py``, ...).
 
 This module is at the bottom of the import graph: it imports no other slurmvla module, but for the policy
 folders' torch-free ``config`` modules, by name, when the policy table is first read.
@@ -91,12 +93,12 @@ class PolicyEntry(Entry):
     the class is named by the config's ``policy.target`` (a user's own policy).
 
     ``schema``: ``"module:Class"`` of the policy's options, a dataclass deriving from
-    ``slurmvla.config.PolicyConfig`` whose ``name`` defaults to the entry's; the config layer imports it
+    ``slurmvla.policy.config.PolicyConfig`` whose ``name`` defaults to the entry's; the config layer imports it
     by this name to validate ``policy.*`` and registers it in Hydra's ConfigStore (``policy=<name>``
     selects it at its defaults where conf/policy/ has no file of that name). Its module imports no torch,
     so validating a config never imports the model."""
 
-    schema: str = "slurmvla.config:PolicyConfig"
+    schema: str = "slurmvla.policy.config:PolicyConfig"
 
     def load_schema(self) -> Any:
         return import_target(self.schema)
@@ -208,21 +210,3 @@ POLICIES: Registry[PolicyEntry] = Registry("policy.name", discover=policy_folder
 SCHEDULERS: Registry[SchedulerEntry] = Registry("scheduler.name")
 for _name in ("cosine", "constant", "warmup_constant", "frozen_backbone"):
     SCHEDULERS.add(SchedulerEntry(_name, f"slurmvla.optim:{_name}_schedule"))
-
-# -- data modes ----------------------------------------------------------------------------------
-
-# What one sample is; a sample's "mode" field is its index here.
-SAMPLE_MODES = ("policy", "forward_dynamics", "inverse_dynamics")
-# data.mode: every sample in one sample mode, or joint: a sample mode drawn per sample.
-JOINT_MODE = "joint"
-DATA_MODES = (SAMPLE_MODES[0], JOINT_MODE, *SAMPLE_MODES[1:])
-
-# data.image_resize: camera frames to the policy's square input. pad keeps the aspect ratio and
-# pads with black (openpi's resize-with-pad, what pretrained SigLIP backbones expect); squash stretches.
-IMAGE_RESIZE_MODES = ("pad", "squash")
-
-# rollout.env: the closed loop's simulated embodiments (slurmvla.sim.make_env).
-SIM_ENVS = ("pick", "metaworld")
-
-# rollout.execution and the robot-side executor (slurmvla/inference/executor.py): how action chunks run.
-EXECUTION_MODES = ("sync", "async", "rtc")

@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 from slurmvla.cli import ArgumentParser, program
-from slurmvla.config import RolloutConfig
 from slurmvla.errors import boundary
 from slurmvla.inference.closed_loop import (
     close_client,
@@ -48,6 +47,7 @@ from slurmvla.inference.closed_loop import (
     shard_seeds,
     summarize,
 )
+from slurmvla.sim.config import RolloutConfig
 
 
 def _parse_shard(text: str) -> tuple[int, int]:

@@ -38,7 +38,6 @@ from slurmvla.engine.distributed import (
 from slurmvla.engine.ema import MovingAverage
 from slurmvla.engine.liveness import CollectiveFailure, Heartbeats, is_collective_failure
 from slurmvla.engine.precision import check_fp32_master_state
-from slurmvla.eval import validate
 from slurmvla.launch import DistEnv, SlurmJob
 from slurmvla.launch.grace import shortfalls
 from slurmvla.launch.preempt import FINISHED_MARKER, PreemptionFlag
@@ -52,6 +51,7 @@ from slurmvla.policy.compiled_layers import compile_units
 from slurmvla.policy.stats import resolve_stats
 from slurmvla.registry import ENGINES
 from slurmvla.seeding import GlobalGenerators, seed_everything
+from slurmvla.validation import validate
 
 log = logging.getLogger("slurmvla")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -182,6 +183,64 @@ def test_cli_rejects_a_misspelled_key_with_the_valid_ones(tmp_path):
     assert "did you mean engine.shard_degree?" in res.stderr, res.stderr
 
 
+# A stand-in for the trainer (no torch, no run) and a counter of Hydra's compositions, in a fresh process.
+COUNT_COMPOSITIONS = """
+import json, os, sys, types
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+modes, seen = [], {}
+load = ConfigLoaderImpl.load_configuration
+
+
+def counting(self, *args, **kwargs):
+    modes.append(str(kwargs["run_mode"]))
+    return load(self, *args, **kwargs)
+
+
+class Trainer:
+    stopped_for_requeue = False
+
+    def __init__(self, cfg, out, closed_loop=None):
+        seen.update(steps=cfg.policy.num_inference_steps, full_error=os.environ.get("HYDRA_FULL_ERROR"))
+
+    def fit(self):
+        return {}
+
+    def close(self, failed=False):
+        pass
+
+
+ConfigLoaderImpl.load_configuration = counting
+sys.modules["slurmvla.trainer"] = types.ModuleType("slurmvla.trainer")
+sys.modules["slurmvla.trainer"].Trainer = Trainer
+from slurmvla import train
+
+for args in json.loads(sys.argv[1]):
+    modes.clear()
+    seen.clear()
+    sys.argv = ["train", *args]
+    train.cli()
+    print("COUNTED", json.dumps({"modes": modes, **seen}), flush=True)
+"""
+
+
+def test_a_plain_start_up_composes_once(tmp_path):
+    """``python -m slurmvla.train ...`` composes its config once, in ``@hydra.main`` (Hydra 1.3 composes once more
+    before it, silently, to read ``hydra.mode``: ``Hydra.get_mode``); the checks that compose to say a mistake in
+    one line run only when that composition failed. It used to be 3, 4 with a ``policy.*`` override. The run gets
+    ``HYDRA_FULL_ERROR`` as the user set it. ``--dry-run`` composes once."""
+    runs = [[f"hydra.run.dir={tmp_path / 'a'}"], [f"hydra.run.dir={tmp_path / 'b'}", "policy.num_inference_steps=4"],
+            ["--dry-run"]]
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    res = subprocess.run([sys.executable, "-c", COUNT_COMPOSITIONS, json.dumps(runs)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    counted = [json.loads(line.split(" ", 1)[1]) for line in res.stdout.splitlines() if line.startswith("COUNTED ")]
+    run = ["RunMode.MULTIRUN", "RunMode.RUN"]  # Hydra's mode probe, then the run's one composition
+    assert counted == [{"modes": run, "steps": 10, "full_error": None}, {"modes": run, "steps": 4, "full_error": None},
+                       {"modes": ["RunMode.RUN"]}], res.stdout[-3000:]
+
+
 def test_experiment_overlays_override_the_primary_config():
     demo = compose(["experiment=demo"])
     assert demo.name == "demo" and demo.trainer.max_steps == 1500
@@ -226,7 +285,7 @@ def test_an_option_the_policy_does_not_have_is_one_line_naming_the_policy_and_it
 
 
 def test_a_policy_config_built_by_hand_must_be_its_policys_schema():
-    from slurmvla.config import policy_schema
+    from slurmvla.policy.config import policy_schema
     from slurmvla.policy.flow_vla.config import FlowVLAConfig
     from slurmvla.policy.pi0.config import Pi05Config
 

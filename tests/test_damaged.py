@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 from slurmvla import inspect, train
 from slurmvla.checkpoint import list_checkpoints
 from slurmvla.data.damaged import DAMAGED, SUBSTITUTE
+from slurmvla.data.datasets import EpisodeStream
 from slurmvla.data.loader import TrainData, build_validation_loader
 from slurmvla.data.mixture import Mixture
-from slurmvla.data.readers import EpisodeStream
 
 from .conftest import policy_spec, run_until
 from .test_errors import fails, restore_signals  # noqa: F401 (a fixture)
@@ -213,8 +213,8 @@ def test_on_damaged_error_keeps_stopping_at_the_first_damaged_file(damaged_root,
 
 
 def test_validation_replaces_the_samples_of_damaged_episodes_and_leaves_them_out(damaged_root, make_cfg, caplog):
-    from slurmvla.eval import validate
     from slurmvla.policy import build_policy
+    from slurmvla.validation import validate
 
     root, video, episodes = damaged_root
     cfg = make_cfg(f"data.root={root}", "policy.image_size=32")

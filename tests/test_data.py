@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from slurmvla.data.lerobot import LeRobotMetadata
-from slurmvla.data.readers import EpochSampler
+from slurmvla.data.datasets import EpochSampler
+from slurmvla.data.lerobot_format import LeRobotMetadata
 from slurmvla.data.source import LeRobotSource, dataset_specs, seeded_int
 from slurmvla.data.spec import Draw
 from slurmvla.data.synthetic import main as synthetic_main

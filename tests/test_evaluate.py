@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from slurmvla.compose import compose
+from slurmvla.data.datasets import ValidationDataset
 from slurmvla.data.mixture import Mixture
-from slurmvla.data.readers import ValidationDataset
 from slurmvla.evaluate import evaluate
 from slurmvla.inference.load import Loaded
 from slurmvla.policy import build_policy

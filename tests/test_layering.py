@@ -5,10 +5,13 @@ models never import ``torch.distributed`` or ``slurmvla.collectives``. Read from
 one at the top; code under ``if __name__ == "__main__":`` does not (a library may hand its old ``python -m``
 path over to the program that moved up).
 
-A policy's schema is the one thing a lower layer reaches above itself: ``config`` and ``compose`` (layer 1)
-import it by the string its registry entry holds (``PolicyEntry.schema``, through ``registry.import_target``),
-which this reader does not see. So the schema modules are held to layer 1's rule here, and composing a
-config is checked to import no torch.
+Schemas live beside the packages they configure: ``slurmvla/<package>/config.py`` (and a policy folder's
+``slurmvla/policy/<name>/config.py``) is a schema module, configuration (layer 1) wherever it lives. ``config``
+(layer 1) composes the packages' schema modules, and ``config`` / ``compose`` import a policy's schema by the
+string its registry entry holds (``PolicyEntry.schema``, through ``registry.import_target``), which this reader
+does not see. So a schema module imports only layers 0-1, no torch, transformers or numpy, and never ``config``
+(which composes it); any module may import one (the sibling and data rules are about code, not options); and
+composing a config, which imports every schema module and its package's ``__init__``, is checked to import no torch.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "slurmvla"
 LAYERS = (
     (0, ("slurmvla.registry", "slurmvla.errors", "slurmvla.cli", "slurmvla.collector", "slurmvla.collectives",
          "slurmvla.droid_features", "slurmvla.weights", "slurmvla.seeding", "slurmvla.units", "slurmvla.launch")),
-    (1, ("slurmvla.config", "slurmvla.compose")),
+    (1, ("slurmvla.config", "slurmvla.checks", "slurmvla.compose")),  # and every schema module: is_schema
     (2, ("slurmvla.data", "slurmvla.optim", "slurmvla.logger")),
     (3, ("slurmvla.policy", "slurmvla.engine")),
-    (4, ("slurmvla.checkpoint", "slurmvla.eval", "slurmvla.sim", "slurmvla.planner")),
+    (4, ("slurmvla.checkpoint", "slurmvla.validation", "slurmvla.sim", "slurmvla.planner")),
     (5, ("slurmvla.trainer", "slurmvla.inference")),
     (6, PROGRAMS := ("slurmvla.train", "slurmvla.serve", "slurmvla.evaluate", "slurmvla.export", "slurmvla.profile",
                      "slurmvla.inspect", "slurmvla.check", "slurmvla.check_ranks", "slurmvla.rollout",
@@ -42,6 +45,9 @@ SIBLINGS = (("slurmvla.policy", "slurmvla.engine"), ("slurmvla.trainer", "slurmv
 # The data layer reads the configuration's schemas (``config``), never the application's composition (Hydra:
 # ``compose``), a model, an engine or the trainer: it loads for a tool that has none of them.
 DATA, NOT_FOR_DATA = "slurmvla.data", ("slurmvla.compose", "slurmvla.policy", "slurmvla.engine", "slurmvla.trainer")
+# A schema module (``slurmvla/<package>/config.py``, ``slurmvla/policy/<name>/config.py``): layer 1 wherever it lives,
+# held to layers 0-1 and no heavy package; never importing the root ``config``, which composes it.
+ROOT_CONFIG, HEAVY = "slurmvla.config", ("torch", "transformers", "numpy")
 # Models are pure functions of their batch: no module of the policy package may know that ranks exist.
 MODELS = "slurmvla.policy"
 RANK_AWARE = ("torch.distributed", "slurmvla.collectives")
@@ -51,9 +57,16 @@ def _within(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
+def is_schema(module: str) -> bool:
+    parts = module.split(".")
+    return len(parts) > 2 and parts[0] == "slurmvla" and parts[-1] == "config"
+
+
 def layer_of(module: str) -> int | None:
     if module == "slurmvla":
         return 0
+    if is_schema(module):
+        return 1
     matches = [(len(p), layer) for layer, prefixes in LAYERS for p in prefixes if _within(module, p)]
     return max(matches)[1] if matches else None
 
@@ -119,13 +132,21 @@ def violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
         for imported in dict.fromkeys(imports(source, module, is_package, known)):
             if _within(module, MODELS) and any(_within(imported, r) for r in RANK_AWARE):
                 out.append(f"{module} -> {imported} (a model module must not know that ranks exist)")
+            if is_schema(module) and any(_within(imported, h) for h in HEAVY):
+                out.append(f"{module} -> {imported} (a schema module imports no {', '.join(HEAVY)}: composing a "
+                           "config reads it)")
             if not _within(imported, "slurmvla"):
                 continue
-            if _within(module, DATA) and any(_within(imported, m) for m in NOT_FOR_DATA):
-                out.append(f"{module} -> {imported} (the data layer never imports {', '.join(NOT_FOR_DATA)})")
+            if is_schema(module) and imported == ROOT_CONFIG:
+                out.append(f"{module} -> {imported} (a schema module never imports {ROOT_CONFIG}, which composes it: "
+                           "import from the owner's config module or slurmvla.checks)")
             theirs = layer_of(imported)
             if theirs is not None and theirs > mine:
                 out.append(f"{module} -> {imported} (layer {mine} imports layer {theirs})")
+            if is_schema(imported):
+                continue  # options, not code: any module may read them
+            if _within(module, DATA) and any(_within(imported, m) for m in NOT_FOR_DATA):
+                out.append(f"{module} -> {imported} (the data layer never imports {', '.join(NOT_FOR_DATA)})")
             for a, b in SIBLINGS:
                 if (_within(module, a) and _within(imported, b)) or (_within(module, b) and _within(imported, a)):
                     out.append(f"{module} -> {imported} (siblings: {a} and {b} never import each other)")
@@ -146,28 +167,41 @@ def package_sources() -> dict[str, tuple[str, bool]]:
     return out
 
 
-def test_a_policys_schema_module_imports_only_what_configuration_may():
+def schema_modules(sources: dict[str, tuple[str, bool]]) -> dict[str, str]:
+    """Every schema module -> what reads it: the packages' and the policy folders' ``config`` modules, and the module
+    of each registered policy's schema (a plug-in's may be named otherwise)."""
     from slurmvla.registry import POLICIES
 
-    sources = package_sources()
-    found = []
+    found = {m: "composed by slurmvla.config" for m in sources if is_schema(m)}
     for name in POLICIES:
-        module = POLICIES.get(name).schema.partition(":")[0]
+        found[POLICIES.get(name).schema.partition(":")[0]] = f"the schema of policy {name}: config imports it by name"
+    return found
+
+
+def test_schema_modules_import_only_what_configuration_may():
+    sources = package_sources()
+    schemas = schema_modules(sources)
+    assert {f"slurmvla.{p}.config" for p in ("data", "engine", "inference", "policy", "sim")} <= set(schemas)
+    found = []
+    for module, reader in sorted(schemas.items()):
         source, is_package = sources[module]
         for imported in dict.fromkeys(imports(source, module, is_package, set(sources))):
-            heavy = any(_within(imported, m) for m in ("torch", "transformers", "numpy"))
-            if heavy or (_within(imported, "slurmvla") and (layer_of(imported) or 0) > 1):
-                found.append(f"{module} -> {imported} (the schema of policy {name}: config imports it by name)")
+            heavy = any(_within(imported, m) for m in HEAVY)
+            if heavy or imported == ROOT_CONFIG or (_within(imported, "slurmvla") and (layer_of(imported) or 0) > 1):
+                found.append(f"{module} -> {imported} ({reader})")
     assert not found, "\n".join(found)
 
 
 def test_composing_a_config_imports_no_torch():
-    """Validating a config (a launcher's dry run, a saved config re-read) costs no torch import: every policy's
-    schema, and the policy package's ``__init__`` that importing it runs, stay light."""
-    code = ("import sys\nfrom slurmvla.compose import compose\nfrom slurmvla.registry import POLICIES\n"
+    """Validating a config (a launcher's dry run, a saved config re-read) costs no torch import: every schema module,
+    and the package ``__init__`` that importing it runs (``slurmvla.data``, ``engine``, ``inference``, ``policy``,
+    ``sim``), stay light."""
+    modules = sorted(schema_modules(package_sources()))
+    code = ("import importlib, sys\nfrom slurmvla.compose import compose\nfrom slurmvla.registry import POLICIES\n"
             "for option in ('tiny', 'pi0', 'pi05_tiny', 'keypoints'):\n    compose([f'policy={option}'])\n"
             "for name in POLICIES:\n    POLICIES.get(name).load_schema()\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))\n")
+            f"for module in {modules!r}:\n    importlib.import_module(module)\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout[-2000:] + out.stderr[-2000:]
 
@@ -193,6 +227,11 @@ def test_no_library_imports_a_layer_above_it_and_models_know_nothing_of_ranks():
     ("slurmvla.data.x", "def f():\n    from slurmvla.trainer import Trainer\n",
      "slurmvla.data.x -> slurmvla.trainer (layer 2 imports layer 5)"),
     ("slurmvla.config", "from .data import spec\n", "slurmvla.config -> slurmvla.data.spec (layer 1 imports layer 2)"),
+    ("slurmvla.data.config", "from slurmvla.data.spec import SampleSpec\n",
+     "slurmvla.data.config -> slurmvla.data.spec (layer 1 imports layer 2)"),
+    ("slurmvla.engine.config", "import torch\n", "slurmvla.engine.config -> torch (a schema module imports no"),
+    ("slurmvla.sim.config", "from slurmvla.config import check_choice\n",
+     "slurmvla.sim.config -> slurmvla.config (a schema module never imports"),
     ("slurmvla.data.x", "from slurmvla.compose import compose\n", "slurmvla.data.x -> slurmvla.compose (the data layer"),
     ("slurmvla.data.x", "def f():\n    from slurmvla.policy import build_policy\n",
      "slurmvla.data.x -> slurmvla.policy (the data layer"),
@@ -234,3 +273,12 @@ def test_the_checker_passes_downward_imports_and_main_guards():
     assert violations({"slurmvla.policy.x": (source, False)}) == []
     # A program hands over to itself (its own submodules) freely; a library's __main__ block may name a program.
     assert violations({"slurmvla.serve": ("from slurmvla.inference.build import build_server\n", False)}) == []
+    # The root config composes the packages' schema modules, and any module reads one (a sibling's, the data layer
+    # a policy's): they are options, layer 1.
+    schemas = {"slurmvla.policy.config": ("from slurmvla.checks import check_choice\nfrom slurmvla.data.config import "
+                                          "NORMALIZATIONS\n", False), "slurmvla.data.config": ("", False),
+               "slurmvla.engine.config": ("", False)}
+    assert violations({**schemas, "slurmvla.config": ("from slurmvla.data.config import DataConfig\n"
+                                                      "from slurmvla.engine import config\n", False),
+                       "slurmvla.engine.x": ("from slurmvla.policy.config import PolicyConfig\n", False),
+                       "slurmvla.data.x": ("from slurmvla.policy.config import PolicyConfig\n", False)}) == []

@@ -10,12 +10,12 @@ import json
 import numpy as np
 import pytest
 
-import slurmvla.sim  # noqa: F401 - chooses the offscreen backend before MuJoCo loads (metaworld loads it)
+import slurmvla.sim  # noqa: F401 - chooses MuJoCo's offscreen backend before metaworld loads MuJoCo
 
 pytest.importorskip("metaworld", reason="pip install -e '.[sim]'")
 pytest.importorskip("openpi_client", reason="pip install --no-deps openpi-client")
 
-from slurmvla.config import RolloutConfig  # noqa: E402
+from slurmvla.sim.config import RolloutConfig  # noqa: E402
 from slurmvla.sim.metaworld import (  # noqa: E402
     ENV_STATE_KEY,
     IMAGE_KEY,

@@ -263,3 +263,38 @@ def test_a_policy_without_rtc_offers_no_rtc_and_refuses_prev_actions(runner):
 def test_bad_rtc_options_name_themselves(tmp_path, over, error):
     with pytest.raises(ValueError, match=re.escape(error)):
         compose(["experiment=demo", f"data.root={tmp_path}", over])
+
+
+@pytest.mark.parametrize("jacobian", ["model", "identity"])
+@pytest.mark.parametrize("guided_dims", [None, (0, 2)])
+def test_guidance_variants_match_a_hand_computation(jacobian, guided_dims):
+    """One guided step on a linear velocity ``u(x) = x A + c`` (actions mixing through A), against the formula:
+    the clean estimate ``x - t u``, the error ``(Y - clean) * W`` (W: the schedule's weight per action, zero on
+    unguided dims), pulled back through ``I - t A`` (``model``) or not at all (``identity``), scaled by the
+    clipped guidance weight."""
+    g = torch.Generator().manual_seed(0)
+    h, d, t = 5, 3, 0.6
+    a, c = torch.randn(d, d, generator=g, dtype=torch.float64), torch.randn(d, generator=g, dtype=torch.float64)
+    x, prev = torch.randn(1, h, d, generator=g, dtype=torch.float64), torch.randn(1, h, d, generator=g, dtype=torch.float64)
+    rtc = Guidance(prev, torch.tensor([1]), torch.tensor([4]), 5.0, "exp", jacobian, guided_dims)
+    guide = rtc.guide(torch.zeros(d, dtype=torch.float64), torch.ones(d, dtype=torch.float64))
+    got = guide.velocity(lambda xt: xt.double() @ a + c, x, t)
+
+    u = x @ a + c
+    w = prefix_weights(torch.tensor([1]), torch.tensor([4]), h, "exp")[0][:, None].double().expand(h, d).clone()
+    if guided_dims is not None:
+        w[:, [i for i in range(d) if i not in guided_dims]] = 0
+    error = (prev - (x - t * u)) * w
+    pull = error @ (torch.eye(d, dtype=torch.float64) - t * a).T if jacobian == "model" else error
+    want = u - guidance_weight(t, 5.0) * pull
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    if jacobian == "identity" and guided_dims is not None:
+        torch.testing.assert_close(got[..., 1].double(), u[..., 1], rtol=1e-6, atol=1e-6)  # an unguided dim: the policy's
+
+
+def test_guidance_settings_name_their_value_and_choices():
+    prev = torch.zeros(1, 4, 3)
+    with pytest.raises(ValueError, match=r"rtc jacobian='none' is not one of \['model', 'identity'\]"):
+        Guidance(prev, torch.tensor([0]), torch.tensor([2]), jacobian="none")
+    with pytest.raises(ValueError, match=r"rtc guided_dims=\[0, 3\]: each must be an action dim in 0..2"):
+        Guidance(prev, torch.tensor([0]), torch.tensor([2]), guided_dims=(0, 3))

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from slurmvla.config import RTCTrainingConfig
 from slurmvla.policy import build_policy
+from slurmvla.policy.config import RTCTrainingConfig
 from slurmvla.policy.flow_vla.config import FlowVLAConfig
 from slurmvla.policy.rtc import Guidance, delay_probabilities, draw_delays, prefix_mask
 from tests.test_policy import make_batch

@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from slurmvla.data.datasets import EpisodeStream
 from slurmvla.data.loader import TrainData, build_validation_loader
 from slurmvla.data.mixture import Mixture
-from slurmvla.data.readers import EpisodeStream
 
 from .conftest import policy_spec
 
@@ -292,9 +292,9 @@ class _ArrowPool(torch.utils.data.Dataset):
 
 
 def test_a_data_worker_reads_parquet_through_the_system_allocator():
-    """A forked worker's Arrow pool is malloc (slurmvla.data.lerobot), not the parent's mimalloc, whose
+    """A forked worker's Arrow pool is malloc (slurmvla.data.lerobot_format), not the parent's mimalloc, whose
     inherited segments its first reads copied into the worker's private memory; the parent keeps its pool."""
-    import slurmvla.data.lerobot  # noqa: F401  (registers the fork hook, as the data layer always does)
+    import slurmvla.data.lerobot_format  # noqa: F401  (registers the fork hook, as the data layer always does)
 
     parent = pa.default_memory_pool().backend_name
     loader = torch.utils.data.DataLoader(_ArrowPool(), num_workers=1, multiprocessing_context="fork",

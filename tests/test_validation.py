@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from slurmvla.collectives import gather_dict
+from slurmvla.data.datasets import ValidationDataset
 from slurmvla.data.loader import build_validation_loader
 from slurmvla.data.mixture import Mixture
-from slurmvla.data.readers import ValidationDataset
-from slurmvla.eval import bucket, validate
 from slurmvla.policy import build_policy
+from slurmvla.validation import bucket, validate
 from tests.test_collectives import run_spawned
 
 from .conftest import policy_spec

@@ -5,7 +5,7 @@ Under ``skip`` a reader that meets a damaged episode warns once (naming the file
 fills the episode's sample slots with samples of a **substitute**: a readable episode of the same dataset
 and split, the first in an order seeded by where the slot is, never by timing:
 
-- the stream (:class:`~slurmvla.data.readers.EpisodeStream`): a piece found damaged when it is opened or
+- the stream (:class:`~slurmvla.data.datasets.EpisodeStream`): a piece found damaged when it is opened or
   mid-way (its frames decode forward, so samples of it may have gone out already) gives its remaining
   slots to the substitute of ``(seed, epoch, piece)``, whose sample for shard slot ``s`` is its
   ``s mod count``-th. A shard yields exactly its sample count, so every rank yields the same number of
@@ -38,10 +38,10 @@ import pyarrow.parquet as pq
 import torch
 
 from slurmvla.collectives import gather_objects
-from slurmvla.config import DataConfig
 from slurmvla.data import DataError
+from slurmvla.data.config import DataConfig
 from slurmvla.data.index import SampleIndex
-from slurmvla.data.lerobot import reading
+from slurmvla.data.lerobot_format import reading
 from slurmvla.data.source import Episode, LeRobotSource
 from slurmvla.errors import one_line
 

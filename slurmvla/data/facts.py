@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from slurmvla.data.lerobot import LeRobotMetadata
+from slurmvla.data.lerobot_format import LeRobotMetadata
 
 log = logging.getLogger("slurmvla")
 

@@ -21,7 +21,6 @@ import numpy as np
 from slurmvla.data import DataError
 
 GCS_ROOT = "gs://xembodiment_data/r2d2/r2d2-data-full"
-SEMANTICS = ("frame", "window")
 
 
 def episode_key(relative_path: str) -> str:

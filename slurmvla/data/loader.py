@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader
 
-from slurmvla.config import DataConfig
+from slurmvla.data.config import DataConfig
+from slurmvla.data.datasets import EpisodeStream, EpochSampler, MapDataset, ValidationDataset
 from slurmvla.data.mixture import Mixture
-from slurmvla.data.readers import EpisodeStream, EpochSampler, MapDataset, ValidationDataset
 from slurmvla.launch.preempt import ignore_stop_signals
 
 log = logging.getLogger("slurmvla")

@@ -3,8 +3,8 @@
 The **epoch plan** is a pure function of ``(seed, epoch)``: every dataset contributes a quota of
 samples proportional to its weight (the quotas sum to the mixture's train samples; a dataset whose
 quota exceeds its size repeats with a fresh episode order), its episodes are shuffled, and the
-pieces of all datasets are shuffled together into one sequence of episode pieces. The readers that
-walk the plan are in :mod:`slurmvla.data.readers`; the normalization statistics in
+pieces of all datasets are shuffled together into one sequence of episode pieces. The datasets that
+walk the plan are in :mod:`slurmvla.data.datasets`; the normalization statistics in
 :mod:`slurmvla.data.normalization`.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from slurmvla.config import DataConfig
+from slurmvla.data.config import DataConfig
 from slurmvla.data.normalization import offset_scale, pool_stats
 from slurmvla.data.source import LeRobotSource, dataset_specs, seeded_int
 from slurmvla.data.spec import DataFeatures, SampleSpec

@@ -32,7 +32,9 @@ from slurmvla.data.prepare import observation_batch, prepare_image, text_fields
 from slurmvla.data.spec import SampleSpec
 
 if TYPE_CHECKING:
-    from slurmvla.config import Config, DataConfig, ServeConfig
+    from slurmvla.config import Config
+    from slurmvla.data.config import DataConfig
+    from slurmvla.inference.config import ServeConfig
 
 
 @dataclass(frozen=True)

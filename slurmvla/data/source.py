@@ -7,7 +7,7 @@ normalizes by itself.
 
 Reading goes through episodes: :meth:`LeRobotSource.load_episode` reads one episode's frame columns
 and decodes the frame range it needs of each camera in one forward pass; :meth:`LeRobotSource.sample`
-cuts samples from that. The stream and the map-style readers (``slurmvla.data.readers``) only decide
+cuts samples from that. The stream and the map-style datasets (``slurmvla.data.datasets``) only decide
 which episodes to load and in which order.
 """
 
@@ -21,17 +21,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from slurmvla.config import DataConfig, KeepRangesConfig, check_delta_actions
 from slurmvla.data.augment import Augmenter
+from slurmvla.data.config import JOINT_MODE, SAMPLE_MODES, DataConfig, KeepRangesConfig, check_delta_actions
 from slurmvla.data.delta import chunk_action_stats, chunk_actions
 from slurmvla.data.facts import cached_arrays, episode_values
 from slurmvla.data.index import SampleIndex, build_index, keep_range_keys
 from slurmvla.data.keep_ranges import load_keep_ranges, read_json
-from slurmvla.data.lerobot import LeRobotMetadata
+from slurmvla.data.lerobot_format import LeRobotMetadata
 from slurmvla.data.processor import Processor
 from slurmvla.data.spec import DataFeatures, SampleSpec
 from slurmvla.data.video import FrameReader, decode_range, read_concurrently
-from slurmvla.registry import JOINT_MODE, SAMPLE_MODES
 
 log = logging.getLogger("slurmvla")
 ID_TO_PATH = ('one JSON object {"<episode_id>": "<lab>/<success|failure>/<date>/<folder>"} (DROID\'s '

@@ -1,19 +1,27 @@
 """The engine: the one layer that knows the parallelism strategies. One dispatch on the name,
-through ``slurmvla.registry.ENGINES``."""
+through ``slurmvla.registry.ENGINES``.
+
+Importing the package imports no torch (``slurmvla.engine.config``, the engine's options, is read when any config
+is composed): the builder and the contract's classes (``Engine``, ``StepSettings``) load it when first used."""
 
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from slurmvla.config import Config
-from slurmvla.engine.base import Engine, StepSettings
-from slurmvla.launch import DistEnv
 from slurmvla.registry import ENGINES
+
+if TYPE_CHECKING:
+    import torch
+
+    from slurmvla.config import Config
+    from slurmvla.engine.base import Engine, StepSettings
+    from slurmvla.launch import DistEnv
 
 
 def build_engine(cfg: Config, env: DistEnv, device: torch.device, micro_batch_size: int) -> Engine:
+    from slurmvla.engine.base import StepSettings
+
     entry = ENGINES.get(cfg.engine.name)
     if not entry.multi_process and env.world_size > 1:
         raise ValueError(
@@ -27,6 +35,15 @@ def build_engine(cfg: Config, env: DistEnv, device: torch.device, micro_batch_si
         )
     settings = StepSettings(micro_batch_size, cfg.trainer.grad_accum_steps, cfg.trainer.max_grad_norm)
     return entry.load()(cfg.engine, env, cfg.precision, device, settings, **entry.options)
+
+
+def __getattr__(name: str) -> Any:
+    # slurmvla.engine.Engine / StepSettings, the contract's classes, imported (with torch) on first use.
+    if name in ("Engine", "StepSettings"):
+        from slurmvla.engine import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["Engine", "StepSettings", "build_engine"]

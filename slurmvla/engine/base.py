@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from slurmvla.config import EngineConfig, OptimConfig
+from slurmvla.config import OptimConfig
+from slurmvla.engine.config import EngineConfig
 from slurmvla.launch import DistEnv
 
 

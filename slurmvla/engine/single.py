@@ -16,8 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from slurmvla.config import EngineConfig, OptimConfig
+from slurmvla.config import OptimConfig
 from slurmvla.engine.base import EngineCore, StepSettings, read_param_groups
+from slurmvla.engine.config import EngineConfig
 from slurmvla.engine.materialize import place
 from slurmvla.engine.memory import States, Tensors
 from slurmvla.engine.precision import MasterWeights

@@ -2,7 +2,7 @@
 the trainer's closed loop through ``train``, the benchmarks), one job per module.
 
 - :mod:`~slurmvla.inference.load`: a trained policy rebuilt from its config and weights (an exported file, a
-  checkpoint folder, a run directory); :mod:`~slurmvla.inference.lerobot`: a LeRobot pi0 / pi0.5 directory.
+  checkpoint folder, a run directory); :mod:`~slurmvla.inference.lerobot_checkpoint`: a LeRobot pi0 / pi0.5 directory.
 - :mod:`~slurmvla.inference.optimize` and :mod:`~slurmvla.inference.graphs`: the serving-only weight work
   (one dtype, fused projections, compiled layers, CUDA graphs).
 - :mod:`~slurmvla.inference.runner`: observations -> the policy's batch -> an action chunk.

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from slurmvla.config import RolloutConfig
 from slurmvla.inference.executor import Executor, switch_metrics
+from slurmvla.sim.config import RolloutConfig
 
 log = logging.getLogger("slurmvla.rollout")
 

@@ -99,7 +99,7 @@ class GraphedSampler:
         settings = None
         if rtc is not None:
             inputs.update({RTC_FIELDS[0]: rtc.prev_actions, RTC_FIELDS[1]: rtc.delay, RTC_FIELDS[2]: rtc.overlap})
-            settings = (rtc.max_guidance, rtc.schedule)
+            settings = rtc.settings()
         key = (tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in inputs.items())), tuple(noise.shape),
                torch.is_autocast_enabled("cuda"), settings)
         if key in self.eager:

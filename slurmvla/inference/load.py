@@ -1,7 +1,7 @@
 """A trained policy rebuilt from its config alone and loaded with its weights: from a file written by
 ``python -m slurmvla.export`` (its metadata carries the config), a checkpoint folder, a run directory (its
 newest complete checkpoint; the config is the run's ``config.resolved.yaml``) or a LeRobot pi0 / pi0.5
-checkpoint directory (:mod:`slurmvla.inference.lerobot`: its weights, statistics and config, loaded
+checkpoint directory (:mod:`slurmvla.inference.lerobot_checkpoint`: its weights, statistics and config, loaded
 strictly). The server, the evaluator, the closed loop and the exporter load through :func:`load_exported`.
 """
 
@@ -22,7 +22,7 @@ from slurmvla.checkpoint import LORA_BASE, META_FILE, load_model_file, resolve_c
 from slurmvla.compose import check_override_keys, explain_config_error, to_config
 from slurmvla.config import Config
 from slurmvla.engine.materialize import has_meta_parameters
-from slurmvla.inference.lerobot import lerobot_config, lerobot_type, not_lerobot_reason
+from slurmvla.inference.lerobot_checkpoint import lerobot_config, lerobot_type, not_lerobot_reason
 from slurmvla.policy import Policy, build_policy
 from slurmvla.weights import checkpoint_keys
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from slurmvla.config import PolicyConfig
+from slurmvla.policy.config import LORA_PARTS, PolicyConfig
 from slurmvla.weights import has_adapters, is_adapter, parameter_generator, plain_name
 
 ADAPTER = "default"  # peft's adapter name: one set of adapters per policy
@@ -54,12 +54,12 @@ def part_of_modules(policy: nn.Module) -> dict[str, str]:
     """Module name -> the part it belongs to. A module listed in a more specific part wins over one
     that contains it (vision, then expert, then backbone); modules in no part are ``other``."""
     parts = policy.lora_parts()  # the contract's (slurmvla.policy.base.Policy: every built policy has one)
-    unknown = sorted(set(parts) - {"backbone", "expert", "vision"})
+    unknown = sorted(set(parts) - set(LORA_PARTS))
     if unknown:
         raise ValueError(f"{type(policy).__qualname__}.lora_parts() names parts {unknown}; the parts are backbone, "
                          "expert and vision")
     owner: dict[int, str] = {}
-    for part in ("backbone", "expert", "vision"):  # later (more specific) parts overwrite earlier ones
+    for part in LORA_PARTS:  # later (more specific) parts overwrite earlier ones
         for root in parts.get(part, []):
             for m in root.modules():
                 owner[id(m)] = part

@@ -36,8 +36,13 @@ from dataclasses import dataclass
 import torch
 
 from slurmvla.data.spec import Draw
+from slurmvla.policy.config import RTC_SCHEDULES
 
-SCHEDULES = ("exp", "linear", "ones", "zeros")
+SCHEDULES = RTC_SCHEDULES  # serve.rtc_schedule's choices
+# The Jacobian the guidance pulls the error back through (serve.rtc_jacobian): the velocity model's, by a
+# vector-Jacobian product (the paper's Algorithm 1), or the identity (LeRobot 0.6.1's RTCProcessor, which
+# computes the velocity before x_t requires gradients: no backward pass, about a plain step's cost).
+JACOBIANS = ("model", "identity")
 
 
 @dataclass
@@ -51,12 +56,24 @@ class Guidance:
     overlap: torch.Tensor
     max_guidance: float = 5.0
     schedule: str = "exp"
+    # JACOBIANS: through the model (the paper) or the identity (no backward pass).
+    jacobian: str = "model"
+    # The action dims guided towards the previous chunk (None: every one); the others follow the policy alone
+    # (e.g. a binary gripper command), their first d actions still frozen to the previous chunk's.
+    guided_dims: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"rtc schedule={self.schedule!r} is not one of {list(SCHEDULES)}")
         if not self.max_guidance >= 0:
             raise ValueError(f"rtc max_guidance={self.max_guidance} must be >= 0")
+        if self.jacobian not in JACOBIANS:
+            raise ValueError(f"rtc jacobian={self.jacobian!r} is not one of {list(JACOBIANS)}")
+        if self.guided_dims is not None:
+            self.guided_dims = tuple(int(i) for i in self.guided_dims)
+            dims = self.prev_actions.shape[-1]
+            if not self.guided_dims or any(not 0 <= i < dims for i in self.guided_dims):
+                raise ValueError(f"rtc guided_dims={list(self.guided_dims)}: each must be an action dim in 0..{dims - 1}")
 
     def _target(self, offset: torch.Tensor, scale: torch.Tensor, width: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The raw previous chunk (fp32, on the statistics' device) and it normalized as ``(a - offset) / scale``
@@ -75,9 +92,13 @@ class Guidance:
         dims = prev.shape[-1]
         weights = prefix_weights(self.delay.to(prev.device), self.overlap.to(prev.device), prev.shape[1],
                                  self.schedule)[:, :, None].expand(*prev.shape).contiguous()
+        if self.guided_dims is not None:
+            guided = torch.zeros(dims, dtype=weights.dtype, device=weights.device)
+            guided[list(self.guided_dims)] = 1.0
+            weights = weights * guided
         if target.shape[-1] > dims:
             weights = torch.nn.functional.pad(weights, (0, target.shape[-1] - dims))
-        return Guide(target, weights, prev, self.delay.to(prev.device), self.max_guidance)
+        return Guide(target, weights, prev, self.delay.to(prev.device), self.max_guidance, self.jacobian)
 
     def prefix(self, offset: torch.Tensor, scale: torch.Tensor, width: int | None = None) -> Prefix:
         """Training-time RTC's conditioning in the policy's action space (:meth:`_target`): the previous chunk's
@@ -88,7 +109,11 @@ class Guidance:
 
     def to(self, device: torch.device) -> Guidance:
         return Guidance(self.prev_actions.to(device), self.delay.to(device), self.overlap.to(device),
-                        self.max_guidance, self.schedule)
+                        self.max_guidance, self.schedule, self.jacobian, self.guided_dims)
+
+    def settings(self) -> tuple:
+        """What, besides its tensors, decides how a request is guided (a captured graph is kept per settings)."""
+        return (self.max_guidance, self.schedule, self.jacobian, self.guided_dims)
 
 
 def prefix_weights(delay: torch.Tensor, overlap: torch.Tensor, horizon: int, schedule: str = "exp") -> torch.Tensor:
@@ -186,12 +211,19 @@ class Guide:
     weights, the raw chunk and the delay (for :meth:`freeze`)."""
 
     def __init__(self, target: torch.Tensor, weights: torch.Tensor, raw: torch.Tensor, delay: torch.Tensor,
-                 max_guidance: float):
+                 max_guidance: float, jacobian: str = "model"):
         self.target, self.weights, self.raw, self.delay, self.max_guidance = target, weights, raw, delay, max_guidance
+        self.jacobian = jacobian
 
     def velocity(self, velocity: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, t: float) -> torch.Tensor:
         """The guided velocity at ``(x, t)`` (slurmvla's ``u``), ``velocity(x_t)`` being the model's with the
-        observation's features cached; the vector-Jacobian product goes through it with autograd."""
+        observation's features cached. ``jacobian="model"``: the weighted error pulled back through
+        ``d(x_t - t u) / d x_t`` by a vector-Jacobian product (autograd); ``"identity"``: that Jacobian taken as the
+        identity, the weighted error itself (no backward pass)."""
+        if self.jacobian == "identity":
+            u = velocity(x).float()
+            error = (self.target - (x.float() - t * u)) * self.weights
+            return u - guidance_weight(t, self.max_guidance) * error
         with torch.enable_grad():
             x_in = x.detach().float().requires_grad_(True)
             u = velocity(x_in).float()

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from slurmvla.compose import compose
-from slurmvla.data.lerobot import LeRobotMetadata
+from slurmvla.data.lerobot_format import LeRobotMetadata
 from slurmvla.data.source import LeRobotSource, dataset_specs
 from slurmvla.data.spec import SampleSpec
 from slurmvla.data.synthetic import write_droid_sample

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slurmvla.config import TransformerPolicyConfig, check_positive
+from slurmvla.checks import check_positive
+from slurmvla.policy.config import TransformerPolicyConfig
 from slurmvla.registry import PolicyEntry
 
 

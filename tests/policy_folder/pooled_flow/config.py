@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slurmvla.config import PolicyConfig, check_positive
+from slurmvla.checks import check_positive
+from slurmvla.policy.config import PolicyConfig
 from slurmvla.registry import PolicyEntry
 
 

@@ -5,6 +5,9 @@ validation samples (so FSDP / ZeRO-3 parameter gathers stay matched). The per-sa
 count)`` of each loss component and the sample's provenance go to rank 0 in one gather of a dict;
 rank 0 buckets them as Σsum / Σcount per group (never a mean of means), and the aggregate
 ``val/<metric>`` weights each dataset's mean by its mixture weight.
+
+The trainer's validation loss; open-loop evaluation of a trained policy is the program
+:mod:`slurmvla.evaluate`, which reports with :func:`bucket` and :func:`per_sample` from here.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from slurmvla.collectives import check_same_fields, gather_dict, gather_objects
+from slurmvla.data.config import SAMPLE_MODES
 from slurmvla.data.damaged import leave_out, pop_marks, say_skipped
 from slurmvla.data.loader import to_device
 from slurmvla.data.mixture import Mixture
-from slurmvla.registry import SAMPLE_MODES
 
 
 @torch.no_grad()

@@ -1,0 +1,76 @@
+"""The closed loop's options (``rollout.*``: ``python -m slurmvla.rollout`` and ``trainer.rollout_every_steps``) and the
+simulated embodiments it runs in (``SIM_ENVS``: :func:`slurmvla.sim.make_env`). A schema module: it imports no torch
+and nothing of ``slurmvla`` above the configuration (layer 1, wherever it lives; docs/architecture.md).
+``slurmvla.config`` composes it; importing it runs ``slurmvla.sim``'s ``__init__``, which only sets ``MUJOCO_GL``'s
+default (a user's value wins) and imports no simulator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slurmvla.checks import check_choice, check_positive
+from slurmvla.inference.config import EXECUTION_MODES
+
+# rollout.env: the closed loop's simulated embodiments (slurmvla.sim.make_env).
+SIM_ENVS = ("pick", "metaworld")
+# rollout.delay: fixed (rollout.delay_steps) or measured (each call's wall time times the control rate).
+DELAYS = ("fixed", "measured")
+
+
+@dataclass
+class RolloutConfig:
+    """python -m slurmvla.rollout and trainer.rollout_every_steps: closed-loop episodes in a simulated task
+    (slurmvla.sim, the [sim] extra), the policy queried through openpi's client."""
+
+    # The embodiment: pick (the DROID-shaped pick task) or metaworld (a Meta-World v3 task, rollout.task).
+    env: str = "pick"
+    # The Meta-World task (e.g. assembly-v3; every v3 task the package ships); null for the pick task.
+    task: str | None = None
+    episodes: int = 50
+    # Episode e is the environment's seed first_seed + e. The recorded demonstrations use 0..N-1;
+    # the default evaluates on seeds no demonstration was recorded from.
+    first_seed: int = 100000
+    # Actions of each predicted chunk executed before the policy is asked again (openpi's DROID
+    # client: open_loop_horizon = 8); at most policy.action_horizon.
+    replan_steps: int = 4
+    # An episode ends at success or after this many control steps (15 Hz).
+    max_steps: int = 100
+    # Camera frames as the environment renders them (DROID's are 180 x 320).
+    height: int = 180
+    width: int = 320
+    # How long a client waits for a server address to accept connections (a server still starting).
+    connect_timeout_s: float = 120.0
+    # Episodes (the first ones) written as MP4 videos: the exterior and wrist cameras side by side.
+    videos: int = 3
+    # Where the summary (rollout.json), per-episode results and videos go; null: beside the source
+    # (RUN_DIR/rollout/step_N/) for a run, ./rollout/ for a server address.
+    out: str | None = None
+    # How chunks run (docs/serving.md, "Execution modes"): sync (run replan_steps actions, ask, hold until
+    # the answer), async (keep executing while asking, then switch to the new chunk), rtc (as async, the
+    # request carrying the old chunk and the delay; the server must list "rtc" in its execution_modes).
+    execution: str = "sync"
+    # The simulator keeps time: each request's answer takes effect this many control steps after its
+    # observation, the arm executing (async, rtc) or holding (sync) meanwhile. 0: at once (the environment
+    # waits for the policy).
+    delay_steps: int = 0
+    # fixed: delay_steps; measured: each call's wall time times the control rate (15 Hz), rounded up.
+    delay: str = "fixed"
+
+    def __post_init__(self) -> None:
+        check_choice("rollout.env", self.env, SIM_ENVS)
+        if self.env == "metaworld" and not self.task:
+            raise ValueError("rollout.env=metaworld needs rollout.task (a Meta-World v3 task, e.g. rollout.task=assembly-v3)")
+        if self.env == "pick" and self.task is not None:
+            raise ValueError(f"rollout.task={self.task!r}: the pick task has no tasks to choose (rollout.env=pick); "
+                             "set rollout.env=metaworld for a Meta-World task, or leave rollout.task null")
+        check_choice("rollout.execution", self.execution, EXECUTION_MODES)
+        check_choice("rollout.delay", self.delay, DELAYS)
+        check_positive("rollout.delay_steps", self.delay_steps, allow_zero=True)
+        check_positive("rollout.episodes", self.episodes)
+        check_positive("rollout.replan_steps", self.replan_steps)
+        check_positive("rollout.max_steps", self.max_steps)
+        check_positive("rollout.videos", self.videos, allow_zero=True)
+        check_positive("rollout.connect_timeout_s", self.connect_timeout_s)
+        if min(self.height, self.width) < 16 or self.height % 2 or self.width % 2:
+            raise ValueError(f"rollout.height={self.height} / rollout.width={self.width}: each must be an even number "
+                             ">= 16 of pixels (the videos are yuv420p)")
