@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("this measures float8 matrix products on a GPU; tests/test_fp8.py checks the numerics on "
+        raise SystemExit("this measures float8 matrix products on a GPU; tests/inference/test_fp8.py checks the numerics on "
                          "the CPU")
     cfg, cameras = compose_every_camera_sent(args.overrides)
     device = torch.device("cuda")

@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("this compares against a GPU's allocator: run it where CUDA is (tests/test_plan.py "
+        raise SystemExit("this compares against a GPU's allocator: run it where CUDA is (tests/planner/test_plan.py "
                          "validates the plan against CPU runs)")
     gpu = GPUS[args.gpu or gpu_model(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)]
     base = ["logging.wandb.mode=disabled", "trainer.progress_bar=false", "checkpoint.resume=false", "data.num_workers=0",

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh dev,deepspeed,vla,sim,lora,openpi
 # torchao (the [fp8] extra: serve.fp8_prefix) beside the environment, not in it: transformers imports it whenever it is
-# installed, +0.45 s in every process that builds pi0 / pi0.5; tests/test_fp8.py puts this folder on its own path.
+# installed, +0.45 s in every process that builds pi0 / pi0.5; tests/inference/test_fp8.py puts this folder on its own path.
 [ -d .test-deps/torchao/torchao ] || "${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check --no-deps \
     --target .test-deps/torchao torchao==0.18.0
 # The example policy package, installed as a user installs their own (the plug-in tests train it).

@@ -25,5 +25,5 @@ DS_BUILD_OPS=0 "${PIP[@]}" -c "$PINS" -e ".[dev,deepspeed,vla]"
 rm -f "$PINS"
 "$VENV/bin/python" -c "import torch; print('torch', torch.__version__)"
 exec "$VENV/bin/python" -m pytest -p no:cacheprovider -q \
-  tests/test_distributed.py tests/test_train.py tests/test_ema.py tests/test_policy_check.py tests/test_optim.py \
+  tests/test_distributed.py tests/test_train.py tests/engine/test_ema.py tests/policy/test_policy_check.py tests/engine/test_optim.py \
   -k "reference or not test_strategy_matches_single_process" "${@:3}"

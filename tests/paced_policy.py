@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from .broken_policies import Sound
+from tests.broken_policies import Sound
 
 
 class Paced(Sound):

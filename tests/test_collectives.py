@@ -106,7 +106,7 @@ def test_single_process_needs_no_group():
 def test_negative_control_bf16_model_with_plain_adamw_is_detected():
     """The broken recipe (cast to bf16, then torch.optim.AdamW) fails the check the trainer runs."""
     torch.manual_seed(0)
-    from tests.test_policy import make_batch
+    from tests.policy.test_policy import make_batch
 
     policy = build_policy(FlowVLAConfig()).to(torch.bfloat16)
     groups = policy.param_groups(0.01, 1e-3)

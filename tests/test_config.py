@@ -16,8 +16,7 @@ from omegaconf.errors import ValidationError
 from slurmvla.compose import compose, config_dir
 from slurmvla.data.source import LeRobotSource, dataset_specs
 from slurmvla.trainer import Trainer
-
-from .conftest import policy_spec
+from tests.conftest import policy_spec
 
 GROUPS = sorted(p.name for p in config_dir().iterdir() if p.is_dir() and not p.name.startswith("_"))
 

@@ -36,8 +36,7 @@ from slurmvla.launch import DistEnv
 from slurmvla.launch.preempt import REQUEUE_EXIT_CODE
 from slurmvla.registry import ENGINES
 from slurmvla.trainer import Trainer
-
-from .conftest import rel_l2
+from tests.conftest import rel_l2
 
 pytestmark = pytest.mark.multiproc
 DRIVER = Path(__file__).with_name("dist_driver.py")

@@ -262,7 +262,7 @@ def test_serve_names_a_group_given_one_value(trained_run, capsys):
 
 def test_an_fp8_prefix_for_a_policy_without_one_is_one_line(trained_run, capsys):
     """serve.fp8_prefix for the reference policy (no prefix_modules): the option and the reason, before anything is
-    quantized or served (tests/test_fp8.py: the CPU's refusal for pi0.5)."""
+    quantized or served (tests/inference/test_fp8.py: the CPU's refusal for pi0.5)."""
     fails(capsys, lambda: serve.main([str(trained_run), "--host", "127.0.0.1", "serve.fp8_prefix=true", "serve.device=cpu"]),
           "serve.fp8_prefix=true needs a policy with prefix_modules()")
 

@@ -27,8 +27,7 @@ from slurmvla.launch import SlurmJob
 from slurmvla.launch.runlock import LOCK_FILE, RunDirInUse, RunLock
 from slurmvla.registry import ENGINES
 from slurmvla.trainer import Trainer
-
-from .conftest import REPO, rel_l2, run_until
+from tests.conftest import REPO, rel_l2, run_until
 
 pytestmark = pytest.mark.faults
 

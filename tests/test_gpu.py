@@ -30,8 +30,7 @@ from slurmvla.export import export
 from slurmvla.optim import build_adamw
 from slurmvla.policy import build_policy
 from slurmvla.trainer import Trainer
-
-from .conftest import rel_l2, run_train
+from tests.conftest import rel_l2, run_train
 
 ALL_ON_CPU = os.environ.get("SLURMVLA_GPU_TESTS_ON_CPU") == "1"
 CUDA = torch.cuda.is_available() and not ALL_ON_CPU
@@ -214,8 +213,7 @@ def test_the_server_runs_the_policy_on_the_gpu_in_bf16_close_to_the_cpu(trained_
     import numpy as np
 
     from slurmvla.inference.build import build_runner
-
-    from .test_serve import droid_obs
+    from tests.inference.test_serve import droid_obs
 
     chunks = {}
     for device, precision in (("cpu", "fp32"), (DEVICE, "bf16")):
@@ -237,8 +235,7 @@ def test_cuda_graph_inference_equals_eager(compiled):
     the reason."""
     from slurmvla.inference.graphs import GraphedSampler
     from slurmvla.inference.optimize import fuse_projections, lower_weights
-
-    from .test_pi0 import B, batch_for, perturbed_policy
+    from tests.policy.test_pi0 import B, batch_for, perturbed_policy
 
     cfg, policy = perturbed_policy("pi05_tiny")
     if not CUDA:
@@ -267,13 +264,12 @@ def test_cuda_graph_inference_equals_eager(compiled):
 def test_the_fp8_prefix_served_compiled_and_graphed_stays_near_bf16():
     """serve.fp8_prefix as the server runs it (bf16 weights, the prefix quantized, projections fused, compiled and
     replayed from a CUDA graph, bf16 autocast) against the bf16 policy eager, on 102 observations: within 2 % of
-    the actions' largest value, as the graphed bf16 modes are held (tests/test_fp8.py holds the same float8
+    the actions' largest value, as the graphed bf16 modes are held (tests/inference/test_fp8.py holds the same float8
     products to 1 % of the spread on the CPU)."""
     from slurmvla.inference.fp8 import check_fp8, quantize_prefix
     from slurmvla.inference.graphs import GraphedSampler
     from slurmvla.inference.optimize import fuse_projections, lower_weights
-
-    from .test_pi0 import B, batch_for, perturbed_policy
+    from tests.policy.test_pi0 import B, batch_for, perturbed_policy
 
     cfg, policy = perturbed_policy("pi05_tiny")
     policy.to(DEVICE)
@@ -303,8 +299,7 @@ def test_rtc_requests_replay_one_graph_whatever_the_delay(trained_for_delays):
     from slurmvla.inference.graphs import GraphedSampler
     from slurmvla.policy.config import RTCTrainingConfig
     from slurmvla.policy.rtc import Guidance
-
-    from .test_pi0 import B, batch_for, perturbed_policy
+    from tests.policy.test_pi0 import B, batch_for, perturbed_policy
 
     over = {"rtc_training": RTCTrainingConfig(max_delay=3)} if trained_for_delays else {}
     cfg, policy = perturbed_policy("pi05_tiny", **over)

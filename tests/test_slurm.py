@@ -25,8 +25,7 @@ from safetensors.torch import load_file
 
 from slurmvla.compose import compose
 from slurmvla.trainer import Trainer
-
-from .conftest import rel_l2
+from tests.conftest import rel_l2
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
@@ -257,7 +256,7 @@ LONG_EXTRA = ("data.val_fraction=0.5", "trainer.val_every_steps=200", "policy=cu
 
 # SLURM's default SIGTERM on the sbatch path; the user's USR2 on the submitit path below: each signal delivered
 # by a real preemption once. On the sbatch path the two signals take the same road (the trainer's flag; the batch shell is not
-# signalled at preemption, so the requeue is the same): tests/test_preempt.py covers the trainer's side
+# signalled at preemption, so the requeue is the same): tests/launch/test_preempt.py covers the trainer's side
 # of each signal, and the USR2 case here repeated the SIGTERM case's figures.
 def test_sbatch_job_preempted_by_a_higher_priority_job_resumes_to_the_same_weights(cluster, sample_root, references,
                                                                                     tmp_path):
@@ -289,7 +288,7 @@ def test_sbatch_job_preempted_by_a_higher_priority_job_resumes_to_the_same_weigh
     # step 200), or after the pass (a short one: half the episodes, 30 ms a batch for the paced policy) when
     # the scheduler takes longer: the loss is logged and the stop is at step 200's own signal check or a later
     # one. Either way the log must say which, consistently; the abandoning itself is pinned down in-process by
-    # tests/test_preempt.py::test_sigterm_during_validation_abandons_it_checkpoints_and_resumes_bitwise.
+    # tests/launch/test_preempt.py::test_sigterm_during_validation_abandons_it_checkpoints_and_resumes_bitwise.
     stopped_at = int(re.search(rf"stopped at step (\d+), [\d.]+ s after {signal_name}", log).group(1))
     abandoned = "validation at step 200 abandoned for the stop signal" in log
     completed = "step 200: val/loss" in log
@@ -363,7 +362,7 @@ def test_submitit_two_nodes_matches_a_single_process_and_sweeps_are_arrays(clust
 
 
 # USR2 here (SIGTERM: the sbatch path above). Which signal submitit's requeue handler is handed (SIGTERM too,
-# past submitit's bypass) is tests/test_preempt.py's, for both; the SIGTERM case here repeated this one's figures.
+# past submitit's bypass) is tests/launch/test_preempt.py's, for both; the SIGTERM case here repeated this one's figures.
 def test_submitit_job_preempted_by_a_higher_priority_job_resumes_to_the_same_weights(cluster, sample_root, references,
                                                                                       tmp_path):
     """A real preemption on the submitit path, the site sending the job's USR2: the trainer checkpoints and
@@ -467,8 +466,7 @@ def test_sbatch_serve_answers_a_client_on_the_host(cluster, trained_run, tmp_pat
     scancel ends the server."""
     wcp = pytest.importorskip("openpi_client.websocket_client_policy")
     from slurmvla.inference.load import load_exported
-
-    from .test_serve import ATOL, RTOL, droid_obs, reference
+    from tests.inference.test_serve import ATOL, RTOL, droid_obs, reference
 
     key_file = tmp_path / "api_key"
     env = {k: v for k, v in cluster.items() if k != "SLURMVLA_API_KEY"}
@@ -505,8 +503,7 @@ def test_sbatch_rollout_serves_on_the_first_node_and_runs_environments_on_the_jo
     demonstrations, so every episode must succeed as the expert's did."""
     pytest.importorskip("slurmvla.sim.env", reason="the [sim] extra (MuJoCo)")
     from slurmvla.sim.record import record
-
-    from .test_sim import HEIGHT, WIDTH, _reference_policy
+    from tests.sim.test_sim import HEIGHT, WIDTH, _reference_policy
 
     demos = tmp_path / "demos"
     record(demos, 3, height=HEIGHT, width=WIDTH)

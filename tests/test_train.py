@@ -217,7 +217,7 @@ def test_validation_is_logged_by_group(make_cfg, tmp_path):
 def test_compiled_layers_train_like_eager_ones(sample_root, tmp_path):
     """trainer.compile=true (each repeated layer through torch.compile) changes no loss beyond float
     rounding: the demo's configuration, five steps each way, against eager mode."""
-    from .conftest import run_train
+    from tests.conftest import run_train
 
     runs = {}
     for compiled in (False, True):

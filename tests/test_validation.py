@@ -15,9 +15,8 @@ from slurmvla.data.loader import build_validation_loader
 from slurmvla.data.mixture import Mixture
 from slurmvla.policy import build_policy
 from slurmvla.validation import bucket, validate
+from tests.conftest import policy_spec
 from tests.test_collectives import run_spawned
-
-from .conftest import policy_spec
 
 
 def test_bucket_disaggregates_a_mixed_batch_by_hand():

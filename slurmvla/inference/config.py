@@ -47,7 +47,7 @@ class ServeConfig:
     # pi0 / pi0.5 on a GPU with FP8 matrix units (compute capability >= 8.9: L40S, RTX 4090, H100, H200), bf16:
     # the prefix's linear layers (vision tower, projector, the backbone's half of each layer; run once per
     # request) in float8 with per-row scales through torchao (pip install -e '.[fp8]'); the denoising steps stay
-    # bf16. The actions move by float8's rounding (slurmvla/inference/fp8.py, tests/test_fp8.py).
+    # bf16. The actions move by float8's rounding (slurmvla/inference/fp8.py, tests/inference/test_fp8.py).
     fp8_prefix: bool = False
     # The largest request (one msgpack frame) accepted, in MiB; a larger one is refused as its header
     # arrives (close code 1009), before any of it is buffered. null: derived from the policy (see

@@ -13,7 +13,7 @@ before projections are fused (a quantized projection stays unfused:
 :func:`slurmvla.inference.optimize.fuse_linears`), compiled or captured.
 
 The actions differ from bf16's by the rounding of an 8-bit float (3 mantissa bits) in every prefix product:
-``tests/test_fp8.py`` holds them to a bound on 102 observations, on the CPU (torch's own float8 matrix product;
+``tests/inference/test_fp8.py`` holds them to a bound on 102 observations, on the CPU (torch's own float8 matrix product;
 torchao refuses a CPU, so that test lifts its check), and ``benchmarks/fp8_prefix.py`` measures the same at the
 published size on a GPU.
 """

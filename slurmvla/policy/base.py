@@ -5,7 +5,7 @@ declares the whole contract, each hook with its contract in its own docstring; a
 from it gets the declarations it lacks (:func:`as_policy_class`: its own methods win), so the built-in policies
 and a user's are the same kind of thing and every built policy has every name below. Callers read a hook as
 declared (``policy.prepare_inference is not None``), never discover it with ``getattr``;
-tests/test_policy_protocol.py checks that the library reads nothing on a policy that is not declared here,
+tests/policy/test_policy_protocol.py checks that the library reads nothing on a policy that is not declared here,
 and that every capability declared here is read somewhere.
 
 The index:

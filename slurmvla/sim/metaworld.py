@@ -164,7 +164,7 @@ class ExpertPolicy:
     (``infer(obs) -> {"actions"}``, ``metadata()``): it reads the full environment state the simulator offers
     (:data:`ENV_STATE_KEY`) and answers a chunk of one action. Served through openpi's client, it reaches the
     success rate it reaches acting on the environment directly; anything else is a convention broken between
-    the two (tests/test_metaworld.py)."""
+    the two (tests/sim/test_metaworld.py)."""
 
     def __init__(self, task: str):
         import warnings

@@ -1,5 +1,5 @@
 """Golden outputs of openpi's training image augmentation at fixed parameters (the test oracle of
-tests/test_augment.py).
+tests/data/test_augment.py).
 
 Run in the reference environment (never slurmvla's):
 

@@ -1,6 +1,6 @@
 """Print slurmvla's distance to LeRobot 0.6.1's golden outputs (tests/golden/lerobot061), and how far
 each published detail moves the loss when it is reverted (the negative controls' sizes). Runs in
-slurmvla's environment; the suite asserts the same comparisons (tests/test_pi0_parity.py).
+slurmvla's environment; the suite asserts the same comparisons (tests/policy/test_pi0_parity.py).
 
     python tests/reference/parity_figures.py
 """
@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import slurmvla.policy.pi0.model as pi0  # noqa: E402
-from tests.test_pi0_parity import (  # noqa: E402
+from tests.policy.test_pi0_parity import (  # noqa: E402
     GOLDEN,
     META,
     batch_of,

@@ -30,7 +30,7 @@ def slurmvla_half(out: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     from slurmvla.inference.load import load_exported
-    from tests.test_pi0_parity import META, batch_of, lerobot_checkpoint
+    from tests.policy.test_pi0_parity import META, batch_of, lerobot_checkpoint
 
     for kind, name in (("pi0", "pi0_tiny"), ("pi05", "pi05_tiny")):
         src = lerobot_checkpoint(kind, out / kind / "source")

@@ -25,7 +25,7 @@ suffix; pi0.5 conditions every expert RMSNorm on time (adaptive RMSNorm: scale, 
 residual gate) and writes the state into its prompt as 256-bin ids of the normalized state
 (``policy.state_input=discrete``, as published; ``continuous`` projects it into one prefix token).
 
-What LeRobot 0.6.1 computes, these do (tests/test_pi0_parity.py holds them to its golden outputs):
+What LeRobot 0.6.1 computes, these do (tests/policy/test_pi0_parity.py holds them to its golden outputs):
 state and actions zero-padded to ``max_state_dim`` / ``max_action_dim`` (32) inside the model, the
 noise drawn and the flow integrated in all 32 dims, cut to the data's dims at the output and in the
 loss (a mean over every chunk element, steps past the episode end included: they repeat the last

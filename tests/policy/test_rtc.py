@@ -23,7 +23,7 @@ from slurmvla.policy import build_policy
 from slurmvla.policy.base import supports_rtc
 from slurmvla.policy.flow_vla.config import FlowVLAConfig
 from slurmvla.policy.rtc import Guidance, guidance_weight, integrate, prefix_weights
-from tests.test_policy import make_batch
+from tests.policy.test_policy import make_batch
 
 
 def guidance(prev: torch.Tensor, delay: int, overlap: int, beta: float = 5.0, schedule: str = "exp") -> Guidance:
@@ -107,7 +107,7 @@ def flow_vla_case():
 
 
 def pi0_case(name):
-    from tests.test_pi0 import batch_for, perturbed_policy
+    from tests.policy.test_pi0 import batch_for, perturbed_policy
 
     cfg, policy = perturbed_policy(name)
     policy.action_offset.uniform_(-1, 1)

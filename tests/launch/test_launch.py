@@ -172,7 +172,7 @@ def test_snapshot_keeps_the_job_shape_and_drops_secrets():
                     "SLURM_JOB_NODELIST": "node[1-2]"}
 
 
-GOLDEN = Path(__file__).with_name("golden")
+GOLDEN = Path(__file__).parents[1] / "golden"
 _LAUNCH_VARS = ("SLURM", "NNODES", "NODE_RANK", "MASTER_", "RUN_DIR", "DROID_ROOT", "EPISODE_ID_TO_PATH", "LAUNCHER",
                 "SLURMVLA_", "KEEP_RANGES_PATH", "EXTRA_TAIL_OVERRIDES", "NPROC_PER_NODE", "GPUS_PER_NODE", "DRY_RUN")
 
@@ -182,7 +182,7 @@ def _clean_env() -> dict[str, str]:
 
 
 def test_wrapper_works_run_and_sourced_and_stops_on_a_malformed_tail():
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     env = {**_clean_env(), "DRY_RUN": "1", "NPROC_PER_NODE": "1", "EXTRA_TAIL_OVERRIDES": "'a=b c'"}
     run = subprocess.run(["bash", "launchers/train.sh", "x=1"], cwd=repo, env=env, capture_output=True, text=True)
     sourced = subprocess.run(["bash", "-c", "source launchers/train.sh x=1"], cwd=repo, env=env, capture_output=True,
@@ -200,7 +200,7 @@ def test_wrapper_works_run_and_sourced_and_stops_on_a_malformed_tail():
 ])
 def test_dry_runs_match_golden_files(script, args, golden, tmp_path):
     """The exact command lines each path would run (regenerate with SLURMVLA_REGOLDEN=1)."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     keep = tmp_path / "keep_ranges_1_0_1.json"
     keep.write_text("{}")
     env = _clean_env()
@@ -216,7 +216,7 @@ def test_dry_runs_match_golden_files(script, args, golden, tmp_path):
 
 
 def test_the_droid_wrapper_runs_the_recipe_experiment_names():
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     env = {**_clean_env(), "DRY_RUN": "1", "NPROC_PER_NODE": "1"}
     default = subprocess.run(["bash", "launchers/droid.sh"], cwd=repo, env=env, capture_output=True, text=True, check=True)
     openpi = subprocess.run(["bash", "launchers/droid.sh", "x=1"], cwd=repo, env={**env, "EXPERIMENT": "pi05_droid"},
@@ -226,7 +226,7 @@ def test_the_droid_wrapper_runs_the_recipe_experiment_names():
 
 
 def test_python_dry_runs_print_and_submit_nothing(tmp_path):
-    env = {**_clean_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**_clean_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     res = subprocess.run([sys.executable, "-m", "slurmvla.train", "--dry-run", "-m", "hydra/launcher=slurm_cluster",
                           "hydra.launcher.nodes=4", "hydra.launcher.partition=gpu", "engine=fsdp_full"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
@@ -277,7 +277,7 @@ def test_torchrun_wrapper_says_a_stop_for_requeue_in_one_line_and_keeps_torchrun
         "    time.sleep(0.01)\n"
         "sys.exit(code)\n")
     env = {**_clean_env(), "CODES": ",".join(map(str, codes)), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     res = subprocess.run([sys.executable, "-m", "slurmvla.launch.torchrun", "--standalone", "--nproc_per_node=2",
                           str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=180)
     lines = (res.stdout + res.stderr).strip().splitlines()

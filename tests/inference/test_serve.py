@@ -41,7 +41,7 @@ from slurmvla.units import MiB
 wcp = pytest.importorskip("openpi_client.websocket_client_policy", reason="pip install --no-deps openpi-client")
 image_tools = pytest.importorskip("openpi_client.image_tools")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Same fp32 operations on the same CPU, in another process and thread: only the split of intra-op
 # reductions over threads can differ, which moves results by a few ulp of float32.
 RTOL, ATOL = 1e-5, 1e-6

@@ -16,8 +16,7 @@ from torch import nn
 
 from slurmvla.inference.fp8 import check_fp8, quantize_prefix
 from slurmvla.inference.optimize import fuse_projections, lower_weights
-
-from .test_pi0 import B, batch_for, perturbed_policy
+from tests.policy.test_pi0 import B, batch_for, perturbed_policy
 
 # Observations: 34 batches of B = 3.
 BATCHES = 34
@@ -25,7 +24,7 @@ BATCHES = 34
 
 # scripts/test.sh installs torchao here, beside the environment (transformers imports it in every process wherever
 # it is installed).
-TORCHAO = Path(__file__).resolve().parents[1] / ".test-deps" / "torchao"
+TORCHAO = Path(__file__).resolve().parents[2] / ".test-deps" / "torchao"
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ from slurmvla.policy.pi0.weights import lerobot_state_dict
 
 transformers = pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[1]
-GOLDEN = Path(__file__).with_name("golden")
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).parents[1] / "golden"
 B = 3
 
 
@@ -162,7 +162,7 @@ def test_lerobot_checkpoint_loads_back_to_the_same_outputs(name, paligemma_dir, 
 
 
 # LeRobot 0.6.1's key names and shapes, the completeness of the export and the strict load are
-# checked against LeRobot's own state dict and saved file in tests/test_pi0_parity.py.
+# checked against LeRobot's own state dict and saved file in tests/policy/test_pi0_parity.py.
 
 
 # -- a bad file fails at start-up, naming it ---------------------------------------------------------
@@ -521,7 +521,7 @@ def test_an_export_loads_into_a_meta_built_policy_with_its_values_and_frozen_par
 def test_every_checkpointing_setting_gives_pi05s_gradients():
     """pi0.5's joint layers and its vision tower under each activation-checkpointing setting
     (policy/recompute.py): the plain gradients, and the recomputation each setting promises."""
-    from .test_policy import CountMatmuls, checkpointing_cases
+    from tests.policy.test_policy import CountMatmuls, checkpointing_cases
 
     def run(**kw):
         cfg = policy_cfg("pi05_tiny", **kw)

@@ -15,7 +15,7 @@ from slurmvla.policy import build_policy
 from slurmvla.policy.config import RTCTrainingConfig
 from slurmvla.policy.flow_vla.config import FlowVLAConfig
 from slurmvla.policy.rtc import Guidance, delay_probabilities, draw_delays, prefix_mask
-from tests.test_policy import make_batch
+from tests.policy.test_policy import make_batch
 
 DELAYS = RTCTrainingConfig(max_delay=3)
 
@@ -43,7 +43,7 @@ def flow_vla(rtc: RTCTrainingConfig | None = None):
 
 
 def pi0(name: str, rtc: RTCTrainingConfig | None = None):
-    from tests.test_pi0 import perturbed_policy
+    from tests.policy.test_pi0 import perturbed_policy
 
     cfg, policy = perturbed_policy(name, rtc_training=rtc or RTCTrainingConfig())
     return cfg, policy.train()
@@ -51,7 +51,7 @@ def pi0(name: str, rtc: RTCTrainingConfig | None = None):
 
 def keypoints(rtc: RTCTrainingConfig | None = None):
     """The keypoint flow policy with a velocity head (its loss is flow matching's on the velocity, as the
-    others'; its default x-prediction head: tests/test_sim.py)."""
+    others'; its default x-prediction head: tests/sim/test_sim.py)."""
     from slurmvla.sim.policies import KeypointFlowPolicy
 
     torch.manual_seed(0)
@@ -65,7 +65,7 @@ POLICIES = {"flow_vla": flow_vla, "pi0_tiny": lambda rtc=None: pi0("pi0_tiny", r
 
 def training_batch(name: str, cfg) -> dict:  # noqa: ANN001
     if name.startswith("pi0"):
-        from tests.test_pi0 import batch_for
+        from tests.policy.test_pi0 import batch_for
 
         batch = batch_for(cfg)
     else:

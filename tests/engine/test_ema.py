@@ -18,7 +18,7 @@ from slurmvla.checkpoint import list_checkpoints
 from slurmvla.trainer import Trainer
 
 DECAY = 0.7
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(cfg, run_dir: Path, stop_at: int | None = None) -> dict:

@@ -18,7 +18,7 @@ from slurmvla.inference.load import Loaded
 from slurmvla.inference.runner import PolicyRunner
 from slurmvla.policy import build_policy
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")

@@ -28,9 +28,9 @@ from slurmvla.policy.pi0.weights import check_pretrained_path, lerobot_state_dic
 from slurmvla.policy.stats import checkpoint_stats
 
 pytest.importorskip("transformers")
-from tests.test_pi0 import policy_cfg  # noqa: E402
+from tests.policy.test_pi0 import policy_cfg  # noqa: E402
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 TOKENIZER = GOLDEN / "lerobot061" / "tokenizer"
 NAMES = {"pi0": "pi0_tiny", "pi05": "pi05_tiny"}
 DIMS = 8  # the statistics' width (generate_openpi_checkpoint.DATA_DIM)

@@ -35,8 +35,7 @@ from slurmvla.planner.autocast import (
 from slurmvla.planner.fit import Planner
 from slurmvla.planner.gpus import GPUS
 from slurmvla.planner.model_states import build_on_meta, count_tensors, model_states
-
-from .conftest import run_until
+from tests.conftest import run_until
 
 # The plans of pi0.5 at its published size go to one worker, one after another: the planner of a policy
 # configuration (its module tree on fake tensors, each measured pass) is kept for the next (planner_for).
@@ -188,7 +187,7 @@ def _saved_tensors_module():
     """benchmarks/saved_tensors.py, whose counter of what autograd keeps for the backward this test uses too."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("saved_tensors", Path(__file__).resolve().parents[1] / "benchmarks"
+    spec = importlib.util.spec_from_file_location("saved_tensors", Path(__file__).resolve().parents[2] / "benchmarks"
                                                   / "saved_tensors.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

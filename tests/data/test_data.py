@@ -21,8 +21,7 @@ from slurmvla.data.synthetic import main as synthetic_main
 from slurmvla.data.video import decode_range
 from slurmvla.droid_features import DROID_CAMERAS
 from slurmvla.policy.tokenizer import detokenize, tokenize
-
-from .conftest import policy_spec
+from tests.conftest import policy_spec
 
 
 def _frames_table(root):

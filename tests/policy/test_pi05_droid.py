@@ -16,9 +16,9 @@ from slurmvla.inference.load import load_exported
 from slurmvla.trainer import Trainer
 
 pytest.importorskip("transformers")
-from tests.test_pi0_parity import GOLDEN, lerobot_checkpoint  # noqa: E402
+from tests.policy.test_pi0_parity import GOLDEN, lerobot_checkpoint  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # openpi's TrainConfig "pi05_droid_finetune" and the defaults it leaves in place, transcribed from
 # Physical-Intelligence/openpi (15a9616): src/openpi/training/config.py (TrainConfig: ema_decay 0.99,

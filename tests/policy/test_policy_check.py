@@ -30,12 +30,11 @@ from slurmvla.policy.check import (
     ZERO3_CONSTRUCTION,
     Subject,
 )
+from tests import broken_policies
+from tests.broken_policies import NEGATIVE_CONTROLS
+from tests.conftest import rel_l2, run_train
 
-from . import broken_policies
-from .broken_policies import NEGATIVE_CONTROLS
-from .conftest import rel_l2, run_train
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MULTI_RANK = (FSDP_SAFETY, ZERO3_CONSTRUCTION, RANK_DIVERGENT_INPUTS)
 SINGLE = [c for c in CHECKS if c in SINGLE_PROCESS]
 

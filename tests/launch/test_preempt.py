@@ -211,7 +211,7 @@ def test_a_process_that_fails_with_live_data_workers_still_exits(tmp_path):
         "it = iter(DataLoader(range(1000), batch_size=1, num_workers=2, worker_init_fn=ignore_stop_signals))\n"
         "next(it)\n"
         "raise RuntimeError('a bug mid-run')\n")
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[2])
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": repo})
     assert res.returncode == 1 and res.stderr.strip().endswith("RuntimeError: a bug mid-run"), res.stderr[-2000:]

@@ -16,10 +16,9 @@ from slurmvla.data.augment import NUM_PARAMS, Augmenter, augment, augment_float,
 from slurmvla.data.loader import TrainData, build_validation_loader
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.source import LeRobotSource, dataset_specs, seeded_int
+from tests.conftest import policy_spec
 
-from .conftest import policy_spec
-
-GOLDEN = Path(__file__).resolve().parent / "golden" / "openpi_augment"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "openpi_augment"
 CASES = json.loads((GOLDEN / "meta.json").read_text())["cases"]
 PARAM_KEYS = ("crop_dy", "crop_dx", "angle_deg", "jitter", "brightness", "contrast", "hue")
 CAMERAS = ["observation.images.exterior_1_left", "observation.images.exterior_2_left", "observation.images.wrist_left"]

@@ -18,8 +18,7 @@ from slurmvla.data.source import LeRobotSource, dataset_specs
 from slurmvla.inspect import main as inspect_main
 from slurmvla.policy.tokenizer import detokenize
 from slurmvla.trainer import Trainer
-
-from .conftest import policy_spec
+from tests.conftest import policy_spec
 
 CAM = "observation.images.top"
 LENGTHS = (5, 7)

@@ -25,7 +25,7 @@ from slurmvla.sim.env import PickCube  # noqa: E402
 from slurmvla.sim.expert import Expert  # noqa: E402
 from slurmvla.sim.record import HOLD_STEPS, expert_episode, record  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EPISODES = 6
 # Small frames keep the recording quick; the layout is DROID's.
 HEIGHT, WIDTH = 72, 128
@@ -81,8 +81,7 @@ def test_an_episode_is_a_function_of_its_seed():
 
 def test_demonstrations_read_back_through_the_data_layer_as_recorded(demos):
     from slurmvla.data.source import LeRobotSource, dataset_specs
-
-    from .conftest import policy_spec
+    from tests.conftest import policy_spec
 
     info = json.loads((demos / "meta" / "info.json").read_text())
     assert info["codebase_version"] == "v3.0" and info["total_episodes"] == EPISODES
@@ -158,7 +157,7 @@ def _rollout_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def test_rollout_against_a_running_server_by_address_in_shards_then_merged(replay_run, tmp_path):
-    from .test_serve import start_server, stop
+    from tests.inference.test_serve import start_server, stop
 
     proc, port = start_server(replay_run)
     try:
@@ -202,7 +201,7 @@ def test_an_unreachable_server_is_one_line(tmp_path):
 
 def test_training_rolls_out_every_n_steps_on_every_rank_and_logs_the_success_rate(demos, tmp_path):
     """Two DDP ranks (torchrun, gloo) each run their share of the episodes; rank 0 logs all of them."""
-    from .conftest import run_train
+    from tests.conftest import run_train
 
     run_dir = tmp_path / "run"
     run_train(["experiment=sim_pick", f"data.root={demos}", "engine=ddp", "policy=custom",

@@ -215,7 +215,7 @@ def test_a_trained_delta_policy_serves_its_chunk_plus_the_state(delta_cfg, sampl
 
 @pytest.fixture(scope="module")
 def delta_runner(tmp_path_factory):
-    from tests.test_rtc import demo_runner
+    from tests.policy.test_rtc import demo_runner
 
     return demo_runner(tmp_path_factory.mktemp("unused"), DROID_MASK_OVERRIDE)
 

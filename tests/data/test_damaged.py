@@ -23,10 +23,9 @@ from slurmvla.data.damaged import DAMAGED, SUBSTITUTE
 from slurmvla.data.datasets import EpisodeStream
 from slurmvla.data.loader import TrainData, build_validation_loader
 from slurmvla.data.mixture import Mixture
-
-from .conftest import policy_spec, run_until
-from .test_errors import fails, restore_signals  # noqa: F401 (a fixture)
-from .test_train import train as _train
+from tests.conftest import policy_spec, run_until
+from tests.test_errors import fails, restore_signals  # noqa: F401 (a fixture)
+from tests.test_train import train as _train
 
 CAMERA = "observation.images.wrist_left"
 # 437 samples in the sample data (12 episodes): 23 micro-batches of 19 cover one epoch with none left out.

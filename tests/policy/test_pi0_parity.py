@@ -28,12 +28,12 @@ from slurmvla.policy.pi0.model import Pi0Policy
 from slurmvla.policy.stats import checkpoint_stats
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).parent / "reference"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "reference"))
 from tiny_weights import fingerprint, tiny_state_dict  # noqa: E402
 
-from tests.test_pi0 import policy_cfg  # noqa: E402
+from tests.policy.test_pi0 import policy_cfg  # noqa: E402
 
-GOLDEN = Path(__file__).parent / "golden" / "lerobot061"
+GOLDEN = Path(__file__).parents[1] / "golden" / "lerobot061"
 META = json.loads((GOLDEN / "meta.json").read_text())
 RTOL = 1e-5
 NAMES = {"pi0": "pi0_tiny", "pi05": "pi05_tiny"}

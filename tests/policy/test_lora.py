@@ -23,8 +23,7 @@ from slurmvla.policy.lora import merge_adapters, trainable_summary
 from slurmvla.seeding import seed_everything
 from slurmvla.trainer import Trainer
 from slurmvla.weights import has_adapters, is_adapter, plain_name
-
-from .test_pi0 import batch_for, paligemma_dir  # noqa: F401 (a fixture)
+from tests.policy.test_pi0 import batch_for, paligemma_dir  # noqa: F401 (a fixture)
 
 pytest.importorskip("peft")
 

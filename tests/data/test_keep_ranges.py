@@ -11,8 +11,7 @@ import pytest
 from slurmvla.data.index import build_index
 from slurmvla.data.keep_ranges import episode_key, load_keep_ranges
 from slurmvla.data.source import LeRobotSource, dataset_specs
-
-from .conftest import policy_spec
+from tests.conftest import policy_spec
 
 
 def _write(tmp_path, obj):

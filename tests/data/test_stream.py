@@ -13,8 +13,7 @@ import torch
 from slurmvla.data.datasets import EpisodeStream
 from slurmvla.data.loader import TrainData, build_validation_loader
 from slurmvla.data.mixture import Mixture
-
-from .conftest import policy_spec
+from tests.conftest import policy_spec
 
 
 def _mixture(cfg, seed=0):
