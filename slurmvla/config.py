@@ -248,6 +248,10 @@ class Config:
             )
         check_delta_actions(self.data.delta_actions, self.policy.action_dim, self.policy.state_dim,
                             "policy.action_dim", "policy.state_dim")
+        guided = self.serve.rtc_guided_dims
+        if guided is not None and max(guided) >= self.policy.action_dim:
+            raise ValueError(f"serve.rtc_guided_dims={list(guided)} names dim {max(guided)}, but the policy's actions have "
+                             f"{self.policy.action_dim} dims (policy.action_dim): choose from 0..{self.policy.action_dim - 1}")
         if self.data.mode != "policy" and not self.policy.dynamics:
             raise ValueError(
                 f"data.mode={self.data.mode!r} yields dynamics samples, which need policy.dynamics=true "

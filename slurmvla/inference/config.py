@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slurmvla.policy.config import RTC_SCHEDULES
+from slurmvla.policy.config import RTC_JACOBIANS, RTC_SCHEDULES
 
 # rollout.execution and the robot-side executor (slurmvla/inference/executor.py): how action chunks run.
 EXECUTION_MODES = ("sync", "async", "rtc")
@@ -75,6 +75,12 @@ class ServeConfig:
     # (exp: the paper's soft mask; linear; ones: the whole overlap as the frozen part; zeros: the frozen part only).
     rtc_max_guidance: float = 5.0
     rtc_schedule: str = "exp"
+    # The guidance's Jacobian: model (the paper's vector-Jacobian product through the velocity) or identity
+    # (LeRobot 0.6.1's form: the weighted error itself, no backward pass).
+    rtc_jacobian: str = "model"
+    # The action dims guided towards the previous chunk; null: every one. The others follow the policy alone
+    # (e.g. DROID's gripper, dim 7: [0,1,2,3,4,5,6]); the delay's actions are the previous chunk's in every dim.
+    rtc_guided_dims: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rtc_max_guidance < float("inf"):
@@ -82,6 +88,12 @@ class ServeConfig:
                              "5.0; 0 turns guidance off, the delay's actions still come from prev_actions)")
         if self.rtc_schedule not in RTC_SCHEDULES:
             raise ValueError(f"serve.rtc_schedule={self.rtc_schedule!r} is not one of {', '.join(RTC_SCHEDULES)}")
+        if self.rtc_jacobian not in RTC_JACOBIANS:
+            raise ValueError(f"serve.rtc_jacobian={self.rtc_jacobian!r} is not one of {', '.join(RTC_JACOBIANS)}")
+        if self.rtc_guided_dims is not None and (not self.rtc_guided_dims or min(self.rtc_guided_dims) < 0
+                                                 or len(set(self.rtc_guided_dims)) != len(self.rtc_guided_dims)):
+            raise ValueError(f"serve.rtc_guided_dims={list(self.rtc_guided_dims)} must be distinct action dims >= 0 "
+                             "(null: every dim)")
         if not 0 <= self.port < 65536:
             raise ValueError(f"serve.port={self.port} is not a TCP port (0..65535; 0 picks a free one)")
         if self.max_request_mb is not None and not (0 < self.max_request_mb < float("inf")):

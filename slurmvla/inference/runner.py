@@ -77,8 +77,9 @@ class PolicyRunner:
         trained = self.cfg.policy.rtc_training
         if trained.enabled:
             return {"method": "prefix", "trained_delays": [trained.min_delay, trained.max_delay]}
-        return {"method": "guidance", "max_guidance": self.cfg.serve.rtc_max_guidance,
-                "schedule": self.cfg.serve.rtc_schedule}
+        serve = self.cfg.serve
+        return {"method": "guidance", "max_guidance": serve.rtc_max_guidance, "schedule": serve.rtc_schedule,
+                "jacobian": serve.rtc_jacobian, "guided_dims": serve.rtc_guided_dims}
 
     def observation_bytes(self, camera_bytes: int = 0) -> int:
         """One observation's size on the wire, roughly: every camera the client sends at the policy's
@@ -137,7 +138,8 @@ class PolicyRunner:
             padded[0, :k] = self.processor.to_policy(padded[0, :k], state)
         serve = self.cfg.serve
         return Guidance(torch.from_numpy(padded), torch.tensor([delay]), torch.tensor([k]),
-                        serve.rtc_max_guidance, serve.rtc_schedule)
+                        serve.rtc_max_guidance, serve.rtc_schedule, serve.rtc_jacobian,
+                        None if serve.rtc_guided_dims is None else tuple(serve.rtc_guided_dims))
 
     def infer(self, obs: Any) -> dict:
         """``{"actions": chunk}`` for one observation with no past (openpi's ``BasePolicy.infer``)."""

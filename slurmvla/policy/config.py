@@ -33,6 +33,8 @@ LORA_INITS = ("gaussian", "peft")
 DELAY_DISTRIBUTIONS = ("uniform", "exp")
 # Real-time chunking's guidance weights over the overlap after the delay (serve.rtc_schedule; slurmvla/policy/rtc.py).
 RTC_SCHEDULES = ("exp", "linear", "ones", "zeros")
+# The Jacobian real-time chunking's guidance pulls its error back through (serve.rtc_jacobian; policy/rtc.py).
+RTC_JACOBIANS = ("model", "identity")
 
 
 @dataclass

@@ -36,13 +36,13 @@ from dataclasses import dataclass
 import torch
 
 from slurmvla.data.spec import Draw
-from slurmvla.policy.config import RTC_SCHEDULES
+from slurmvla.policy.config import RTC_JACOBIANS, RTC_SCHEDULES
 
 SCHEDULES = RTC_SCHEDULES  # serve.rtc_schedule's choices
 # The Jacobian the guidance pulls the error back through (serve.rtc_jacobian): the velocity model's, by a
 # vector-Jacobian product (the paper's Algorithm 1), or the identity (LeRobot 0.6.1's RTCProcessor, which
 # computes the velocity before x_t requires gradients: no backward pass, about a plain step's cost).
-JACOBIANS = ("model", "identity")
+JACOBIANS = RTC_JACOBIANS
 
 
 @dataclass

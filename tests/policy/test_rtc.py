@@ -216,7 +216,8 @@ def test_the_server_serves_rtc_requests_and_refuses_bad_ones_through_openpis_cli
         client = wcp.WebsocketClientPolicy("127.0.0.1", port)
         meta = client.get_server_metadata()
         assert meta["execution_modes"] == ["sync", "async", "rtc"]
-        assert meta["rtc"] == {"method": "guidance", "max_guidance": 5.0, "schedule": "exp"}
+        assert meta["rtc"] == {"method": "guidance", "max_guidance": 5.0, "schedule": "exp", "jacobian": "model",
+                               "guided_dims": None}
         # A client that sends neither key (or delay 0 alone) gets today's chunk, bit for bit.
         want = plain_chunk(runner, obs)
         np.testing.assert_array_equal(client.infer(obs)["actions"], want)
@@ -298,3 +299,25 @@ def test_guidance_settings_name_their_value_and_choices():
         Guidance(prev, torch.tensor([0]), torch.tensor([2]), jacobian="none")
     with pytest.raises(ValueError, match=r"rtc guided_dims=\[0, 3\]: each must be an action dim in 0..2"):
         Guidance(prev, torch.tensor([0]), torch.tensor([2]), guided_dims=(0, 3))
+
+
+def test_the_guidance_variants_are_serve_options_the_requests_carry(tmp_path):
+    """serve.rtc_jacobian / serve.rtc_guided_dims reach each request's guidance and the metadata; an identity-Jacobian
+    request samples the chunk the hand-made Guidance gives; a dim beyond the actions is one line naming it."""
+    runner = demo_runner(tmp_path, "serve.rtc_jacobian=identity", "serve.rtc_guided_dims=[0,1,2]")
+    pc = runner.cfg.policy
+    prev = np.random.default_rng(1).normal(size=(4, pc.action_dim))
+    obs = droid_obs(runner, 0)
+    guidance = runner.read_rtc({"prev_actions": prev, "delay": 1}, runner.processor.read(obs).state)
+    assert (guidance.jacobian, guidance.guided_dims) == ("identity", (0, 1, 2))
+    assert runner.rtc_metadata()["jacobian"] == "identity" and runner.rtc_metadata()["guided_dims"] == [0, 1, 2]
+    got = runner.session().infer({**obs, "prev_actions": prev, "delay": 1})["actions"]
+    padded = torch.zeros(1, pc.action_horizon, pc.action_dim)
+    padded[0, :4] = torch.from_numpy(prev).float()
+    want = plain_chunk(runner, obs, Guidance(padded, torch.tensor([1]), torch.tensor([4]), jacobian="identity",
+                                             guided_dims=(0, 1, 2)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=rf"serve.rtc_guided_dims=\[0, {pc.action_dim}\] names dim {pc.action_dim}"):
+        compose(["experiment=demo", f"data.root={tmp_path}", f"serve.rtc_guided_dims=[0,{pc.action_dim}]"])
+    with pytest.raises(ValueError, match=r"serve.rtc_jacobian='none' is not one of model, identity"):
+        compose(["experiment=demo", f"data.root={tmp_path}", "serve.rtc_jacobian=none"])
