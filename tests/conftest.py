@@ -26,6 +26,18 @@ from slurmvla.policy import sample_spec
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+# absl's logging handler (absl is imported in-process by JAX / orbax: openpi's checkpoints) binds sys.stderr as it
+# is when absl is first imported -- under pytest, the capture's file -- and closes any stream that is not the
+# current sys.stderr / sys.stdout whenever logging is reconfigured (Hydra's dictConfig when ``train.cli`` runs
+# in-process, during a capsys test): it then closes pytest's capture file and every later test on that worker
+# errors with "I/O operation on closed file". Imported here, before any test, and pointed at the real stderr.
+try:
+    import absl.logging as _absl_logging
+except ImportError:  # absl comes with the openpi extra
+    pass
+else:
+    _absl_logging.get_absl_handler().python_handler.setStream(sys.__stderr__)
+
 
 @pytest.fixture(autouse=True)
 def _root_logging_as_it_was():
