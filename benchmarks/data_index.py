@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--horizon", type=int, default=16)
     args = parser.parse_args()
 
-    from slurmvla.data.config import DataConfig
+    from slurmvla.config.data import DataConfig
     from slurmvla.data.datasets import EpisodeStream
     from slurmvla.data.mixture import Mixture
 

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).parent))
 from data_index import synthetic_droid  # noqa: E402
 
-from slurmvla.data.config import DataConfig, KeepRangesConfig  # noqa: E402
+from slurmvla.config.data import DataConfig, KeepRangesConfig  # noqa: E402
 from slurmvla.data.mixture import Mixture  # noqa: E402
 from slurmvla.droid_features import DROID_CAMERAS  # noqa: E402
 from slurmvla.policy import sample_spec  # noqa: E402

@@ -37,7 +37,7 @@ import psutil
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-from slurmvla.data.config import DataConfig
+from slurmvla.config.data import DataConfig
 from slurmvla.data.datasets import EpisodeStream
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.prepare import resize_frame

@@ -155,7 +155,7 @@ def measure(make_loader, batches: int) -> dict:
 # -- the two sides (each runs in its own process) ---------------------------------------------------
 
 def slurmvla_loading(root: str, workers: int, batch_size: int, batches: int) -> dict:
-    from slurmvla.data.config import DataConfig
+    from slurmvla.config.data import DataConfig
     from slurmvla.data.loader import TrainData
     from slurmvla.data.mixture import Mixture
     from slurmvla.policy import sample_spec
@@ -217,7 +217,7 @@ def _peak_rss_mib() -> float:
 
 
 def slurmvla_startup(root: str, cache: str) -> dict:
-    from slurmvla.data.config import DataConfig
+    from slurmvla.config.data import DataConfig
     from slurmvla.data.mixture import Mixture
     from slurmvla.policy import sample_spec
     from slurmvla.policy.flow_vla.config import FlowVLAConfig

@@ -1,5 +1,5 @@
 """The value checks every schema's ``__post_init__`` shares: one message shape for every key, naming the value and
-what is valid. A schema module beside its package (``slurmvla/data/config.py``, ...) imports these from here, not
+what is valid. A schema module beside its package (``slurmvla/config/data.py``, ...) imports these from here, not
 from ``slurmvla.config``, which composes those modules (``slurmvla.config`` re-exports them for users)."""
 
 from __future__ import annotations

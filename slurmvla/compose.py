@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from slurmvla.config import Config
 from slurmvla.errors import one_line
-from slurmvla.policy.config import policy_options, policy_schema
+from slurmvla.config.policy import policy_options, policy_schema
 from slurmvla.registry import POLICIES
 
 SCHEMA_NAME = "slurmvla_schema"

@@ -23,7 +23,7 @@ import sys
 
 from slurmvla.compose import compose
 from slurmvla.config import Config
-from slurmvla.data.config import KEEP_RANGE_SEMANTICS
+from slurmvla.config.data import KEEP_RANGE_SEMANTICS
 from slurmvla.errors import FAILED, boundary
 
 

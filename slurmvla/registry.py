@@ -7,7 +7,7 @@ entry names its implementation as ``"module:attribute"`` and imports it only whe
 validating a config never imports torch's distributed stack or DeepSpeed; a policy's entry names its
 options' schema the same way (``PolicyEntry.schema``), so it needs no other table. The fixed choice lists (data
 modes, resize modes, simulated embodiments, execution modes, ...) are no registry: each is in the schema module of
-the package that owns it (``slurmvla/data/config.py``, ...).
+the package that owns it (``slurmvla/config/data.py``, ...).
 
 This module is at the bottom of the import graph: it imports no other slurmvla module, but for the policy
 folders' torch-free ``config`` modules, by name, when the policy table is first read.
@@ -93,12 +93,12 @@ class PolicyEntry(Entry):
     the class is named by the config's ``policy.target`` (a user's own policy).
 
     ``schema``: ``"module:Class"`` of the policy's options, a dataclass deriving from
-    ``slurmvla.policy.config.PolicyConfig`` whose ``name`` defaults to the entry's; the config layer imports it
+    ``slurmvla.config.policy.PolicyConfig`` whose ``name`` defaults to the entry's; the config layer imports it
     by this name to validate ``policy.*`` and registers it in Hydra's ConfigStore (``policy=<name>``
     selects it at its defaults where conf/policy/ has no file of that name). Its module imports no torch,
     so validating a config never imports the model."""
 
-    schema: str = "slurmvla.policy.config:PolicyConfig"
+    schema: str = "slurmvla.config.policy:PolicyConfig"
 
     def load_schema(self) -> Any:
         return import_target(self.schema)

@@ -47,7 +47,7 @@ from slurmvla.inference.closed_loop import (
     shard_seeds,
     summarize,
 )
-from slurmvla.sim.config import RolloutConfig
+from slurmvla.config.rollout import RolloutConfig
 
 
 def _parse_shard(text: str) -> tuple[int, int]:

@@ -41,7 +41,7 @@ machines, and ``sbatch/serve.sh`` prints the node's address for them), so the se
 beyond this machine without one refuses to start (one ``error:`` line) unless ``--host 127.0.0.1``
 (``serve.host``: this machine only) or ``serve.allow_unauthenticated=true`` (then it warns at start-up).
 
-Observations map to the policy's inputs through ``serve.*`` (:class:`slurmvla.inference.config.ServeConfig`),
+Observations map to the policy's inputs through ``serve.*`` (:class:`slurmvla.config.serve.ServeConfig`),
 and are prepared by the functions training uses (:mod:`slurmvla.data.prepare`).
 """
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
               if v is not None}
     overrides += [f"serve.{k}={v}" for k, v in limits.items()]
     with boundary():
-        from slurmvla.inference.config import ServeConfig
+        from slurmvla.config.serve import ServeConfig
 
         ServeConfig(**limits)  # the admission flags, by their options' one rule, before anything is read
         if args.max_request_mb is not None:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from slurmvla.collectives import check_same_fields, gather_dict, gather_objects
-from slurmvla.data.config import SAMPLE_MODES
+from slurmvla.config.data import SAMPLE_MODES
 from slurmvla.data.damaged import leave_out, pop_marks, say_skipped
 from slurmvla.data.loader import to_device
 from slurmvla.data.mixture import Mixture

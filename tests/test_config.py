@@ -285,7 +285,7 @@ def test_an_option_the_policy_does_not_have_is_one_line_naming_the_policy_and_it
 
 
 def test_a_policy_config_built_by_hand_must_be_its_policys_schema():
-    from slurmvla.policy.config import policy_schema
+    from slurmvla.config.policy import policy_schema
     from slurmvla.policy.flow_vla.config import FlowVLAConfig
     from slurmvla.policy.pi0.config import Pi05Config
 

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from slurmvla.checkpoint import load_model_file
 from slurmvla.compose import compose
-from slurmvla.engine.config import EngineConfig
+from slurmvla.config.engine import EngineConfig
 from slurmvla.engine.fsdp import hsdp_degrees
 from slurmvla.export import export
 from slurmvla.launch import DistEnv

@@ -223,7 +223,7 @@ def test_check_names_a_wrong_type(capsys):
     fails(capsys, lambda: check.main(["trainer.max_steps=abc"]), "trainer.max_steps='abc'")
 
 
-@pytest.mark.filterwarnings("ignore:'slurmvla.policy.check' found in sys.modules")  # imported by slurmvla.check
+@pytest.mark.filterwarnings("ignore:'slurmvla.policy.check' found in sys.modules")  # imported by a test before
 @pytest.mark.filterwarnings("ignore:'slurmvla.check' found in sys.modules")  # the old path runs it by name
 def test_policy_check_names_an_unknown_engine(capsys, monkeypatch):
     fails(capsys, lambda: run_module(monkeypatch, "slurmvla.policy.check", "engine=fsdp3"), "engine=fsdp3", "'ddp'")

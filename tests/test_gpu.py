@@ -297,7 +297,7 @@ def test_rtc_requests_replay_one_graph_whatever_the_delay(trained_for_delays):
     every delay replays one graph (guidance's backward pass captured inside it, or training-time RTC's prefix),
     and the chunk is eager mode's."""
     from slurmvla.inference.graphs import GraphedSampler
-    from slurmvla.policy.config import RTCTrainingConfig
+    from slurmvla.config.policy import RTCTrainingConfig
     from slurmvla.policy.rtc import Guidance
     from tests.policy.test_pi0 import B, batch_for, perturbed_policy
 

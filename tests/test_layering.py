@@ -5,13 +5,14 @@ models never import ``torch.distributed`` or ``slurmvla.collectives``. Read from
 one at the top; code under ``if __name__ == "__main__":`` does not (a library may hand its old ``python -m``
 path over to the program that moved up).
 
-Schemas live beside the packages they configure: ``slurmvla/<package>/config.py`` (and a policy folder's
-``slurmvla/policy/<name>/config.py``) is a schema module, configuration (layer 1) wherever it lives. ``config``
-(layer 1) composes the packages' schema modules, and ``config`` / ``compose`` import a policy's schema by the
-string its registry entry holds (``PolicyEntry.schema``, through ``registry.import_target``), which this reader
-does not see. So a schema module imports only layers 0-1, no torch, transformers or numpy, and never ``config``
-(which composes it); any module may import one (the sibling and data rules are about code, not options); and
-composing a config, which imports every schema module and its package's ``__init__``, is checked to import no torch.
+The configuration is one package, ``slurmvla.config`` (layer 1): the root ``Config`` in its ``__init__`` and one
+schema module per group's owner (``slurmvla.config.data``, ``.engine``, ``.policy``, ``.serve``, ``.rollout``).
+A policy folder's ``config`` (``slurmvla/policy/<name>/config.py``) is a schema module too, layer 1 where it lives;
+``config`` / ``compose`` import it by the string its registry entry holds (``PolicyEntry.schema``, through
+``registry.import_target``), which this reader does not see. So a schema module imports only layers 0-1, no torch,
+transformers or numpy, and never the root ``slurmvla.config`` (which composes it); any module may import one (the
+sibling and data rules are about code, not options); and composing a config, which imports every schema module and
+the package ``__init__`` that importing a policy folder's runs, is checked to import no torch.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ LAYERS = (
     (4, ("slurmvla.checkpoint", "slurmvla.validation", "slurmvla.sim", "slurmvla.planner")),
     (5, ("slurmvla.trainer", "slurmvla.inference")),
     (6, PROGRAMS := ("slurmvla.train", "slurmvla.serve", "slurmvla.evaluate", "slurmvla.export", "slurmvla.profile",
-                     "slurmvla.inspect", "slurmvla.check", "slurmvla.check_ranks", "slurmvla.rollout",
+                     "slurmvla.inspect", "slurmvla.check", "slurmvla.rollout",
                      "slurmvla.plan", "slurmvla.table")),
 )
 # Siblings in one layer that must not import each other (the engine reads a policy through the contract only;
@@ -45,8 +46,8 @@ SIBLINGS = (("slurmvla.policy", "slurmvla.engine"), ("slurmvla.trainer", "slurmv
 # The data layer reads the configuration's schemas (``config``), never the application's composition (Hydra:
 # ``compose``), a model, an engine or the trainer: it loads for a tool that has none of them.
 DATA, NOT_FOR_DATA = "slurmvla.data", ("slurmvla.compose", "slurmvla.policy", "slurmvla.engine", "slurmvla.trainer")
-# A schema module (``slurmvla/<package>/config.py``, ``slurmvla/policy/<name>/config.py``): layer 1 wherever it lives,
-# held to layers 0-1 and no heavy package; never importing the root ``config``, which composes it.
+# A schema module (``slurmvla/config/<owner>.py``, ``slurmvla/policy/<name>/config.py``): layer 1, held to layers
+# 0-1 and no heavy package; never importing the root ``config``, which composes it.
 ROOT_CONFIG, HEAVY = "slurmvla.config", ("torch", "transformers", "numpy")
 # Models are pure functions of their batch: no module of the policy package may know that ranks exist.
 MODELS = "slurmvla.policy"
@@ -59,7 +60,8 @@ def _within(name: str, prefix: str) -> bool:
 
 def is_schema(module: str) -> bool:
     parts = module.split(".")
-    return len(parts) > 2 and parts[0] == "slurmvla" and parts[-1] == "config"
+    in_config = module.startswith(ROOT_CONFIG + ".")
+    return in_config or (len(parts) > 3 and parts[:2] == ["slurmvla", "policy"] and parts[-1] == "config")
 
 
 def layer_of(module: str) -> int | None:
@@ -172,7 +174,8 @@ def schema_modules(sources: dict[str, tuple[str, bool]]) -> dict[str, str]:
     of each registered policy's schema (a plug-in's may be named otherwise)."""
     from slurmvla.registry import POLICIES
 
-    found = {m: "composed by slurmvla.config" for m in sources if is_schema(m)}
+    found = {m: "composed by slurmvla.config" if m.startswith(ROOT_CONFIG) else "a policy folder's schema"
+             for m in sources if is_schema(m)}
     for name in POLICIES:
         found[POLICIES.get(name).schema.partition(":")[0]] = f"the schema of policy {name}: config imports it by name"
     return found
@@ -181,7 +184,8 @@ def schema_modules(sources: dict[str, tuple[str, bool]]) -> dict[str, str]:
 def test_schema_modules_import_only_what_configuration_may():
     sources = package_sources()
     schemas = schema_modules(sources)
-    assert {f"slurmvla.{p}.config" for p in ("data", "engine", "inference", "policy", "sim")} <= set(schemas)
+    assert {f"slurmvla.config.{p}" for p in ("data", "engine", "serve", "policy", "rollout")} | \
+        {"slurmvla.policy.pi0.config", "slurmvla.policy.flow_vla.config"} <= set(schemas)
     found = []
     for module, reader in sorted(schemas.items()):
         source, is_package = sources[module]
@@ -194,8 +198,7 @@ def test_schema_modules_import_only_what_configuration_may():
 
 def test_composing_a_config_imports_no_torch():
     """Validating a config (a launcher's dry run, a saved config re-read) costs no torch import: every schema module,
-    and the package ``__init__`` that importing it runs (``slurmvla.data``, ``engine``, ``inference``, ``policy``,
-    ``sim``), stay light."""
+    and ``slurmvla.policy``'s ``__init__`` that importing a policy folder's runs, stay light."""
     modules = sorted(schema_modules(package_sources()))
     code = ("import importlib, sys\nfrom slurmvla.compose import compose\nfrom slurmvla.registry import POLICIES\n"
             "for option in ('tiny', 'pi0', 'pi05_tiny', 'keypoints'):\n    compose([f'policy={option}'])\n"
@@ -227,11 +230,11 @@ def test_no_library_imports_a_layer_above_it_and_models_know_nothing_of_ranks():
     ("slurmvla.data.x", "def f():\n    from slurmvla.trainer import Trainer\n",
      "slurmvla.data.x -> slurmvla.trainer (layer 2 imports layer 5)"),
     ("slurmvla.config", "from .data import spec\n", "slurmvla.config -> slurmvla.data.spec (layer 1 imports layer 2)"),
-    ("slurmvla.data.config", "from slurmvla.data.spec import SampleSpec\n",
-     "slurmvla.data.config -> slurmvla.data.spec (layer 1 imports layer 2)"),
-    ("slurmvla.engine.config", "import torch\n", "slurmvla.engine.config -> torch (a schema module imports no"),
-    ("slurmvla.sim.config", "from slurmvla.config import check_choice\n",
-     "slurmvla.sim.config -> slurmvla.config (a schema module never imports"),
+    ("slurmvla.config.data", "from slurmvla.data.spec import SampleSpec\n",
+     "slurmvla.config.data -> slurmvla.data.spec (layer 1 imports layer 2)"),
+    ("slurmvla.config.engine", "import torch\n", "slurmvla.config.engine -> torch (a schema module imports no"),
+    ("slurmvla.config.rollout", "from slurmvla.config import check_choice\n",
+     "slurmvla.config.rollout -> slurmvla.config (a schema module never imports"),
     ("slurmvla.data.x", "from slurmvla.compose import compose\n", "slurmvla.data.x -> slurmvla.compose (the data layer"),
     ("slurmvla.data.x", "def f():\n    from slurmvla.policy import build_policy\n",
      "slurmvla.data.x -> slurmvla.policy (the data layer"),
@@ -275,10 +278,10 @@ def test_the_checker_passes_downward_imports_and_main_guards():
     assert violations({"slurmvla.serve": ("from slurmvla.inference.build import build_server\n", False)}) == []
     # The root config composes the packages' schema modules, and any module reads one (a sibling's, the data layer
     # a policy's): they are options, layer 1.
-    schemas = {"slurmvla.policy.config": ("from slurmvla.checks import check_choice\nfrom slurmvla.data.config import "
-                                          "NORMALIZATIONS\n", False), "slurmvla.data.config": ("", False),
-               "slurmvla.engine.config": ("", False)}
-    assert violations({**schemas, "slurmvla.config": ("from slurmvla.data.config import DataConfig\n"
-                                                      "from slurmvla.engine import config\n", False),
-                       "slurmvla.engine.x": ("from slurmvla.policy.config import PolicyConfig\n", False),
-                       "slurmvla.data.x": ("from slurmvla.policy.config import PolicyConfig\n", False)}) == []
+    schemas = {"slurmvla.config.policy": ("from slurmvla.checks import check_choice\nfrom slurmvla.config.data import "
+                                          "NORMALIZATIONS\n", False), "slurmvla.config.data": ("", False),
+               "slurmvla.config.engine": ("", False)}
+    assert violations({**schemas, "slurmvla.config": ("from slurmvla.config.data import DataConfig\n"
+                                                      "from slurmvla.config import engine\n", False),
+                       "slurmvla.engine.x": ("from slurmvla.config.policy import PolicyConfig\n", False),
+                       "slurmvla.data.x": ("from slurmvla.config.policy import PolicyConfig\n", False)}) == []

@@ -14,10 +14,10 @@ from omegaconf import OmegaConf
 from slurmvla.checkpoint import load_model_file, resolve_checkpoint
 from slurmvla.compose import compose, config_dir, to_config
 from slurmvla.config import SchedulerConfig
-from slurmvla.data.config import DATA_MODES, SAMPLE_MODES
+from slurmvla.config.data import DATA_MODES, SAMPLE_MODES
 from slurmvla.engine import Engine
 from slurmvla.optim import build_scheduler
-from slurmvla.policy.config import PolicyConfig
+from slurmvla.config.policy import PolicyConfig
 from slurmvla.registry import (
     ENGINES,
     POLICIES,

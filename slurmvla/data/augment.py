@@ -30,7 +30,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from slurmvla.data.config import IMAGE_AUGMENTATIONS
+from slurmvla.config.data import IMAGE_AUGMENTATIONS
 
 CROP_FRACTION = 0.95
 MAX_ANGLE_DEG = 5.0

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader
 
-from slurmvla.data.config import DataConfig
+from slurmvla.config.data import DataConfig
 from slurmvla.data.datasets import EpisodeStream, EpochSampler, MapDataset, ValidationDataset
 from slurmvla.data.mixture import Mixture
 from slurmvla.launch.preempt import ignore_stop_signals

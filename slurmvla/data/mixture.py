@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from slurmvla.data.config import DataConfig
+from slurmvla.config.data import DataConfig
 from slurmvla.data.normalization import offset_scale, pool_stats
 from slurmvla.data.source import LeRobotSource, dataset_specs, seeded_int
 from slurmvla.data.spec import DataFeatures, SampleSpec

@@ -23,7 +23,7 @@ import av
 import numpy as np
 import torch
 
-from slurmvla.data.config import IMAGE_RESIZE_MODES
+from slurmvla.config.data import IMAGE_RESIZE_MODES
 from slurmvla.data.spec import SampleSpec
 
 # What an observation gives a policy at inference time: no recorded actions, no pre-drawn training
@@ -53,7 +53,7 @@ def resize_frame(frame: av.VideoFrame, size: int | None, mode: str = "pad") -> n
     """RGB uint8 ``[size, size, 3]`` (bilinear), or the frame's own size when ``size`` is None.
 
     ``mode``: ``pad`` (scale to fit, centred on black; a square frame is just scaled) or ``squash``
-    (stretch to the square). One of :data:`slurmvla.data.config.IMAGE_RESIZE_MODES`."""
+    (stretch to the square). One of :data:`slurmvla.config.data.IMAGE_RESIZE_MODES`."""
     picture, top, left = fitted_picture(frame, size, mode)
     if size is None or picture.shape[:2] == (size, size):
         return picture

@@ -33,8 +33,8 @@ from slurmvla.data.spec import SampleSpec
 
 if TYPE_CHECKING:
     from slurmvla.config import Config
-    from slurmvla.data.config import DataConfig
-    from slurmvla.inference.config import ServeConfig
+    from slurmvla.config.data import DataConfig
+    from slurmvla.config.serve import ServeConfig
 
 
 @dataclass(frozen=True)

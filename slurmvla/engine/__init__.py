@@ -1,7 +1,7 @@
 """The engine: the one layer that knows the parallelism strategies. One dispatch on the name,
 through ``slurmvla.registry.ENGINES``.
 
-Importing the package imports no torch (``slurmvla.engine.config``, the engine's options, is read when any config
+Importing the package imports no torch (``slurmvla.config.engine``, the engine's options, is read when any config
 is composed): the builder and the contract's classes (``Engine``, ``StepSettings``) load it when first used."""
 
 from __future__ import annotations

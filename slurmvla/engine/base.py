@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from slurmvla.config import OptimConfig
-from slurmvla.engine.config import EngineConfig
+from slurmvla.config.engine import EngineConfig
 from slurmvla.launch import DistEnv
 
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from slurmvla.engine.config import EngineConfig
+from slurmvla.config.engine import EngineConfig
 from slurmvla.engine.memory import States, Tensors
 from slurmvla.engine.single import SingleEngine
 from slurmvla.engine.single import model_states as replicated_states

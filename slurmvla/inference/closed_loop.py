@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from slurmvla.inference.executor import Executor, switch_metrics
-from slurmvla.sim.config import RolloutConfig
+from slurmvla.config.rollout import RolloutConfig
 
 log = logging.getLogger("slurmvla.rollout")
 

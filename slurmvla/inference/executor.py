@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from slurmvla.inference.config import EXECUTION_MODES
+from slurmvla.config.serve import EXECUTION_MODES
 
 
 @dataclass

@@ -118,7 +118,7 @@ def fake_batch(cfg: Config, policy: nn.Module, micro: int, frame: tuple[int, int
     for k, v in text.items():
         batch[k] = v[None].expand(micro, *v.shape).clone()
     if cfg.data.mode != "policy":
-        from slurmvla.data.config import SAMPLE_MODES
+        from slurmvla.config.data import SAMPLE_MODES
 
         mode = SAMPLE_MODES.index(cfg.data.mode) if cfg.data.mode in SAMPLE_MODES else 0
         batch["mode"] = torch.full((micro,), mode, dtype=torch.long)

@@ -1,7 +1,7 @@
 """Policies: the contract (``Policy``), the built-in ones named in ``slurmvla.registry.POLICIES``, and
 a user's own (``policy=custom policy.target=package.module.Class``).
 
-Importing the package imports no torch: what every policy has (``slurmvla.policy.config``) and each built-in
+Importing the package imports no torch: what every policy has (``slurmvla.config.policy``) and each built-in
 policy's options (its schema, e.g. ``slurmvla.policy.pi0.config``) live here beside the models, and validating a
 config imports the schemas alone. The contract and the builders import torch when first used."""
 
@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from slurmvla.policy.config import PolicyConfig
+from slurmvla.config.policy import PolicyConfig
 from slurmvla.registry import POLICIES
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from slurmvla.policy.config import ATTENTION_FALLBACKS
+from slurmvla.config.policy import ATTENTION_FALLBACKS
 
 _warned: set[str] = set()
 

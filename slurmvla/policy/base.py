@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from slurmvla.data.spec import DataFeatures, SampleSpec
-from slurmvla.policy.config import PolicyConfig
+from slurmvla.config.policy import PolicyConfig
 from slurmvla.policy.tokenizer import ByteTokenizer
 
 LossComponents = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -79,7 +79,7 @@ class Policy(nn.Module):
     """A switch, set from ``cfg.gradient_checkpointing`` in ``__init__`` and read at each training forward:
     ``True`` runs the layers under non-reentrant activation checkpointing (as ``policy.checkpoint_every`` /
     ``checkpoint_saves`` say: :class:`slurmvla.policy.recompute.Recompute`). Others flip it for a pass and put
-    it back: the checker (gradients with it on vs off, :mod:`slurmvla.policy.check`) and the planner
+    it back: the checker (gradients with it on vs off, :mod:`slurmvla.check.subject`) and the planner
     (``slurmvla.planner.activations`` / ``fit``: model FLOPs with it off, memory and issued FLOPs as
     configured; ``slurmvla.profile`` counts with the same). ``None``: the policy has no such switch."""
 

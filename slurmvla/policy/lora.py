@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from slurmvla.policy.config import LORA_PARTS, PolicyConfig
+from slurmvla.config.policy import LORA_PARTS, PolicyConfig
 from slurmvla.weights import has_adapters, is_adapter, parameter_generator, plain_name
 
 ADAPTER = "default"  # peft's adapter name: one set of adapters per policy

@@ -53,7 +53,7 @@ class Recompute:
     of attention kernels), which its recomputation in the backward pass then runs under too."""
 
     def __init__(self, every: int = 1, saves: str = "inputs", context: Callable[[], Any] | None = None):
-        # every >= 1, saves one of slurmvla.policy.config.CHECKPOINT_SAVES: PolicyConfig checks them at composition
+        # every >= 1, saves one of slurmvla.config.policy.CHECKPOINT_SAVES: PolicyConfig checks them at composition
         self.every, self.saves, self.context = every, saves, context
 
     @classmethod

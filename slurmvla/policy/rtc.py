@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from slurmvla.data.spec import Draw
-from slurmvla.policy.config import RTC_JACOBIANS, RTC_SCHEDULES
+from slurmvla.config.policy import RTC_JACOBIANS, RTC_SCHEDULES
 
 SCHEDULES = RTC_SCHEDULES  # serve.rtc_schedule's choices
 # The Jacobian the guidance pulls the error back through (serve.rtc_jacobian): the velocity model's, by a

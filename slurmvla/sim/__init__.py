@@ -10,7 +10,7 @@ An environment offers ``reset(seed)``, ``observe(client_keys) -> obs``, ``step(a
 
 Importing this package chooses MuJoCo's offscreen backend for every module under it, before any loads MuJoCo
 (which reads ``MUJOCO_GL`` once): EGL (Mesa's llvmpipe on a CPU machine, the GPU's driver on a GPU node). Composing
-a config imports it too (:mod:`slurmvla.sim.config`): the default is set, a user's ``MUJOCO_GL`` still wins, and a
+a config imports it too (:mod:`slurmvla.config.rollout`): the default is set, a user's ``MUJOCO_GL`` still wins, and a
 process that never renders never reads it.
 """
 
@@ -20,7 +20,7 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 
 
 def make_env(name: str, task: str | None = None, height: int = 180, width: int = 320, max_steps: int = 100):  # noqa: ANN201
-    """The environment ``rollout.env`` names (one of :data:`slurmvla.sim.config.SIM_ENVS`), rendering at ``height`` x
+    """The environment ``rollout.env`` names (one of :data:`slurmvla.config.rollout.SIM_ENVS`), rendering at ``height`` x
     ``width``."""
     if name == "pick":
         from slurmvla.sim.env import CAMERAS, PickCube
@@ -30,6 +30,6 @@ def make_env(name: str, task: str | None = None, height: int = 180, width: int =
         from slurmvla.sim.metaworld import MetaWorld
 
         return MetaWorld(task, height=height, width=width, max_steps=max_steps)
-    from slurmvla.sim.config import SIM_ENVS
+    from slurmvla.config.rollout import SIM_ENVS
 
     raise ValueError(f"rollout.env={name!r} is not valid; choose one of {list(SIM_ENVS)}")

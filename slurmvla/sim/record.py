@@ -33,7 +33,7 @@ from slurmvla.cli import ArgumentParser, program
 from slurmvla.data.keep_ranges import episode_key
 from slurmvla.data.writer import droid_columns, out_folder_problem, write_dataset
 from slurmvla.droid_features import DROID_CAMERAS
-from slurmvla.sim.config import SIM_ENVS
+from slurmvla.config.rollout import SIM_ENVS
 
 # Steps recorded after the cube first counts as lifted: the demonstrations go on lifting, so a chunk
 # predicted near the goal still lifts.

@@ -11,7 +11,7 @@ from types import MappingProxyType
 import pytest
 
 from slurmvla import plan
-from slurmvla.engine.config import EngineConfig
+from slurmvla.config.engine import EngineConfig
 from slurmvla.engine.memory import States, Tensors
 from slurmvla.engine.single import SingleEngine
 from slurmvla.engine.single import model_states as replicated_states

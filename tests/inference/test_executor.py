@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from slurmvla.inference.config import EXECUTION_MODES
+from slurmvla.config.serve import EXECUTION_MODES
 from slurmvla.inference.executor import Executor, ThreadedExecutor, Tick, switch_metrics
 
 H = 8  # the fake policy's action horizon
@@ -207,7 +207,7 @@ def test_bad_settings_are_one_line():
 
 
 def test_the_config_offers_the_executors_modes_and_refuses_others():
-    from slurmvla.sim.config import RolloutConfig
+    from slurmvla.config.rollout import RolloutConfig
 
     assert RolloutConfig(execution="rtc", delay_steps=2).delay_steps == 2
     for mode in EXECUTION_MODES:

@@ -275,7 +275,7 @@ def test_a_request_beyond_max_pending_is_refused_at_once_with_1013():
                                     {"max_connections": True}])
 def test_bad_admission_limits_are_refused_naming_the_value_and_range(kwargs):
     """The one check of the admission limits: the schema's (the server is handed them from it)."""
-    from slurmvla.inference.config import ServeConfig
+    from slurmvla.config.serve import ServeConfig
 
     [(name, value)] = kwargs.items()
     with pytest.raises(ValueError, match=f"serve.{name}={value!r} is not valid: give an integer >= 1"):

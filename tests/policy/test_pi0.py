@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from slurmvla.inference.optimize import fuse_projections
 from slurmvla.policy import build_policy, sample_spec
-from slurmvla.policy.config import PolicyConfig, policy_schema
+from slurmvla.config.policy import PolicyConfig, policy_schema
 from slurmvla.policy.pi0.model import rope
 from slurmvla.policy.pi0.weights import lerobot_state_dict
 

@@ -21,7 +21,7 @@ from slurmvla.check import run_checks
 from slurmvla.checkpoint import load_model_file, resolve_checkpoint
 from slurmvla.compose import compose
 from slurmvla.policy import build_policy
-from slurmvla.policy.check import (
+from slurmvla.check.subject import (
     CHECKS,
     FSDP_SAFETY,
     OUTPUT_CONTRACT,

@@ -41,7 +41,7 @@ DOCS = SRC.parent / "docs" / "policies.md"
 OWN = ("policy/pi0/", "policy/flow_vla/")
 # (file, expression) where ``policy`` is not a policy module, and why.
 NOT_POLICY = {
-    ("config.py", "self.policy"): "Config.policy: the policy's config node",
+    ("config/__init__.py", "self.policy"): "Config.policy: the policy's config node",
     ("compose.py", "policy"): "the composed node's policy mapping",
     ("inference/server.py", "policy"): "the served InferencePolicy (anything with infer(obs))",
     ("inference/server.py", "self.policy"): "the served InferencePolicy",
@@ -53,7 +53,7 @@ NOT_POLICY = {
 # Other names under which the library reads a built policy (none today: it is always a ``policy``), and where.
 ALIASES: dict[str, str] = {}
 # Where ``cls`` / ``self.cls`` is a policy class (policy_class's).
-CLASS_FILES = ("policy/__init__.py", "policy/base.py", "policy/check.py", "trainer.py", "weights.py")
+CLASS_FILES = ("policy/__init__.py", "policy/base.py", "check/subject.py", "trainer.py", "weights.py")
 # Capabilities whose names nothing else in slurmvla uses: read on anything, they must be read on a policy.
 DISTINCT = tuple(n for n in CAPABILITIES if n not in ("cfg", "gradient_checkpointing"))
 DECLARED = set(CONTRACT) | set(CAPABILITIES)

@@ -15,7 +15,7 @@ import slurmvla.sim  # noqa: F401 - chooses MuJoCo's offscreen backend before me
 pytest.importorskip("metaworld", reason="pip install -e '.[sim]'")
 pytest.importorskip("openpi_client", reason="pip install --no-deps openpi-client")
 
-from slurmvla.sim.config import RolloutConfig  # noqa: E402
+from slurmvla.config.rollout import RolloutConfig  # noqa: E402
 from slurmvla.sim.metaworld import (  # noqa: E402
     ENV_STATE_KEY,
     IMAGE_KEY,

@@ -327,7 +327,7 @@ def test_sync_without_delay_is_the_loop_as_before_and_async_with_a_delay_reports
     from slurmvla.inference.build import build_server
     from slurmvla.inference.closed_loop import close_client, connect, run_episodes, summarize
     from slurmvla.inference.harness import serving_in_thread
-    from slurmvla.sim.config import RolloutConfig
+    from slurmvla.config.rollout import RolloutConfig
 
     server = build_server(str(replay_run), ["serve.host=127.0.0.1", "serve.port=0"], environ={})
     cfg = RolloutConfig(first_seed=0, episodes=2, height=HEIGHT, width=WIDTH, videos=0, max_steps=60)
@@ -380,7 +380,7 @@ class _Recording:
 def test_rtc_requests_carry_the_old_chunk_and_the_delay_and_a_server_without_rtc_refuses_it():
     from slurmvla.inference.closed_loop import run_served
     from slurmvla.inference.server import PolicyServer
-    from slurmvla.sim.config import RolloutConfig
+    from slurmvla.config.rollout import RolloutConfig
 
     cfg = RolloutConfig(first_seed=0, episodes=1, height=HEIGHT, width=WIDTH, videos=0, max_steps=12, execution="rtc",
                         delay_steps=2)
@@ -403,7 +403,7 @@ def test_one_server_serves_several_sets_of_episodes_one_after_another(replay_run
     and delay): each set gets the answers the first got, same seeds, same episodes."""
     from slurmvla.inference.build import build_server
     from slurmvla.inference.closed_loop import run_served
-    from slurmvla.sim.config import RolloutConfig
+    from slurmvla.config.rollout import RolloutConfig
 
     server = build_server(str(replay_run), ["serve.host=127.0.0.1", "serve.port=0"], environ={})
     cfg = RolloutConfig(first_seed=0, episodes=1, height=HEIGHT, width=WIDTH, videos=0, max_steps=20)
@@ -441,7 +441,7 @@ def _flow_policy(demos: Path):
 
 def test_the_keypoint_flow_policy_passes_the_plug_in_checks(demos):
     from slurmvla.check import run_checks
-    from slurmvla.policy.check import CHECKS, GRADIENT_CHECKPOINTING, SINGLE_PROCESS, Subject
+    from slurmvla.check.subject import CHECKS, GRADIENT_CHECKPOINTING, SINGLE_PROCESS, Subject
 
     over = ["experiment=sim_pick", "policy=keypoints_flow", f"data.root={demos}", "data.num_workers=0",
             "logging.wandb.mode=disabled"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slurmvla.checks import check_positive
-from slurmvla.policy.config import TransformerPolicyConfig
+from slurmvla.config.policy import TransformerPolicyConfig
 from slurmvla.registry import PolicyEntry
 
 

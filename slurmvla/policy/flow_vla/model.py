@@ -22,17 +22,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slurmvla.data.config import SAMPLE_MODES
+from slurmvla.config.data import SAMPLE_MODES
 from slurmvla.data.spec import Draw, SampleSpec
 from slurmvla.policy.attention import attention, resolve_attention
 from slurmvla.policy.base import Policy
-from slurmvla.policy.config import PolicyConfig
+from slurmvla.config.policy import PolicyConfig
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.recompute import Recompute
 from slurmvla.policy.rtc import Guidance, Guide, conditioning, delay_draws, delayed_chunk
 from slurmvla.policy.tokenizer import VOCAB_SIZE, ByteTokenizer
 
-# Sample modes (a sample's "mode" field indexes slurmvla.data.config.SAMPLE_MODES).
+# Sample modes (a sample's "mode" field indexes slurmvla.config.data.SAMPLE_MODES).
 FORWARD_DYNAMICS = SAMPLE_MODES.index("forward_dynamics")
 INVERSE_DYNAMICS = SAMPLE_MODES.index("inverse_dynamics")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from slurmvla.checks import check_choice, check_positive
-from slurmvla.policy.config import LoraConfig, TransformerPolicyConfig
+from slurmvla.config.policy import LoraConfig, TransformerPolicyConfig
 from slurmvla.registry import PolicyEntry
 
 # torch's scaled-dot-product attention kernels by the names policy.attention_kernels takes.

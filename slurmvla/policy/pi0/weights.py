@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from slurmvla.policy.config import PolicyConfig
+from slurmvla.config.policy import PolicyConfig
 from slurmvla.policy.pi0 import openpi
 from slurmvla.policy.tokenizer import VOCAB_SIZE, ByteTokenizer
 from slurmvla.weights import base_parameters, copy_full_into

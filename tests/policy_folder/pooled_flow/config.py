@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slurmvla.checks import check_positive
-from slurmvla.policy.config import PolicyConfig
+from slurmvla.config.policy import PolicyConfig
 from slurmvla.registry import PolicyEntry
 
 

@@ -1,7 +1,6 @@
 """The engine's options (``engine.*``; read by ``slurmvla.engine``'s engines) and the precisions (``precision``,
-``engine.reduce_dtype``). A schema module: it imports no torch and nothing of ``slurmvla`` above the configuration
-(layer 1, wherever it lives; docs/architecture.md). ``slurmvla.config`` composes it; importing it runs
-``slurmvla.engine``'s ``__init__``, which imports torch only when an engine is built."""
+``engine.reduce_dtype``). A schema module of ``slurmvla.config``: it imports no torch and nothing of ``slurmvla`` above
+the configuration (layer 1; docs/architecture.md)."""
 
 from __future__ import annotations
 

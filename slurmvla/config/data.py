@@ -1,6 +1,6 @@
 """The data's options (``data.*``; read by ``slurmvla.data``'s sources, mixture and loaders) and the data's choice
-lists. A schema module: it imports no torch and nothing of ``slurmvla`` above the configuration (layer 1, wherever
-it lives; docs/architecture.md), so composing a config never loads the data layer. ``slurmvla.config`` composes it.
+lists. A schema module of ``slurmvla.config``: it imports no torch and nothing of ``slurmvla`` above the
+configuration (layer 1; docs/architecture.md), so composing a config never loads the data layer.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ low-rank adapters (``policy.lora``) and training-time real-time chunking (``poli
 ``policy.name`` finds its schema (:func:`policy_schema`). Each built-in policy's own options are its folder's
 ``config`` (``slurmvla/policy/pi0/config.py``, ...), a subclass of these named by its registry entry.
 
-A schema module: it imports no torch and nothing of ``slurmvla`` above the configuration (layer 1, wherever it
-lives; docs/architecture.md). ``slurmvla.config`` composes it; importing it runs ``slurmvla.policy``'s
-``__init__``, which imports no torch either.
+A schema module of ``slurmvla.config``: it imports no torch and nothing of ``slurmvla`` above the configuration
+(layer 1; docs/architecture.md). A policy folder's ``config`` subclasses these and imports nothing else of the
+configuration.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slurmvla.checks import check_choice, check_positive
-from slurmvla.data.config import NORMALIZATIONS
+from slurmvla.config.data import NORMALIZATIONS
 from slurmvla.registry import POLICIES
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")

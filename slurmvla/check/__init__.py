@@ -7,8 +7,8 @@ Builds the configured policy (built-in or plug-in) on a batch from the configure
 check below and prints one line per check: pass / fail / skipped, the measured figure, and what to
 fix. Exits 1 when a check fails, 2 on a configuration error. Multi-rank checks run gloo ranks under
 torchrun with a deadline: a hang is reported as a failure, never waited out. The single-process
-checks are the library ``slurmvla.policy.check``; the multi-rank ones are here, beside the ranks they
-start (``slurmvla.check_ranks``), because each rank shards the policy with an engine.
+checks are ``slurmvla.check.subject``; the multi-rank ones are here, beside the ranks they start
+(``slurmvla.check.ranks``), because each rank shards the policy with an engine.
 
 1. output contract: ``loss`` is a finite scalar with a graph; ``components`` are per-sample ``(sum,
    count)`` pairs that equal those of each sample run alone; ``sample_actions`` gives
@@ -45,7 +45,7 @@ import torch
 
 from slurmvla.cli import ArgumentParser, program
 from slurmvla.errors import FAILED, Failure, exit_code, exit_with
-from slurmvla.policy.check import (
+from slurmvla.check.subject import (
     CHECKS,
     FSDP_SAFETY,
     OPTIONAL_FIELDS,
@@ -61,7 +61,7 @@ from slurmvla.policy.check import (
 # -- multi-rank checks (torchrun, gloo, a deadline) -----------------------------------------------
 
 class RankJobs:
-    """The multi-rank checks' ranks: every mode a run needs goes to one torchrun job (``slurmvla.check_ranks``),
+    """The multi-rank checks' ranks: every mode a run needs goes to one torchrun job (``slurmvla.check.ranks``),
     run one after another in the same processes, since starting them and importing torch and DeepSpeed costs
     more than a check. ``get(mode)`` gives each rank's result in that mode (None: it reported nothing in
     time). Each mode has ``deadline_s`` of its own, counted from when the one before it finished. Once a rank
@@ -93,7 +93,7 @@ class RankJobs:
             env = {**os.environ, "OMP_NUM_THREADS": "1",
                    "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
             proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                     f"--nproc_per_node={self.nproc}", "-m", "slurmvla.check_ranks",
+                                     f"--nproc_per_node={self.nproc}", "-m", "slurmvla.check.ranks",
                                      str(tmp / "spec.json")],
                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     start_new_session=True)
@@ -281,6 +281,3 @@ def main(argv: list[str] | None = None) -> None:
           + (f"; failed: {failed}" if failed else ""))
     sys.exit(1 if failed else 0)
 
-
-if __name__ == "__main__":
-    main()

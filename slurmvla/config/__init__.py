@@ -7,14 +7,17 @@ in its schema's ``__post_init__``, the rules across groups in ``Config.__post_in
 DictConfig becomes these dataclasses and raise ``ValueError`` naming the value and the valid choices. Nothing here
 touches the filesystem: a saved config re-validates on any machine, and files are checked where they are opened.
 
-Each schema sits beside the package it configures, a torch-free ``config`` module (layer 1 wherever it lives;
-docs/architecture.md): ``data.*`` in ``slurmvla/data/config.py``, ``engine.*`` and ``precision`` in
-``slurmvla/engine/config.py``, ``policy.*`` in ``slurmvla/policy/config.py`` (each policy's own options in its
-folder: ``slurmvla/policy/pi0/config.py``, ..., named by its registry entry and imported by that name:
-:func:`policy_schema`), ``serve.*`` in ``slurmvla/inference/config.py``, ``rollout.*`` in
-``slurmvla/sim/config.py``. The groups whose owner is a single module (``optim`` and ``scheduler``: ``optim.py``;
-``trainer``, ``checkpoint``, ``logging``, ``profile``) are here. Each choice list is in its owner's module; the
-shared checks are ``slurmvla.checks``. The names users import from here stay importable from here.
+Each group's schema is a module of this package, named by the package that reads it: ``data.*`` in
+``slurmvla/config/data.py``, ``engine.*`` and ``precision`` in ``engine.py``, ``policy.*`` in ``policy.py`` (each
+policy's own options in its folder: ``slurmvla/policy/pi0/config.py``, ..., named by its registry entry and
+imported by that name: :func:`policy_schema`), ``serve.*`` in ``serve.py``, ``rollout.*`` in ``rollout.py``. The
+groups read by a single module (``optim`` and ``scheduler``: ``optim.py``; ``trainer``, ``checkpoint``,
+``logging``, ``profile``) are here. Why one package and not a schema inside each package: every package reads
+the root ``Config`` or a sibling's schema (the data layer's processor reads ``serve``'s client keys, the closed
+loop ``serve``'s execution modes), so a schema inside ``inference/`` would make the configuration depend on the
+highest layer. Here the whole configuration sits below every package that reads it, and imports none of them
+(layer 1; docs/architecture.md). Each choice list is in its owner's module; the shared checks are
+``slurmvla.checks``. The names users import from here stay importable from here.
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from dataclasses import dataclass, field
 from omegaconf import MISSING
 
 from slurmvla.checks import check_choice, check_positive
-from slurmvla.data.config import DataConfig, KeepRangesConfig, MixtureMember, check_delta_actions
-from slurmvla.engine.config import PRECISIONS, EngineConfig
-from slurmvla.inference.config import ServeConfig
-from slurmvla.policy.config import (
+from slurmvla.config.data import DataConfig, KeepRangesConfig, MixtureMember, check_delta_actions
+from slurmvla.config.engine import PRECISIONS, EngineConfig
+from slurmvla.config.serve import ServeConfig
+from slurmvla.config.policy import (
     LoraConfig,
     PolicyConfig,
     RTCTrainingConfig,
@@ -37,7 +40,7 @@ from slurmvla.policy.config import (
     policy_schema,
 )
 from slurmvla.registry import ENGINES, SCHEDULERS
-from slurmvla.sim.config import RolloutConfig
+from slurmvla.config.rollout import RolloutConfig
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "EngineConfig", "KeepRangesConfig", "LoggingConfig", "LoraConfig",

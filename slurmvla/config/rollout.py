@@ -1,15 +1,13 @@
 """The closed loop's options (``rollout.*``: ``python -m slurmvla.rollout`` and ``trainer.rollout_every_steps``) and the
-simulated embodiments it runs in (``SIM_ENVS``: :func:`slurmvla.sim.make_env`). A schema module: it imports no torch
-and nothing of ``slurmvla`` above the configuration (layer 1, wherever it lives; docs/architecture.md).
-``slurmvla.config`` composes it; importing it runs ``slurmvla.sim``'s ``__init__``, which only sets ``MUJOCO_GL``'s
-default (a user's value wins) and imports no simulator."""
+simulated embodiments it runs in (``SIM_ENVS``: :func:`slurmvla.sim.make_env`). A schema module of ``slurmvla.config``: it imports
+no torch, no simulator and nothing of ``slurmvla`` above the configuration (layer 1; docs/architecture.md)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from slurmvla.checks import check_choice, check_positive
-from slurmvla.inference.config import EXECUTION_MODES
+from slurmvla.config.serve import EXECUTION_MODES
 
 # rollout.env: the closed loop's simulated embodiments (slurmvla.sim.make_env).
 SIM_ENVS = ("pick", "metaworld")

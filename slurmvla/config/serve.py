@@ -1,13 +1,13 @@
 """The policy server's options (``serve.*``: ``python -m slurmvla.serve``, ``slurmvla.inference``'s runner and server)
 and how action chunks run on the robot's side (``EXECUTION_MODES``: ``slurmvla.inference.executor``, ``rollout.execution``).
-A schema module: it imports no torch and nothing of ``slurmvla`` above the configuration (layer 1, wherever it lives;
-docs/architecture.md). ``slurmvla.config`` composes it."""
+A schema module of ``slurmvla.config``: it imports no torch and nothing of ``slurmvla`` above the configuration
+(layer 1; docs/architecture.md)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slurmvla.policy.config import RTC_JACOBIANS, RTC_SCHEDULES
+from slurmvla.config.policy import RTC_JACOBIANS, RTC_SCHEDULES
 
 # rollout.execution and the robot-side executor (slurmvla/inference/executor.py): how action chunks run.
 EXECUTION_MODES = ("sync", "async", "rtc")
