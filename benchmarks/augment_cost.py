@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from slurmvla.data.augment import Augmenter
 from slurmvla.config.data import DataConfig
+from slurmvla.data.augment import Augmenter
 from slurmvla.data.datasets import EpisodeStream
 from slurmvla.data.mixture import Mixture
 from slurmvla.data.synthetic import write_droid_sample

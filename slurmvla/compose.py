@@ -19,8 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from slurmvla.config import Config
-from slurmvla.errors import one_line
 from slurmvla.config.policy import policy_options, policy_schema
+from slurmvla.errors import one_line
 from slurmvla.registry import POLICIES
 
 SCHEMA_NAME = "slurmvla_schema"

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from slurmvla.cli import ArgumentParser, program
+from slurmvla.config.rollout import RolloutConfig
 from slurmvla.errors import boundary
 from slurmvla.inference.closed_loop import (
     close_client,
@@ -47,7 +48,6 @@ from slurmvla.inference.closed_loop import (
     shard_seeds,
     summarize,
 )
-from slurmvla.config.rollout import RolloutConfig
 
 
 def _parse_shard(text: str) -> tuple[int, int]:

@@ -296,8 +296,8 @@ def test_rtc_requests_replay_one_graph_whatever_the_delay(trained_for_delays):
     """A real-time chunking request under serve.cuda_graph: its previous chunk and delay are static tensors, so
     every delay replays one graph (guidance's backward pass captured inside it, or training-time RTC's prefix),
     and the chunk is eager mode's."""
-    from slurmvla.inference.graphs import GraphedSampler
     from slurmvla.config.policy import RTCTrainingConfig
+    from slurmvla.inference.graphs import GraphedSampler
     from slurmvla.policy.rtc import Guidance
     from tests.policy.test_pi0 import B, batch_for, perturbed_policy
 

@@ -15,9 +15,9 @@ from slurmvla.checkpoint import load_model_file, resolve_checkpoint
 from slurmvla.compose import compose, config_dir, to_config
 from slurmvla.config import SchedulerConfig
 from slurmvla.config.data import DATA_MODES, SAMPLE_MODES
+from slurmvla.config.policy import PolicyConfig
 from slurmvla.engine import Engine
 from slurmvla.optim import build_scheduler
-from slurmvla.config.policy import PolicyConfig
 from slurmvla.registry import (
     ENGINES,
     POLICIES,

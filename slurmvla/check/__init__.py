@@ -43,8 +43,6 @@ from pathlib import Path
 
 import torch
 
-from slurmvla.cli import ArgumentParser, program
-from slurmvla.errors import FAILED, Failure, exit_code, exit_with
 from slurmvla.check.subject import (
     CHECKS,
     FSDP_SAFETY,
@@ -57,6 +55,8 @@ from slurmvla.check.subject import (
     Subject,
     rank_result_file,
 )
+from slurmvla.cli import ArgumentParser, program
+from slurmvla.errors import FAILED, Failure, exit_code, exit_with
 
 # -- multi-rank checks (torchrun, gloo, a deadline) -----------------------------------------------
 

@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from slurmvla.check.subject import grads_rel, halves, rank_result_file, rel
 from slurmvla.compose import compose
 from slurmvla.config import OptimConfig
-from slurmvla.engine.base import StepSettings
 from slurmvla.config.engine import EngineConfig
+from slurmvla.engine.base import StepSettings
 from slurmvla.engine.distributed import init_process_group
 from slurmvla.launch import DistEnv
 from slurmvla.policy import build_policy
-from slurmvla.check.subject import grads_rel, halves, rank_result_file, rel
 from slurmvla.seeding import seed_everything
 
 

@@ -30,7 +30,6 @@ from omegaconf import MISSING
 from slurmvla.checks import check_choice, check_positive
 from slurmvla.config.data import DataConfig, KeepRangesConfig, MixtureMember, check_delta_actions
 from slurmvla.config.engine import PRECISIONS, EngineConfig
-from slurmvla.config.serve import ServeConfig
 from slurmvla.config.policy import (
     LoraConfig,
     PolicyConfig,
@@ -39,8 +38,9 @@ from slurmvla.config.policy import (
     policy_options,
     policy_schema,
 )
-from slurmvla.registry import ENGINES, SCHEDULERS
 from slurmvla.config.rollout import RolloutConfig
+from slurmvla.config.serve import ServeConfig
+from slurmvla.registry import ENGINES, SCHEDULERS
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "EngineConfig", "KeepRangesConfig", "LoggingConfig", "LoraConfig",

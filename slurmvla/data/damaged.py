@@ -38,8 +38,8 @@ import pyarrow.parquet as pq
 import torch
 
 from slurmvla.collectives import gather_objects
-from slurmvla.data import DataError
 from slurmvla.config.data import DataConfig
+from slurmvla.data import DataError
 from slurmvla.data.index import SampleIndex
 from slurmvla.data.lerobot_format import reading
 from slurmvla.data.source import Episode, LeRobotSource

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from slurmvla.data.augment import Augmenter
 from slurmvla.config.data import JOINT_MODE, SAMPLE_MODES, DataConfig, KeepRangesConfig, check_delta_actions
+from slurmvla.data.augment import Augmenter
 from slurmvla.data.delta import chunk_action_stats, chunk_actions
 from slurmvla.data.facts import cached_arrays, episode_values
 from slurmvla.data.index import SampleIndex, build_index, keep_range_keys

@@ -35,8 +35,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from slurmvla.config import OptimConfig
-from slurmvla.engine.base import BackgroundSave, EngineCore, StepSettings, checkpoint_group, read_param_groups
 from slurmvla.config.engine import EngineConfig
+from slurmvla.engine.base import BackgroundSave, EngineCore, StepSettings, checkpoint_group, read_param_groups
 from slurmvla.engine.materialize import has_meta_parameters, materialize
 from slurmvla.engine.memory import States, Tensors
 from slurmvla.engine.precision import lower_frozen_base

@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from slurmvla.config import OptimConfig
-from slurmvla.engine.base import EngineCore, StepSettings, read_param_groups
 from slurmvla.config.engine import EngineConfig
+from slurmvla.engine.base import EngineCore, StepSettings, read_param_groups
 from slurmvla.engine.materialize import place
 from slurmvla.engine.memory import States, Tensors
 from slurmvla.engine.precision import MasterWeights

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from slurmvla.config import OptimConfig
-from slurmvla.engine.base import BackgroundSave, EngineCore, StepSettings, checkpoint_group, read_param_groups
 from slurmvla.config.engine import EngineConfig
+from slurmvla.engine.base import BackgroundSave, EngineCore, StepSettings, checkpoint_group, read_param_groups
 from slurmvla.engine.memory import States, Tensors
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from slurmvla.inference.executor import Executor, switch_metrics
 from slurmvla.config.rollout import RolloutConfig
+from slurmvla.inference.executor import Executor, switch_metrics
 
 log = logging.getLogger("slurmvla.rollout")
 

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from slurmvla.data.spec import DataFeatures, SampleSpec
 from slurmvla.config.policy import PolicyConfig
+from slurmvla.data.spec import DataFeatures, SampleSpec
 from slurmvla.policy.tokenizer import ByteTokenizer
 
 LossComponents = dict[str, tuple[torch.Tensor, torch.Tensor]]

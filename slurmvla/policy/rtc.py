@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from slurmvla.data.spec import Draw
 from slurmvla.config.policy import RTC_JACOBIANS, RTC_SCHEDULES
+from slurmvla.data.spec import Draw
 
 SCHEDULES = RTC_SCHEDULES  # serve.rtc_schedule's choices
 # The Jacobian the guidance pulls the error back through (serve.rtc_jacobian): the velocity model's, by a

@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from slurmvla.cli import ArgumentParser, program
+from slurmvla.config.rollout import SIM_ENVS
 from slurmvla.data.keep_ranges import episode_key
 from slurmvla.data.writer import droid_columns, out_folder_problem, write_dataset
 from slurmvla.droid_features import DROID_CAMERAS
-from slurmvla.config.rollout import SIM_ENVS
 
 # Steps recorded after the cube first counts as lifted: the demonstrations go on lifting, so a chunk
 # predicted near the goal still lifts.

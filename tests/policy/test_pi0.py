@@ -12,9 +12,9 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from slurmvla.config.policy import PolicyConfig, policy_schema
 from slurmvla.inference.optimize import fuse_projections
 from slurmvla.policy import build_policy, sample_spec
-from slurmvla.config.policy import PolicyConfig, policy_schema
 from slurmvla.policy.pi0.model import rope
 from slurmvla.policy.pi0.weights import lerobot_state_dict
 

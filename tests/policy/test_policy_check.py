@@ -18,9 +18,6 @@ from pathlib import Path
 import pytest
 
 from slurmvla.check import run_checks
-from slurmvla.checkpoint import load_model_file, resolve_checkpoint
-from slurmvla.compose import compose
-from slurmvla.policy import build_policy
 from slurmvla.check.subject import (
     CHECKS,
     FSDP_SAFETY,
@@ -30,6 +27,9 @@ from slurmvla.check.subject import (
     ZERO3_CONSTRUCTION,
     Subject,
 )
+from slurmvla.checkpoint import load_model_file, resolve_checkpoint
+from slurmvla.compose import compose
+from slurmvla.policy import build_policy
 from tests import broken_policies
 from tests.broken_policies import NEGATIVE_CONTROLS
 from tests.conftest import rel_l2, run_train

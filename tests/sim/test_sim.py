@@ -324,10 +324,10 @@ def _before(client, cfg, seed: int) -> dict:
 def test_sync_without_delay_is_the_loop_as_before_and_async_with_a_delay_reports_the_switches(replay_run):
     from dataclasses import replace
 
+    from slurmvla.config.rollout import RolloutConfig
     from slurmvla.inference.build import build_server
     from slurmvla.inference.closed_loop import close_client, connect, run_episodes, summarize
     from slurmvla.inference.harness import serving_in_thread
-    from slurmvla.config.rollout import RolloutConfig
 
     server = build_server(str(replay_run), ["serve.host=127.0.0.1", "serve.port=0"], environ={})
     cfg = RolloutConfig(first_seed=0, episodes=2, height=HEIGHT, width=WIDTH, videos=0, max_steps=60)
@@ -378,9 +378,9 @@ class _Recording:
 
 
 def test_rtc_requests_carry_the_old_chunk_and_the_delay_and_a_server_without_rtc_refuses_it():
+    from slurmvla.config.rollout import RolloutConfig
     from slurmvla.inference.closed_loop import run_served
     from slurmvla.inference.server import PolicyServer
-    from slurmvla.config.rollout import RolloutConfig
 
     cfg = RolloutConfig(first_seed=0, episodes=1, height=HEIGHT, width=WIDTH, videos=0, max_steps=12, execution="rtc",
                         delay_steps=2)
@@ -401,9 +401,9 @@ def test_rtc_requests_carry_the_old_chunk_and_the_delay_and_a_server_without_rtc
 def test_one_server_serves_several_sets_of_episodes_one_after_another(replay_run):
     """run_served starts and stops the server around each set of episodes (benchmarks/rtc.py: one set per mode
     and delay): each set gets the answers the first got, same seeds, same episodes."""
+    from slurmvla.config.rollout import RolloutConfig
     from slurmvla.inference.build import build_server
     from slurmvla.inference.closed_loop import run_served
-    from slurmvla.config.rollout import RolloutConfig
 
     server = build_server(str(replay_run), ["serve.host=127.0.0.1", "serve.port=0"], environ={})
     cfg = RolloutConfig(first_seed=0, episodes=1, height=HEIGHT, width=WIDTH, videos=0, max_steps=20)

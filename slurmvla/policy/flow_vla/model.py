@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from slurmvla.config.data import SAMPLE_MODES
+from slurmvla.config.policy import PolicyConfig
 from slurmvla.data.spec import Draw, SampleSpec
 from slurmvla.policy.attention import attention, resolve_attention
 from slurmvla.policy.base import Policy
-from slurmvla.config.policy import PolicyConfig
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.recompute import Recompute
 from slurmvla.policy.rtc import Guidance, Guide, conditioning, delay_draws, delayed_chunk

@@ -49,10 +49,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from slurmvla.config.policy import PolicyConfig
 from slurmvla.data.spec import DataFeatures, Draw, SampleSpec
 from slurmvla.policy.attention import attention, grouped_matmul_attention, resolve_attention
 from slurmvla.policy.base import Policy
-from slurmvla.config.policy import PolicyConfig
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.recompute import Recompute
 from slurmvla.policy.rtc import Guidance, Prefix, conditioning, delay_draws, delayed_chunk
