@@ -170,15 +170,8 @@ class Policy(nn.Module):
     # -- helpers for built-in policies (not part of the contract) ---------------------------------
 
     def register_normalization(self, cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None) -> None:
-        """``state_offset`` / ``state_scale`` / ``action_offset`` / ``action_scale`` (``STATS_BUFFERS``: the
-        contract's ``stats``, ``normalized = (x - offset) / scale`` from the data's statistics) as fp32 buffers
-        (identity without stats): they travel with the weights into checkpoints and exports, stay
-        fp32 whatever the compute dtype, and stay plain tensors under FSDP (never sharded)."""
-        for prefix, dim in (("state", cfg.state_dim), ("action", cfg.action_dim)):
-            offset = torch.zeros(dim) if stats is None else stats[f"{prefix}_offset"].float().reshape(dim)
-            scale = torch.ones(dim) if stats is None else stats[f"{prefix}_scale"].float().reshape(dim)
-            self.register_buffer(f"{prefix}_offset", offset.clone())
-            self.register_buffer(f"{prefix}_scale", scale.clamp_min(1e-4).clone())
+        """:func:`register_normalization` on this policy."""
+        register_normalization(self, cfg, stats)
 
     def text_inputs(self, batch: dict, reads: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(text, text_mask)`` from ``batch`` when the policy was built to read them (``reads``: decided
@@ -275,6 +268,19 @@ CONTRACT = ("forward", "sample_actions", "sample_spec", "check_data", "wrap_unit
             "param_groups", "no_weight_decay", "supports_rtc", "supports_rtc_training")
 # The contract's statistics: buffers the policy registers (Policy.register_normalization), no class default.
 STATS_BUFFERS = ("state_offset", "state_scale", "action_offset", "action_scale")
+
+
+def register_normalization(module: nn.Module, cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None) -> None:
+    """``state_offset`` / ``state_scale`` / ``action_offset`` / ``action_scale`` (``STATS_BUFFERS``: the contract's
+    ``stats``, ``normalized = (x - offset) / scale`` from the data's statistics) as fp32 buffers of ``module``
+    (identity without stats; a scale floored at 1e-4): they travel with the weights into checkpoints and exports,
+    stay fp32 whatever the compute dtype, and stay plain tensors under FSDP (never sharded). For any policy, a
+    plain ``nn.Module`` too."""
+    for prefix, dim in (("state", cfg.state_dim), ("action", cfg.action_dim)):
+        offset = torch.zeros(dim) if stats is None else stats[f"{prefix}_offset"].float().reshape(dim)
+        scale = torch.ones(dim) if stats is None else stats[f"{prefix}_scale"].float().reshape(dim)
+        module.register_buffer(f"{prefix}_offset", offset.clone())
+        module.register_buffer(f"{prefix}_scale", scale.clamp_min(1e-4).clone())
 # The optional capabilities: None on Policy ("not offered"); a policy offers one by defining it.
 CAPABILITIES = ("cfg", "gradient_checkpointing", "init_seed", "init_parameter", "load_initial_weights",
                 "prepare_training", "prepare_inference", "prefix_modules", "projection_groups")

@@ -23,18 +23,9 @@ import torch
 from torch import nn
 
 from slurmvla.data.spec import Draw, SampleSpec
+from slurmvla.policy.base import register_normalization
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.rtc import Guidance, conditioning, delay_draws, delayed_chunk, integrate
-
-
-def register_stats(module: nn.Module, cfg, stats: dict[str, torch.Tensor] | None) -> None:  # noqa: ANN001
-    """``state_offset`` / ``state_scale`` / ``action_offset`` / ``action_scale`` buffers from the data's
-    statistics (identity without them): they travel with the weights."""
-    for part, dim in (("state", cfg.state_dim), ("action", cfg.action_dim)):
-        offset = torch.zeros(dim) if stats is None else stats[f"{part}_offset"].float().reshape(dim)
-        scale = torch.ones(dim) if stats is None else stats[f"{part}_scale"].float().reshape(dim)
-        module.register_buffer(f"{part}_offset", offset.clone())
-        module.register_buffer(f"{part}_scale", scale.clamp_min(1e-4).clone())
 
 
 def chunk_mse(module: nn.Module, pred: torch.Tensor, batch: dict) -> dict:
@@ -54,7 +45,7 @@ class MeanChunkPolicy(nn.Module):
         super().__init__()
         self.horizon, self.action_dim = cfg.action_horizon, cfg.action_dim
         self.chunk = nn.Parameter(torch.zeros(self.horizon, self.action_dim))
-        register_stats(self, cfg, stats)
+        register_normalization(self, cfg, stats)
 
     def forward(self, batch: dict) -> dict:
         return chunk_mse(self, self.chunk, batch)
@@ -136,7 +127,7 @@ class KeypointEncoding(nn.Module):
             nn.Conv2d(32, 32, kernel_size=3, stride=2, padding=1), nn.ReLU(),
             nn.Conv2d(32, keypoints, kernel_size=3, padding=1), SpatialSoftmax()) for _ in range(frames))
         self.feature_dim = frames * 2 * keypoints + cfg.num_obs_history * cfg.state_dim
-        register_stats(self, cfg, stats)
+        register_normalization(self, cfg, stats)
 
     def features(self, batch: dict) -> torch.Tensor:
         images = batch["images"]  # [B, frames, H, W, 3] uint8

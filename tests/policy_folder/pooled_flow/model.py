@@ -6,6 +6,7 @@ import torch
 from slurmvla.policy.pooled_flow.config import PooledFlowConfig
 from torch import nn
 
+from slurmvla.policy.base import register_normalization
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
 
 
@@ -20,11 +21,7 @@ class PooledFlowPolicy(nn.Module):
         inputs = 3 * frames + cfg.num_obs_history * cfg.state_dim + cfg.action_horizon * cfg.action_dim + 1
         self.net = nn.Sequential(nn.Linear(inputs, cfg.hidden), nn.GELU(), nn.Linear(cfg.hidden, cfg.hidden), nn.GELU(),
                                  nn.Linear(cfg.hidden, cfg.action_horizon * cfg.action_dim))
-        for part, dim in (("state", cfg.state_dim), ("action", cfg.action_dim)):
-            offset = torch.zeros(dim) if stats is None else stats[f"{part}_offset"].float().reshape(dim)
-            scale = torch.ones(dim) if stats is None else stats[f"{part}_scale"].float().reshape(dim)
-            self.register_buffer(f"{part}_offset", offset.clone())
-            self.register_buffer(f"{part}_scale", scale.clone())
+        register_normalization(self, cfg, stats)
 
     def wrap_units(self) -> list[nn.Module]:
         return [self.net]
