@@ -8,6 +8,7 @@ torn down by PID at the end of the module, also when a test fails.
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import os
 import re
@@ -359,6 +360,54 @@ def test_submitit_two_nodes_matches_a_single_process_and_sweeps_are_arrays(clust
     assert rel_l2(final, reference) < LONG_TOL
     other = load_file(str(sweep / "1" / "checkpoints" / f"step_{steps:08d}" / "model.safetensors"))
     assert rel_l2(other, reference) > 1e-3, "the seed sweep point trained a different model"
+
+
+
+# The closed-loop table as one SLURM sweep (docs/benchmarks.md#meta-world), at toy size: two Meta-World tasks x two
+# seeds, one demonstration each (72 steps at 64 x 64: the expert presses the button in ~60), 4 training steps with
+# an evaluation every 2.
+SWEEP_TASKS = ("button-press-v3", "reach-v3")
+
+
+def test_a_metaworld_sweep_is_one_job_array_and_gathers_into_the_table(cluster, tmp_path):
+    """``python -m slurmvla.train -m hydra/launcher=submitit_slurm experiment=metaworld rollout.task=A,B
+    trainer.seed=0,1``: one job array of four tasks on the test nodes, each training on its task's demonstrations
+    (``data.root`` follows ``rollout.task``) and evaluating in closed loop as it trains; then ``python -m
+    slurmvla.table`` gathers every run's evaluations into one row per task (mean and spread over the seeds),
+    the published row beside it, and the plot."""
+    if importlib.util.find_spec("metaworld") is None:  # not importorskip: slurmvla.sim picks MuJoCo's backend first
+        pytest.skip("Meta-World is in the [sim] extra")
+    from slurmvla.sim.metaworld import record
+
+    cache = tmp_path / "cache"
+    for task in SWEEP_TASKS:
+        record(cache / "metaworld" / task, task, episodes=1, first_seed=0, height=64, width=64, steps=72)
+    sweep = tmp_path / "sweep"
+    res = subprocess.run(
+        [sys.executable, "-m", "slurmvla.train", "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=1",
+         "hydra.launcher.tasks_per_node=1", "hydra.launcher.timeout_min=20", f"hydra.sweep.dir={sweep}",
+         "experiment=metaworld", f"data.cache_dir={cache}", f"rollout.task={','.join(SWEEP_TASKS)}", "trainer.seed=0,1",
+         "trainer.max_steps=4", "trainer.rollout_every_steps=2", "trainer.global_batch_size=4", "trainer.log_every_steps=2",
+         "trainer.progress_bar=false", "checkpoint.every_steps=0", "data.num_workers=0", "logging.wandb.mode=disabled",
+         "policy.image_size=32", "rollout.episodes=2", "rollout.max_steps=20", "rollout.videos=0",
+         "rollout.height=64", "rollout.width=64"],
+        cwd=tmp_path, env=cluster, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    folders = [p.name for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name)]
+    assert len({name.split("_")[0] for name in folders}) == 1 and len(folders) == 4, folders
+    table = subprocess.run([sys.executable, "-m", "slurmvla.table", str(sweep)], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert table.returncode == 0, table.stdout[-2000:] + table.stderr[-2000:]
+    rows = json.loads((sweep / "table.json").read_text())["rows"]
+    assert [(r["task"], r["seeds"]) for r in rows] == [(task, [0, 1]) for task in SWEEP_TASKS], rows
+    for row in rows:
+        # Each seed's evaluations at steps 2 and 4 (the last is the final checkpoint's), on 2 episodes each.
+        assert [(s["evaluations"], s["final_step"], s["episodes"]) for s in row["per_seed"]] == [(2, 4, 2)] * 2, row
+        finals = [s["final"] for s in row["per_seed"]]
+        assert row["final"][0] == pytest.approx(sum(finals) / 2)
+    published = (sweep / "table.md").read_text()
+    assert "| button-press-v3 | keypoints_flow | 0,1 |" in published and "99 ± 1" in published, published
+    assert (sweep / "success.png").stat().st_size > 10_000
 
 
 # USR2 here (SIGTERM: the sbatch path above). Which signal submitit's requeue handler is handed (SIGTERM too,
