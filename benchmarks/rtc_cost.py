@@ -57,8 +57,7 @@ def main() -> None:
     rtc = rtc.to(device)
     batch = runner.processor.batch(collections.deque([runner.processor.read(obs)]))
     batch = {key: v.to(device) if torch.is_tensor(v) else v for key, v in batch.items()}
-    prepare = getattr(policy, "prepare_inference", None)
-    batch = prepare(batch) if callable(prepare) else batch
+    batch = policy.prepare_inference(batch) if policy.prepare_inference is not None else batch
 
     def call(guided: bool) -> float:
         ctx = torch.autocast("cuda", torch.bfloat16) if cuda and cfg.precision == "bf16" else torch.no_grad()

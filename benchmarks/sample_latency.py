@@ -261,8 +261,7 @@ def jitter_call(variant: str, runner: PolicyRunner, session, obs: dict, batch: d
         return replay
     policy = runner.policy
     on = {k: v.to(runner.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-    prepare = getattr(policy, "prepare_inference", None)
-    prepared = prepare(on) if callable(prepare) else on
+    prepared = policy.prepare_inference(on) if policy.prepare_inference is not None else on
     draw = next((d for d in runner.spec.draws if d.name == "noise"), None)
     noise = None if draw is None else torch.randn((1, *draw.shape), generator=torch.Generator().manual_seed(0)).to(
         runner.device)
