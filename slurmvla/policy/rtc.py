@@ -38,12 +38,6 @@ import torch
 from slurmvla.config.policy import RTC_JACOBIANS, RTC_SCHEDULES
 from slurmvla.data.spec import Draw
 
-SCHEDULES = RTC_SCHEDULES  # serve.rtc_schedule's choices
-# The Jacobian the guidance pulls the error back through (serve.rtc_jacobian): the velocity model's, by a
-# vector-Jacobian product (the paper's Algorithm 1), or the identity (LeRobot 0.6.1's RTCProcessor, which
-# computes the velocity before x_t requires gradients: no backward pass, about a plain step's cost).
-JACOBIANS = RTC_JACOBIANS
-
 
 @dataclass
 class Guidance:
@@ -56,19 +50,21 @@ class Guidance:
     overlap: torch.Tensor
     max_guidance: float = 5.0
     schedule: str = "exp"
-    # JACOBIANS: through the model (the paper) or the identity (no backward pass).
+    # RTC_JACOBIANS: the velocity model's, by a vector-Jacobian product (the paper's Algorithm 1), or the identity
+    # (LeRobot 0.6.1's RTCProcessor, which computes the velocity before x_t requires gradients: no backward pass,
+    # about a plain step's cost).
     jacobian: str = "model"
     # The action dims guided towards the previous chunk (None: every one); the others follow the policy alone
     # (e.g. a binary gripper command), their first d actions still frozen to the previous chunk's.
     guided_dims: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"rtc schedule={self.schedule!r} is not one of {list(SCHEDULES)}")
+        if self.schedule not in RTC_SCHEDULES:
+            raise ValueError(f"rtc schedule={self.schedule!r} is not one of {list(RTC_SCHEDULES)}")
         if not self.max_guidance >= 0:
             raise ValueError(f"rtc max_guidance={self.max_guidance} must be >= 0")
-        if self.jacobian not in JACOBIANS:
-            raise ValueError(f"rtc jacobian={self.jacobian!r} is not one of {list(JACOBIANS)}")
+        if self.jacobian not in RTC_JACOBIANS:
+            raise ValueError(f"rtc jacobian={self.jacobian!r} is not one of {list(RTC_JACOBIANS)}")
         if self.guided_dims is not None:
             self.guided_dims = tuple(int(i) for i in self.guided_dims)
             dims = self.prev_actions.shape[-1]

@@ -9,9 +9,8 @@ An environment offers ``reset(seed)``, ``observe(client_keys) -> obs``, ``step(a
 ``state_keys``, ``action_dim``, ``action_space`` (in words), ``video_keys``, ``fps``, ``instruction``, ``steps``.
 
 Importing this package chooses MuJoCo's offscreen backend for every module under it, before any loads MuJoCo
-(which reads ``MUJOCO_GL`` once): EGL (Mesa's llvmpipe on a CPU machine, the GPU's driver on a GPU node). Composing
-a config imports it too (:mod:`slurmvla.config.rollout`): the default is set, a user's ``MUJOCO_GL`` still wins, and a
-process that never renders never reads it.
+(which reads ``MUJOCO_GL`` once): EGL (Mesa's llvmpipe on a CPU machine, the GPU's driver on a GPU node); a user's
+``MUJOCO_GL`` wins. A module that imports MuJoCo (or Meta-World) before this package gets MuJoCo's own default.
 """
 
 import os
