@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from safetensors.torch import load_file
 
 from slurmvla.compose import compose
@@ -400,11 +401,18 @@ def test_a_metaworld_sweep_is_one_job_array_and_gathers_into_the_table(cluster, 
     assert table.returncode == 0, table.stdout[-2000:] + table.stderr[-2000:]
     rows = json.loads((sweep / "table.json").read_text())["rows"]
     assert [(r["task"], r["seeds"]) for r in rows] == [(task, [0, 1]) for task in SWEEP_TASKS], rows
+    # The table against what each run wrote: its config (task, seed) and its step-4 rollout summary, read here.
+    final = {}
+    for run in (p for p in sweep.iterdir() if (p / "config.resolved.yaml").is_file()):
+        resolved = yaml.safe_load((run / "config.resolved.yaml").read_text())
+        summary = json.loads((run / "rollout" / "step_00000004" / "rollout.json").read_text())
+        assert summary["rollout/episodes"] == 2 and (run / "rollout" / "step_00000002" / "rollout.json").is_file()
+        final[resolved["rollout"]["task"], resolved["trainer"]["seed"]] = 100 * summary["rollout/success_rate"]
+    assert len(final) == 4, final
     for row in rows:
-        # Each seed's evaluations at steps 2 and 4 (the last is the final checkpoint's), on 2 episodes each.
         assert [(s["evaluations"], s["final_step"], s["episodes"]) for s in row["per_seed"]] == [(2, 4, 2)] * 2, row
-        finals = [s["final"] for s in row["per_seed"]]
-        assert row["final"][0] == pytest.approx(sum(finals) / 2)
+        assert [s["final"] for s in row["per_seed"]] == pytest.approx([final[row["task"], 0], final[row["task"], 1]])
+        assert row["final"][0] == pytest.approx((final[row["task"], 0] + final[row["task"], 1]) / 2)
     published = (sweep / "table.md").read_text()
     assert "| button-press-v3 | keypoints_flow | 0,1 |" in published and "99 ± 1" in published, published
     assert (sweep / "success.png").stat().st_size > 10_000
