@@ -21,16 +21,21 @@ from slurmvla.profile import count_flops_per_sample
 
 
 def meta_batch(cfg) -> dict:
+    """One sample on the meta device, its prompt at ``max_text_len`` tokens: as the data tokenizes it, or (pi0 /
+    pi0.5, whose host-side preparation cuts the prompt and pi0.5's writes it from the state) as that hands it over."""
+    from slurmvla.policy import policy_class
+    from slurmvla.policy.pi0.model import PROMPT_IDS, PROMPT_MASK
+
     p = cfg.policy
     h, s, c = p.action_horizon, p.image_size, p.num_cameras * p.num_obs_history
+    text = ("text", "text_mask") if policy_class(p).prepare_inference is None else (PROMPT_IDS, PROMPT_MASK)
     with torch.device("meta"):
         return {
             "images": torch.empty(1, c, s, s, 3, dtype=torch.uint8), "image_mask": torch.ones(1, c, dtype=torch.bool),
             "state": torch.empty(1, p.num_obs_history, p.state_dim) if p.num_obs_history > 1 else torch.empty(1, p.state_dim),
             "actions": torch.empty(1, h, p.action_dim), "action_mask": torch.ones(1, h, dtype=torch.bool),
-            "text": torch.zeros(1, p.max_text_len, dtype=torch.long),
-            "text_mask": torch.ones(1, p.max_text_len, dtype=torch.bool),
-            "noise": torch.empty(1, h, p.action_dim), "time_u": torch.empty(1),
+            text[0]: torch.zeros(1, p.max_text_len, dtype=torch.long),
+            text[1]: torch.ones(1, p.max_text_len, dtype=torch.bool),
         }
 
 

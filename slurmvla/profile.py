@@ -15,9 +15,11 @@ backward add up over its micro-batches and it counts ``trainer.global_batch_size
 Throughput is global: every rank's mean step time is gathered and the slowest rank sets samples/s.
 Peak memory is reset at the warmup -> measured boundary and the worst rank reported (allocated and
 reserved on GPU; resident set size, sampled after every step, on CPU). Model FLOPs per sample are
-counted with torch's FlopCounterMode over one forward + backward of the policy on one sample (every
-matmul, convolution and attention, the backward pass included); MFU is achieved FLOP/s per device
-over ``profile.peak_tflops``.
+counted with torch's FlopCounterMode over one forward + backward of the policy (every matmul, convolution
+and attention, the backward pass included; recomputation not), twice: as run (each sample at the width the
+batch's prompt was cut to, padding included) and useful (each sample over its own tokens: padding is work
+the hardware does that carries no data). MFU and useful MFU are the two over ``profile.peak_tflops``, per
+device.
 """
 
 from __future__ import annotations
@@ -160,6 +162,73 @@ def count_flops_per_sample(cfg: Config, batch: dict, policy: torch.nn.Module | N
     return count_flops(cfg, one, issued=False)[0]
 
 
+def padding_flops(cfg: Config, batch: dict, policy: torch.nn.Module) -> tuple[float, float]:
+    """(executed, useful) model FLOPs per sample of one training micro-batch (forward + backward, no recomputation).
+    Executed: as the trainer runs the batch (``prepare_training``: pi0 / pi0.5 cut the prompt to the batch's
+    longest, rounded up to ``policy.prompt_bucket`` columns, so shorter samples carry padding through every
+    layer). Useful: each sample over its own tokens (``prepare_inference(bucket=1)`` on the sample alone), the
+    work that carries data. Equal for a policy without a prompt to cut.
+
+    The samples' shapes differ only in their prompt's width L, and a forward + backward costs a polynomial of
+    degree 2 in L (every linear layer's FLOPs are linear in the tokens, attention's scores and weighted sums
+    quadratic): with more than three widths, three are counted and the rest read off the polynomial through
+    them, so a micro-batch costs at most three counts (each about a count's time at pi0.5's size)."""
+    from slurmvla.planner.activations import count_flops_of
+
+    size = len(batch["state"])
+    with torch.no_grad():
+        run = policy.prepare_training(batch) if policy.prepare_training is not None else batch
+        ones = [_sample(batch, i) for i in range(size)]
+        if policy.prepare_inference is not None:
+            ones = [policy.prepare_inference(one, bucket=1) for one in ones]
+    samples = {_shapes(one): one for one in ones}
+    executed = _sample(run, 0)
+    samples.setdefault(_shapes(executed), executed)
+    widths = _widths(list(samples))
+    if widths is None or len(samples) <= 3:
+        counted = dict(zip(samples, (f for f, _ in count_flops_of(cfg, list(samples.values()), issued=False))))
+    else:  # three widths counted, the others on the polynomial through them
+        by_width = sorted(samples, key=widths.__getitem__)
+        picked = [by_width[0], by_width[len(by_width) // 2], by_width[-1]]
+        flops = [f for f, _ in count_flops_of(cfg, [samples[k] for k in picked], issued=False)]
+        xs = [float(widths[k]) for k in picked]
+        counted = {k: _through(xs, flops, float(widths[k])) for k in samples}
+    useful = sum(counted[_shapes(one)] for one in ones) / size
+    return counted[_shapes(executed)], useful
+
+
+def _sample(batch: dict, i: int) -> dict:
+    return {k: v[i:i + 1] for k, v in batch.items()}
+
+
+def _shapes(sample: dict) -> tuple:
+    return tuple((k, tuple(v.shape)) for k, v in sorted(sample.items()) if isinstance(v, torch.Tensor))
+
+
+def _widths(keys: list[tuple]) -> dict[tuple, int] | None:
+    """Each shape signature's one varying size (the prompt's width), or None if they differ otherwise."""
+    sizes = [[d for _, shape in key for d in shape] for key in keys]
+    if len({len(s) for s in sizes}) != 1 or len({tuple(k for k, _ in key) for key in keys}) != 1:
+        return None
+    varying = {tuple(s[j] for s in sizes) for j in range(len(sizes[0])) if len({s[j] for s in sizes}) > 1}
+    if len(varying) != 1:
+        return None
+    (column,) = varying
+    return dict(zip(keys, column))
+
+
+def _through(xs: list[float], ys: list[float], x: float) -> float:
+    """The degree-2 polynomial through three points, at x (Lagrange)."""
+    total = 0.0
+    for i, (xi, yi) in enumerate(zip(xs, ys)):
+        term = yi
+        for j, xj in enumerate(xs):
+            if j != i:
+                term *= (x - xj) / (xi - xj)
+        total += term
+    return total
+
+
 def profile_run(cfg: Config, run_dir: Path) -> dict:
     """Profile one configuration on every rank; the report on rank 0 (None elsewhere)."""
     from slurmvla.trainer import Trainer
@@ -200,7 +269,7 @@ def _measure(trainer) -> dict | None:
         rss = max(rss, proc.memory_info().rss)
     # A batch for counting FLOPs (taken after the timed steps so it costs them nothing).
     batch = trainer._next_batch()
-    flops = count_flops_per_sample(cfg, batch, trainer.policy)
+    flops, useful = padding_flops(cfg, batch, trainer.policy)
     mean = {p: sum(s[p] for s in per_step) / len(per_step) for p in per_step[0]}
     step_s = sum(mean.values())
     local = {"step_s": torch.tensor([step_s]), "rss": torch.tensor([float(rss)])}
@@ -229,12 +298,14 @@ def _measure(trainer) -> dict | None:
         "samples_per_s": samples_per_s,
         "peak_rss_bytes": float(gathered["rss"].max()),
         "flops_per_sample": flops,
+        "useful_flops_per_sample": useful,
     }
     if "allocated" in gathered:
         report["peak_allocated_bytes"] = float(gathered["allocated"].max())
         report["peak_reserved_bytes"] = float(gathered["reserved"].max())
     if cfg.profile.peak_tflops > 0 and device.type == "cuda":
         report["mfu"] = flops * samples_per_s / world / (cfg.profile.peak_tflops * 1e12)
+        report["useful_mfu"] = useful * samples_per_s / world / (cfg.profile.peak_tflops * 1e12)
     return report
 
 
@@ -259,9 +330,12 @@ def format_report(r: dict) -> str:
                      f"{r['peak_reserved_bytes'] / 2**30:.2f} GiB reserved")
     lines.append(f"peak resident memory (worst rank): {r['peak_rss_bytes'] / 2**20:.0f} MiB")
     lines.append(f"model FLOPs per sample (forward + backward, FlopCounterMode; no recomputation): "
-                 f"{r['flops_per_sample'] / 1e9:.3f} GFLOP")
+                 f"{r['flops_per_sample'] / 1e9:.3f} GFLOP as run, {r['useful_flops_per_sample'] / 1e9:.3f} GFLOP on "
+                 f"the tokens that carry data ({100 * (1 - r['useful_flops_per_sample'] / r['flops_per_sample']):.1f}% "
+                 "spent on prompt padding)")
     if "mfu" in r:
-        lines.append(f"MFU: {100 * r['mfu']:.1f}% of the configured peak")
+        lines.append(f"MFU: {100 * r['mfu']:.1f}% of the configured peak; useful MFU (padding excluded): "
+                     f"{100 * r['useful_mfu']:.1f}%")
     if "trainer_ready_s" in r:
         lines.append(f"start-up: the Trainer was ready in {r['trainer_ready_s']:.1f} s (built, on its device, first "
                      "batch not yet read)")

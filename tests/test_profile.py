@@ -44,6 +44,8 @@ def test_phases_accumulation_compare_json_and_plot(sample_root, tmp_path, capsys
               if line.split() and " ".join(line.split()[:-2]) in PHASES]
     assert len(shares) == 2 * len(PHASES) and sum(shares[: len(PHASES)]) == pytest.approx(100, abs=0.5)
     assert "samples/s" in text and "ratio" in text  # the side-by-side table
+    assert all(r["useful_flops_per_sample"] == r["flops_per_sample"] > 0 for r in runs)  # no prompt to cut
+    assert "GFLOP on the tokens that carry data (0.0% spent on prompt padding)" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -83,15 +85,37 @@ def test_two_ranks_report_each_rank_and_the_slowest(sample_root, tmp_path):
     assert res.stdout.count("mean step per rank") == 1, "one report, from rank 0"
 
 
-def test_pi05_flops_are_counted_on_the_trainers_prepared_batch_as_on_a_raw_one(make_cfg, tmp_path):
-    """The trainer hands the profiler batches whose prompt it already wrote (pi0.5): counted the same."""
+def test_pi05_flops_as_run_and_useful_count_the_prompt_padding_apart(make_cfg, tmp_path, monkeypatch):
+    """The trainer hands the profiler batches whose prompt it already wrote (pi0.5): counted as a raw one.
+    As run, every sample carries the batch's prompt width (cut to a multiple of policy.prompt_bucket);
+    useful, each sample its own tokens: held to each sample counted alone, and to the first sample counted
+    at the width the batch runs at. More than three widths: the polynomial read is what is held."""
+    from slurmvla.planner import activations
+    from slurmvla.planner.activations import count_flops
+    from slurmvla.policy.pi0.model import PROMPT_MASK
+    from slurmvla.profile import padding_flops
     from slurmvla.trainer import Trainer
 
-    trainer = Trainer(make_cfg("policy=pi05_tiny", "trainer.max_steps=1"), tmp_path / "run")
+    trainer = Trainer(make_cfg("policy=pi05_tiny", "policy.prompt_bucket=16", "trainer.max_steps=1"), tmp_path / "run")
     try:
+        cfg, policy = trainer.cfg, trainer.policy
         prepared = trainer._next_batch()
         raw = next(trainer.data.iterate(0, 0))
-        assert count_flops_per_sample(trainer.cfg, prepared, trainer.policy) == \
-            count_flops_per_sample(trainer.cfg, raw, trainer.policy) > 0
+        assert count_flops_per_sample(cfg, prepared, policy) == count_flops_per_sample(cfg, raw, policy) > 0
+        counted = []
+        real = activations.count_flops_of
+        monkeypatch.setattr(activations, "count_flops_of", lambda c, samples, *a, **k: counted.append(len(samples))
+                            or real(c, samples, *a, **k))
+        executed, useful = padding_flops(cfg, raw, policy)
+        monkeypatch.undo()
+        assert counted == [3]  # three widths counted, the rest read off the polynomial
+        lengths = [int(policy.prepare_inference({k: v[i:i + 1] for k, v in raw.items()}, bucket=1)
+                                     [PROMPT_MASK].sum()) for i in range(len(raw["state"]))]
+        width = prepared[PROMPT_MASK].shape[1]
+        assert len(set(lengths)) > 3 and width % 16 == 0 and width >= max(lengths)
+        alone = [count_flops_per_sample(cfg, {k: v[i:i + 1] for k, v in raw.items()}, policy)
+                 for i in range(len(raw["state"]))]
+        assert useful == pytest.approx(sum(alone) / len(alone), rel=1e-9)
+        assert executed == count_flops(cfg, {k: v[:1] for k, v in prepared.items()}, issued=False)[0] > useful
     finally:
         trainer.close()

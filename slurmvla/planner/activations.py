@@ -277,6 +277,13 @@ def count_flops(cfg: Config, sample: dict[str, Any], low: bool = False, issued: 
     does, not work the model needs); issued: as configured, the backward's recomputation included (``issued``
     False: not counted, the model FLOPs twice). ``low``: under bf16 autocast. The one FLOP counter: the plan's,
     and the profiler's (``slurmvla.profile.count_flops_per_sample``)."""
+    return count_flops_of(cfg, [sample], low, issued)[0]
+
+
+def count_flops_of(cfg: Config, samples: list[dict[str, Any]], low: bool = False,
+                   issued: bool = True) -> list[tuple[float, float]]:
+    """:func:`count_flops` of each of several samples on one meta copy of the policy (built once: at pi0.5's
+    size the build costs about as much as a count)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from slurmvla.planner.model_states import shape_only
@@ -286,17 +293,22 @@ def count_flops(cfg: Config, sample: dict[str, Any], low: bool = False, issued: 
         policy = build_policy(shape_only(cfg.policy), stats=None)
     policy.train()
     configured = bool(policy.gradient_checkpointing)  # None: the policy has no switch
-    one = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in sample.items()}
-    counts = []
-    for on in (False, True) if configured and issued else (False,):
-        if policy.gradient_checkpointing is not None:
-            policy.gradient_checkpointing = on
-        counter = FlopCounterMode(display=False, custom_mapping=sdpa_flop_mapping())
-        with counter, CudaAutocast(torch.bfloat16) if low else _nothing():
-            out = policy(dict(one))
-            backward(out["loss"] if isinstance(out, dict) else out)
-        counts.append(float(counter.get_total_flops()))
-    return counts[0], counts[-1]
+    result = []
+    for sample in samples:
+        one = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in sample.items()}
+        counts = []
+        for on in (False, True) if configured and issued else (False,):
+            if policy.gradient_checkpointing is not None:
+                policy.gradient_checkpointing = on
+            counter = FlopCounterMode(display=False, custom_mapping=sdpa_flop_mapping())
+            with counter, CudaAutocast(torch.bfloat16) if low else _nothing():
+                out = policy(dict(one))
+                backward(out["loss"] if isinstance(out, dict) else out)
+            counts.append(float(counter.get_total_flops()))
+        if configured:
+            policy.gradient_checkpointing = True
+        result.append((counts[0], counts[-1]))
+    return result
 
 
 @contextmanager
