@@ -11,7 +11,8 @@ bash scripts/install.sh dev,deepspeed,vla,sim,lora,openpi
     --target .test-deps/torchao torchao==0.18.0
 # The example policy package, installed as a user installs their own (the plug-in tests train it).
 "${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check -e examples/custom_policy
-# Two workers (pytest-xdist): the suite waits on SLURM and on process teardown as much as it computes.
-# tests/conftest.py keeps together the tests that share a module's fixture (one SLURM cluster, one
-# parity job per policy). SLURMVLA_TEST_WORKERS=0 runs it in this one process.
-exec "${PYTHON:-python3}" -m pytest -p no:benchmark -n "${SLURMVLA_TEST_WORKERS:-2}" --dist loadgroup "$@"
+# Three workers (pytest-xdist) on two cores: the SLURM tests (one worker, about 10 minutes) mostly wait on the
+# cluster's timers and jobs, so the other two keep both cores busy meanwhile (docs/testing.md has the figures).
+# tests/conftest.py keeps together the tests that share a module's fixture (one SLURM cluster, one parity job per
+# policy). SLURMVLA_TEST_WORKERS=N sets the number; 0 runs the suite in this one process.
+exec "${PYTHON:-python3}" -m pytest -p no:benchmark -n "${SLURMVLA_TEST_WORKERS:-3}" --dist loadgroup "$@"
