@@ -77,13 +77,13 @@ def main() -> None:
 
     # A forward + backward's FLOPs are a degree-2 polynomial in the prompt's width (slurmvla.profile.padding_flops):
     # three widths counted at the published size, every other read off the polynomial through them.
-    from slurmvla.profile import _through
+    from slurmvla.profile import quadratic_through
 
     points = sorted({min(lengths), full.policy.max_text_len, (min(lengths) + full.policy.max_text_len) // 2})
     counted = [f for f, _ in count_flops_of(full, [at(w) for w in points], issued=False)]
 
     def flops(width: int) -> float:
-        return _through([float(p) for p in points], counted, float(width))
+        return quadratic_through([float(p) for p in points], counted, float(width))
 
     rows = [("LeRobot / openpi: every prompt padded to max_text_len", widths["pad"]),
             ("slurmvla on a GPU: the batch's longest, bucket 32", widths["32"]),

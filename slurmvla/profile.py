@@ -192,7 +192,7 @@ def padding_flops(cfg: Config, batch: dict, policy: torch.nn.Module) -> tuple[fl
         picked = [by_width[0], by_width[len(by_width) // 2], by_width[-1]]
         flops = [f for f, _ in count_flops_of(cfg, [samples[k] for k in picked], issued=False)]
         xs = [float(widths[k]) for k in picked]
-        counted = {k: _through(xs, flops, float(widths[k])) for k in samples}
+        counted = {k: quadratic_through(xs, flops, float(widths[k])) for k in samples}
     useful = sum(counted[_shapes(one)] for one in ones) / size
     return counted[_shapes(executed)], useful
 
@@ -217,7 +217,7 @@ def _widths(keys: list[tuple]) -> dict[tuple, int] | None:
     return dict(zip(keys, column))
 
 
-def _through(xs: list[float], ys: list[float], x: float) -> float:
+def quadratic_through(xs: list[float], ys: list[float], x: float) -> float:
     """The degree-2 polynomial through three points, at x (Lagrange)."""
     total = 0.0
     for i, (xi, yi) in enumerate(zip(xs, ys)):
