@@ -45,10 +45,11 @@ def main() -> None:
     # How this policy answers rtc: inference-time guidance, or (trained with policy.rtc_training) its clean prefix.
     method = meta.get("rtc", {}).get("method")
     rows = []
-    print(f"{args.source}: replan_steps {base.replan_steps}, {args.episodes} episodes per row from seed "
+    replan = base.replan_steps or f"the default (sync: {meta['action_horizon']}, async / rtc: {meta['action_horizon'] // 2})"
+    print(f"{args.source}: replan_steps {replan}, {args.episodes} episodes per row from seed "
           f"{args.first_seed}; modes the server offers: {offered}" + (f" (rtc by {method})" if method else ""),
           flush=True)
-    print(f"{'mode':>5} {'d':>2}  {'success (95% CI)':>22}  {'length':>6}  {'switch jump mean/max':>21}  "
+    print(f"{'mode':>5} {'d':>2} {'k':>2}  {'success (95% CI)':>22}  {'length':>6}  {'switch jump mean/max':>21}  "
           f"{'within jump mean/max':>21}  {'held':>5}  {'wall s':>6}", flush=True)
     seeds = list(range(args.first_seed, args.first_seed + args.episodes))
     for mode in args.modes:
@@ -62,7 +63,7 @@ def main() -> None:
             s = summarize(run_served(server, cfg, seeds, None), time.perf_counter() - start)
             row = {"mode": mode, "rtc_method": method if mode == "rtc" else None, "delay": d, **{k.removeprefix("rollout/"): v for k, v in s.items() if k != "episodes"}}
             rows.append(row)
-            print(f"{mode:>5} {d:>2}  {row['success_rate']:.2f} ({row['success_ci95_low']:.2f}-"
+            print(f"{mode:>5} {d:>2} {row['replan_steps']:>2}  {row['success_rate']:.2f} ({row['success_ci95_low']:.2f}-"
                   f"{row['success_ci95_high']:.2f}) {row['successes']:>3}/{row['episodes']:<3}  "
                   f"{row['mean_length']:6.1f}  {row['switch_jump_mean']:10.3f}/{row['switch_jump_max']:<10.3f}  "
                   f"{row['within_jump_mean']:10.3f}/{row['within_jump_max']:<10.3f}  {row['mean_hold_steps']:5.1f}  "

@@ -9,8 +9,9 @@ The policy is built with random weights on the device (the meta device, then mat
 projections fused as the server runs them, given one DROID observation as the server builds it. Each
 repetition times one plain call and one RTC call, their order alternating (paired, interleaved: a shared
 machine's drift hits both); printed: the median ms per call of each and the median of the per-pair ratios.
-RTC differentiates through every flow step (a vector-Jacobian product per step), so the expected ratio is
-that of a forward plus backward of the action expert to its forward alone. A policy built for training-time
+With ``serve.rtc_jacobian=model`` RTC differentiates through every flow step (a vector-Jacobian product per
+step), so the expected ratio is that of a forward plus backward of the action expert to its forward alone; with
+``identity`` (the default) it adds a few element-wise operations per step: about 1. A policy built for training-time
 RTC (``policy.rtc_training``) answers the same request by its clean prefix instead (no backward): about 1.
 """
 
@@ -80,11 +81,12 @@ def main() -> None:
     where = torch.cuda.get_device_name() if cuda else f"CPU ({torch.get_num_threads()} threads)"
     row = {"policy": f"{cfg.policy.name}/{getattr(cfg.policy, 'size', '')}", "device": where,
            "steps": cfg.policy.num_inference_steps, "horizon": cfg.policy.action_horizon, "delay": int(rtc.delay[0]),
-           "overlap": k, "rtc_method": runner.rtc_metadata()["method"],
+           "overlap": k, "rtc_method": runner.rtc_metadata()["method"], "jacobian": runner.rtc_metadata().get("jacobian"),
            "plain_ms": float(np.median(plain)), "rtc_ms": float(np.median(guided)),
            "ratio": float(np.median(ratios)), "reps": args.reps}
+    jac = f" ({row['jacobian']} Jacobian)" if row["jacobian"] else ""
     print(f"{row['policy']} on {where}, {row['steps']} steps, H={row['horizon']}, d={row['delay']}, k={k}: plain "
-          f"{row['plain_ms']:.2f} ms, rtc by {row['rtc_method']} {row['rtc_ms']:.2f} ms per call (medians of {args.reps} "
+          f"{row['plain_ms']:.2f} ms, rtc by {row['rtc_method']}{jac} {row['rtc_ms']:.2f} ms per call (medians of {args.reps} "
           "pairs), "
           f"rtc / plain {row['ratio']:.2f} (median of the per-pair ratios)", flush=True)
     if args.json:

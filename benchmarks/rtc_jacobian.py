@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slurmvla.inference.build import build_server  # noqa: E402
-from slurmvla.inference.closed_loop import require_sim, run_served, summarize  # noqa: E402
+from slurmvla.inference.closed_loop import replan_of, require_sim, run_served, summarize  # noqa: E402
 from slurmvla.policy import rtc  # noqa: E402
 
 
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     require_sim()
-    server = build_server(args.source, [*args.overrides, "serve.rtc_jacobian=model", "serve.host=127.0.0.1",
+    server = build_server(args.source, ["serve.rtc_guided_dims=null", *args.overrides, "serve.rtc_jacobian=model", "serve.host=127.0.0.1",
                                         "serve.port=0"], environ={})
     rec = Recorder(args.jacobian_requests)
     plain_integrate = rtc.integrate
@@ -143,7 +143,7 @@ def main() -> None:
     # Executed positions (the first replan_steps of each chunk), in the dataset's units: guided against unguided.
     policy = server.policy.loaded.policy
     offset, scale = policy.action_offset.float(), policy.action_scale.float()
-    steps = base.replan_steps
+    steps = replan_of(dataclasses.replace(base, execution="rtc"), server.policy.metadata()["action_horizon"])
     guided = torch.cat([c["guided"][:, :steps] for c in rec.chunks]) * scale + offset
     unguided = torch.cat([c["unguided"][:, :steps] for c in rec.chunks]) * scale + offset
     print(f"executed actions (the first {steps} of each chunk), dataset units: mean |guided - unguided| per dim")

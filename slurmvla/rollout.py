@@ -113,7 +113,7 @@ def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None,
         start = time.perf_counter()
         episodes = run_served(server, cfg, seeds, out)
     summary = summarize(episodes, time.perf_counter() - start)
-    summary.update({"source": where, "step": step, "replan_steps": cfg.replan_steps, "max_steps": cfg.max_steps,
+    summary.update({"source": where, "step": step, "max_steps": cfg.max_steps,
                     **execution_of(cfg), "shard": f"{shard[0]}/{shard[1]}", "host": socket.gethostname()})
     out.mkdir(parents=True, exist_ok=True)
     (out / name).write_text(json.dumps(summary, indent=1))
@@ -139,7 +139,7 @@ def merge(paths: list[Path], out: Path) -> dict:
     episodes = [e for part in parts for e in part["episodes"]]
     wall = max(part["rollout/wall_s"] for part in parts)
     summary = summarize(episodes, wall)
-    summary.update({k: parts[0][k] for k in ("source", "step", "replan_steps", "max_steps", "execution", "delay")
+    summary.update({k: parts[0][k] for k in ("source", "step", "max_steps", "execution", "delay")
                     if k in parts[0]})
     summary["shards"] = len(parts)
     summary["hosts"] = sorted({part.get("host", "?") for part in parts})

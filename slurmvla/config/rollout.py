@@ -28,9 +28,11 @@ class RolloutConfig:
     # Episode e is the environment's seed first_seed + e. The recorded demonstrations use 0..N-1;
     # the default evaluates on seeds no demonstration was recorded from.
     first_seed: int = 100000
-    # Actions of each predicted chunk executed before the policy is asked again (openpi's DROID
-    # client: open_loop_horizon = 8); at most policy.action_horizon.
-    replan_steps: int = 4
+    # Actions of each predicted chunk executed before the policy is asked again, at most policy.action_horizon.
+    # null: the whole chunk in sync mode (as openpi's DROID client, open_loop_horizon = 8), half of it in async and
+    # rtc (the rest is the overlap a late answer switches into); the best of each mode on the pick task
+    # (docs/benchmarks.md#real-time-chunking: sync 0.85 replanning every 8 of 8 steps, 0.21 every 4).
+    replan_steps: int | None = None
     # An episode ends at success or after this many control steps (15 Hz).
     max_steps: int = 100
     # Camera frames as the environment renders them (DROID's are 180 x 320).
@@ -65,7 +67,8 @@ class RolloutConfig:
         check_choice("rollout.delay", self.delay, DELAYS)
         check_positive("rollout.delay_steps", self.delay_steps, allow_zero=True)
         check_positive("rollout.episodes", self.episodes)
-        check_positive("rollout.replan_steps", self.replan_steps)
+        if self.replan_steps is not None:
+            check_positive("rollout.replan_steps", self.replan_steps)
         check_positive("rollout.max_steps", self.max_steps)
         check_positive("rollout.videos", self.videos, allow_zero=True)
         check_positive("rollout.connect_timeout_s", self.connect_timeout_s)

@@ -75,11 +75,14 @@ class ServeConfig:
     # (exp: the paper's soft mask; linear; ones: the whole overlap as the frozen part; zeros: the frozen part only).
     rtc_max_guidance: float = 5.0
     rtc_schedule: str = "exp"
-    # The guidance's Jacobian: model (the paper's vector-Jacobian product through the velocity) or identity
-    # (LeRobot 0.6.1's form: the weighted error itself, no backward pass).
-    rtc_jacobian: str = "model"
-    # The action dims guided towards the previous chunk; null: every one. The others follow the policy alone
-    # (e.g. DROID's gripper, dim 7: [0,1,2,3,4,5,6]); the delay's actions are the previous chunk's in every dim.
+    # The guidance's Jacobian: identity (LeRobot 0.6.1's form: the weighted error itself, no backward pass; the
+    # default) or model (the paper's vector-Jacobian product through the velocity). On the pick task the model's
+    # Jacobian spreads each dim's error over the others and keeps the gripper from deciding: 0.03 success at
+    # d = 0 against 0.58 with the identity (docs/serving.md, "Which real-time chunking").
+    rtc_jacobian: str = "identity"
+    # The action dims guided towards the previous chunk; null: every one. The others follow the policy alone;
+    # the delay's actions are the previous chunk's in every dim. Each embodiment's experiment leaves its gripper
+    # unguided (DROID's dim 7: [0,1,2,3,4,5,6]; Meta-World's dim 3: [0,1,2]).
     rtc_guided_dims: list[int] | None = None
 
     def __post_init__(self) -> None:

@@ -57,6 +57,8 @@ def summarize(episodes: list[dict], wall_s: float) -> dict:
     return {
         "rollout/success_rate": wins / max(n, 1), "rollout/success_ci95_low": lo, "rollout/success_ci95_high": hi,
         "rollout/episodes": n, "rollout/successes": wins,
+        # The actions of each chunk executed (rollout.replan_steps, as resolved against the policy's horizon).
+        "replan_steps": episodes[0].get("replan_steps") if episodes else None,
         "rollout/mean_return": float(np.mean([e["return"] for e in episodes])) if n else 0.0,
         "rollout/mean_length": steps / max(n, 1),
         "rollout/wall_s": wall_s, "rollout/steps_per_s": steps / max(wall_s, 1e-9),
@@ -102,11 +104,7 @@ def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: P
     try:
         wanted, state_keys = _requested(env, metadata)
         prompt_key = metadata.get("prompt") or "prompt"
-        horizon = int(metadata.get("action_horizon") or cfg.replan_steps)
-        replan = min(cfg.replan_steps, horizon)
-        if cfg.replan_steps > horizon:
-            log.warning("rollout.replan_steps=%d is more than the policy's action_horizon=%d: replanning every %d",
-                        cfg.replan_steps, horizon, horizon)
+        replan = replan_of(cfg, int(metadata.get("action_horizon") or cfg.replan_steps or 1))
         modes = metadata.get("execution_modes") or ["sync", "async"]
         if cfg.execution == "rtc" and "rtc" not in modes:
             raise ValueError(f"rollout.execution=rtc: the server does not offer real-time chunking (its execution_modes: "
@@ -119,6 +117,17 @@ def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: P
                 for i, seed in enumerate(seeds)]
     finally:
         env.close()
+
+
+def replan_of(cfg: RolloutConfig, horizon: int) -> int:
+    """The actions of each chunk executed before the next request: ``rollout.replan_steps`` (at most the policy's
+    ``horizon``), or by default the whole chunk in sync mode and half of it in async and rtc."""
+    if cfg.replan_steps is None:
+        return horizon if cfg.execution == "sync" else max(1, horizon // 2)
+    if cfg.replan_steps > horizon:
+        log.warning("rollout.replan_steps=%d is more than the policy's action_horizon=%d: replanning every %d",
+                    cfg.replan_steps, horizon, horizon)
+    return min(cfg.replan_steps, horizon)
 
 
 def _requested(env: Any, metadata: dict) -> tuple[list[str], list[str]]:
@@ -166,7 +175,7 @@ def _episode(env: Any, executor: Executor, cfg: RolloutConfig, seed: int, wanted
             total += float(cfg.max_steps - env.steps)
             break
     result = {"seed": int(seed), "success": success, "return": total, "length": env.steps,
-              "requests": executor.requests, "wall_s": time.perf_counter() - start, **switch_metrics(ticks)}
+              "requests": executor.requests, "replan_steps": executor.replan, "wall_s": time.perf_counter() - start, **switch_metrics(ticks)}
     if video_dir is not None and frames:
         path = video_dir / f"episode_{seed}.mp4"
         encode_video(path, np.stack(frames), codec="h264", fps=env.fps)
@@ -258,7 +267,7 @@ def in_training(policy: Any, cfg: Any, step: int, run_dir: Path, rank: int, worl
     if rank != 0:
         return None
     summary = summarize([e for part in everyone for e in part], time.perf_counter() - start)
-    summary.update({"source": str(run_dir), "step": step, "replan_steps": rcfg.replan_steps, "max_steps": rcfg.max_steps,
+    summary.update({"source": str(run_dir), "step": step, "max_steps": rcfg.max_steps,
                     **execution_of(rcfg)})
     out.mkdir(parents=True, exist_ok=True)
     (out / "rollout.json").write_text(json.dumps(summary, indent=1))

@@ -216,7 +216,7 @@ def test_the_server_serves_rtc_requests_and_refuses_bad_ones_through_openpis_cli
         client = wcp.WebsocketClientPolicy("127.0.0.1", port)
         meta = client.get_server_metadata()
         assert meta["execution_modes"] == ["sync", "async", "rtc"]
-        assert meta["rtc"] == {"method": "guidance", "max_guidance": 5.0, "schedule": "exp", "jacobian": "model",
+        assert meta["rtc"] == {"method": "guidance", "max_guidance": 5.0, "schedule": "exp", "jacobian": "identity",
                                "guided_dims": None}
         # A client that sends neither key (or delay 0 alone) gets today's chunk, bit for bit.
         want = plain_chunk(runner, obs)
@@ -226,7 +226,7 @@ def test_the_server_serves_rtc_requests_and_refuses_bad_ones_through_openpis_cli
         np.testing.assert_array_equal(got[:2], prev[:2].astype(np.float32))
         padded = torch.zeros(1, h, dims)
         padded[0, :6] = torch.from_numpy(prev).float()
-        rtc = Guidance(padded, torch.tensor([2]), torch.tensor([6]))
+        rtc = Guidance(padded, torch.tensor([2]), torch.tensor([6]), jacobian="identity")  # serve.rtc_jacobian's default
         np.testing.assert_allclose(got, plain_chunk(runner, obs, rtc), rtol=1e-5, atol=1e-6)
         bad = [({"prev_actions": prev[:, :3], "delay": 1}, f"prev_actions: expected numbers shaped [k, {dims}]"),
                ({"prev_actions": np.zeros((h + 1, dims)), "delay": 1}, "prev_actions: expected numbers shaped"),
@@ -302,22 +302,38 @@ def test_guidance_settings_name_their_value_and_choices():
 
 
 def test_the_guidance_variants_are_serve_options_the_requests_carry(tmp_path):
-    """serve.rtc_jacobian / serve.rtc_guided_dims reach each request's guidance and the metadata; an identity-Jacobian
-    request samples the chunk the hand-made Guidance gives; a dim beyond the actions is one line naming it."""
-    runner = demo_runner(tmp_path, "serve.rtc_jacobian=identity", "serve.rtc_guided_dims=[0,1,2]")
+    """serve.rtc_jacobian / serve.rtc_guided_dims reach each request's guidance and the metadata; a model-Jacobian
+    request (the paper's form; identity is the default) samples the chunk the hand-made Guidance gives; a dim beyond
+    the actions is one line naming it."""
+    runner = demo_runner(tmp_path, "serve.rtc_jacobian=model", "serve.rtc_guided_dims=[0,1,2]")
     pc = runner.cfg.policy
     prev = np.random.default_rng(1).normal(size=(4, pc.action_dim))
     obs = droid_obs(runner, 0)
     guidance = runner.read_rtc({"prev_actions": prev, "delay": 1}, runner.processor.read(obs).state)
-    assert (guidance.jacobian, guidance.guided_dims) == ("identity", (0, 1, 2))
-    assert runner.rtc_metadata()["jacobian"] == "identity" and runner.rtc_metadata()["guided_dims"] == [0, 1, 2]
+    assert (guidance.jacobian, guidance.guided_dims) == ("model", (0, 1, 2))
+    assert runner.rtc_metadata()["jacobian"] == "model" and runner.rtc_metadata()["guided_dims"] == [0, 1, 2]
     got = runner.session().infer({**obs, "prev_actions": prev, "delay": 1})["actions"]
     padded = torch.zeros(1, pc.action_horizon, pc.action_dim)
     padded[0, :4] = torch.from_numpy(prev).float()
-    want = plain_chunk(runner, obs, Guidance(padded, torch.tensor([1]), torch.tensor([4]), jacobian="identity",
+    want = plain_chunk(runner, obs, Guidance(padded, torch.tensor([1]), torch.tensor([4]), jacobian="model",
                                              guided_dims=(0, 1, 2)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=rf"serve.rtc_guided_dims=\[0, {pc.action_dim}\] names dim {pc.action_dim}"):
         compose(["experiment=demo", f"data.root={tmp_path}", f"serve.rtc_guided_dims=[0,{pc.action_dim}]"])
     with pytest.raises(ValueError, match=r"serve.rtc_jacobian='none' is not one of model, identity"):
         compose(["experiment=demo", f"data.root={tmp_path}", "serve.rtc_jacobian=none"])
+
+
+@pytest.mark.parametrize("experiment", ["sim_pick", "metaworld", "droid", "droid_small_gpu", "pi05_droid",
+                                        "pi05_full_droid"])
+def test_each_embodiment_leaves_its_gripper_unguided_by_default(experiment, tmp_path):
+    """The defaults docs/serving.md gives: the identity Jacobian, and every action dim guided but the gripper's, the
+    last one in DROID's action space (7 joints, then the gripper position) and in Meta-World's (the end effector's
+    displacement, then the gripper's effort): the experiment that declares an embodiment says so."""
+    # pi0.5's experiments read their statistics beside a checkpoint this test does not have.
+    extra = ["policy.stats_source=data"] if experiment.startswith("pi05") else []
+    cfg = compose([f"experiment={experiment}", f"data.root={tmp_path}", *extra])
+    gripper = {"metaworld": 3}.get(experiment, 7)
+    assert cfg.policy.action_dim == gripper + 1
+    assert cfg.serve.rtc_jacobian == "identity"
+    assert sorted(cfg.serve.rtc_guided_dims) == [d for d in range(cfg.policy.action_dim) if d != gripper]

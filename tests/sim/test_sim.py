@@ -330,7 +330,7 @@ def test_sync_without_delay_is_the_loop_as_before_and_async_with_a_delay_reports
     from slurmvla.inference.harness import serving_in_thread
 
     server = build_server(str(replay_run), ["serve.host=127.0.0.1", "serve.port=0"], environ={})
-    cfg = RolloutConfig(first_seed=0, episodes=2, height=HEIGHT, width=WIDTH, videos=0, max_steps=60)
+    cfg = RolloutConfig(first_seed=0, episodes=2, height=HEIGHT, width=WIDTH, videos=0, max_steps=60, replan_steps=4)
     with serving_in_thread(server) as port:
         client = connect("127.0.0.1", port)
         try:
@@ -344,6 +344,7 @@ def test_sync_without_delay_is_the_loop_as_before_and_async_with_a_delay_reports
     for old, new in zip(before, now):
         assert {k: new[k] for k in old} == old
         assert new["hold_steps"] == 0 and new["switches"] == new["requests"] - 1
+        assert new["replan_steps"] == 4
     assert horizon >= cfg.replan_steps + 2
     for e in delayed["async"]:
         # Held only while the first chunk was on its way; a switch per answer (hold -> chunk 1 is one), the last
