@@ -224,11 +224,18 @@ def check_overrides(overrides: list[str], probe: bool = True, whole: bool = True
 def _hydra_compose(overrides: list[str]) -> DictConfig:
     """Hydra's composition; a config file setting an option its policy lacks is said as a policy error."""
     from hydra import compose as hydra_compose
+
+    return _explained(lambda: hydra_compose("config", overrides=overrides))
+
+
+def _explained(composition: typing.Callable[[], DictConfig]) -> DictConfig:
+    """``composition()``, a user's mistake in it raised as one ValueError (an option its policy lacks said as a
+    policy error); anything else as it was raised."""
     from hydra.errors import ConfigCompositionException, OverrideParseException
     from omegaconf.errors import ConfigKeyError
 
     try:
-        return hydra_compose("config", overrides=overrides)
+        return composition()
     except OverrideParseException as e:
         raise ValueError(explain_config_error(e)) from None
     except ConfigCompositionException as e:
@@ -242,6 +249,73 @@ def _hydra_compose(overrides: list[str]) -> DictConfig:
         if message:
             raise ValueError(message) from None
         raise
+
+
+class HydraRun:
+    """``@hydra.main``'s run of ``task`` (the run directory, ``.hydra/``, logging and callbacks, as Hydra 1.3's
+    ``Hydra.run`` makes them) from one composition. ``@hydra.main`` composes twice, Hydra reading ``hydra.mode``
+    with a silent composition of its own before the run's; a command line of overrides alone (no flag: ``-m``,
+    ``--cfg`` and the like go through ``@hydra.main``) needs neither that nor a check composition before it. The
+    keys are checked first (no composition); a mistake the composition finds is one ValueError, as in
+    :func:`compose`. ``multirun``: the composed config asks for a multirun itself (``hydra.mode``), which this
+    does not run (the caller hands it to ``@hydra.main``)."""
+
+    def __init__(self, task: typing.Callable[[DictConfig], Any], overrides: list[str]):
+        from hydra._internal.hydra import Hydra
+        from hydra._internal.utils import (
+            create_automatic_config_search_path,
+            detect_calling_file_or_module_from_task_function,
+            detect_task_name,
+        )
+        from hydra.core.global_hydra import GlobalHydra
+        from hydra.errors import HydraException
+        from hydra.types import RunMode
+
+        check_overrides(overrides, probe=False)
+        register_configs()
+        self.task = task
+        calling_file, calling_module = detect_calling_file_or_module_from_task_function(task)
+        search_path = create_automatic_config_search_path(calling_file, calling_module, str(config_dir()))
+        self.app = Hydra.create_main_hydra2(task_name=detect_task_name(calling_file, calling_module),
+                                           config_search_path=search_path)
+        try:
+            try:
+                self.cfg = _explained(lambda: self.app.compose_config(
+                    "config", overrides=list(overrides), run_mode=RunMode.RUN, with_log_configuration=True))
+            except HydraException as e:  # e.g. sweep syntax outside a multirun: Hydra's lines, as one
+                raise ValueError(one_line(str(e))) from None
+        except ValueError:
+            GlobalHydra.instance().clear()
+            # As in compose: a policy.* override the chosen policy lacks is named with that policy's options.
+            if any(o.split("=", 1)[0].startswith("policy.") for o in overrides):
+                check_overrides(overrides, whole=False)
+            raise
+        except BaseException:
+            GlobalHydra.instance().clear()
+            raise
+        self.multirun = self.cfg.hydra.mode == RunMode.MULTIRUN
+        if self.multirun:
+            GlobalHydra.instance().clear()
+        elif self.cfg.hydra.mode is None:
+            self.cfg.hydra.mode = RunMode.RUN
+
+    def run(self) -> Any:
+        """Run the task in its run directory; its return value (its exception, raised again)."""
+        from hydra._internal.callbacks import Callbacks
+        from hydra.core.global_hydra import GlobalHydra
+        from hydra.core.utils import run_job
+        from hydra.types import HydraContext
+
+        try:
+            callbacks = Callbacks(self.cfg)
+            callbacks.on_run_start(config=self.cfg, config_name="config")
+            ret = run_job(hydra_context=HydraContext(config_loader=self.app.config_loader, callbacks=callbacks),
+                          task_function=self.task, config=self.cfg, job_dir_key="hydra.run.dir", job_subdir_key=None,
+                          configure_logging=True)
+            callbacks.on_run_end(config=self.cfg, config_name="config", job_return=ret)
+            return ret.return_value
+        finally:
+            GlobalHydra.instance().clear()
 
 
 def to_config(cfg: DictConfig) -> Config:

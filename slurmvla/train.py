@@ -15,16 +15,16 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from slurmvla import collector
-from slurmvla.compose import check_overrides, config_dir, to_config
+from slurmvla.compose import HydraRun, check_overrides, config_dir, to_config
 from slurmvla.errors import FAILED, Failure, boundary, exit_code, exit_with
 from slurmvla.launch.grace import SIGNAL_DELAY_ENV
 from slurmvla.launch.preempt import REQUEUE_EXIT_CODE, PreemptionFlag, report_stop
 
-__all__ = ["cli", "config_dir", "main"]
+__all__ = ["cli", "config_dir", "main", "run"]
 
 
-@hydra.main(version_base=None, config_path=str(config_dir()), config_name="config")
-def main(cfg: DictConfig) -> float | None:
+def run(cfg: DictConfig) -> float | None:
+    """One training run of a composed config: the Trainer built, fitted and closed (the task Hydra runs)."""
     # torch's import and the build without the garbage collector walking them (slurmvla.collector).
     with collector.paused():
         # After Hydra has parsed the command line: --help stays fast.
@@ -66,6 +66,10 @@ def main(cfg: DictConfig) -> float | None:
         report_stop(trainer.step)
         sys.exit(REQUEUE_EXIT_CODE)
     return metrics.get("loss")
+
+
+# Hydra's own command line: flags (-m, --cfg, --help, ...) and a config asking for a multirun.
+main = hydra.main(version_base=None, config_path=str(config_dir()), config_name="config")(run)
 
 
 def dry_run(overrides: list[str]) -> None:
@@ -141,15 +145,23 @@ def cli() -> None:
     if not {"-m", "--multirun"} & set(sys.argv[1:]):
         PreemptionFlag().install()
     overrides = overrides_of(sys.argv[1:])
+    composed = None
     try:
         check_command_line(sys.argv[1:], overrides)
-        check_overrides(overrides)
-        if "--dry-run" in sys.argv:
-            dry_run(overrides)
-            return
+        if overrides == sys.argv[1:]:
+            # Overrides alone (no flag): composed once, checked on that composition, run by Hydra's run_job.
+            composed = HydraRun(run, overrides)
+        else:
+            check_overrides(overrides)
+            if "--dry-run" in sys.argv:
+                dry_run(overrides)
+                return
     except ValueError as e:
         exit_with(e, exit_code(e))
-    main()
+    if composed is not None and not composed.multirun:
+        composed.run()
+    else:
+        main()
 
 
 if __name__ == "__main__":
