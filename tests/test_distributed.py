@@ -356,21 +356,6 @@ def test_fsdp_saved_at_world_four_resumes_at_world_two(engine, policy, single_re
     assert rel_l2(ema, single_reference["fp32 ema"]) < 1e-6
 
 
-@pytest.mark.slow
-def test_torchrun_cli_ddp(matrix_root, tmp_path):
-    """The real entry path: torchrun -m slurmvla.train, two ranks, one run directory."""
-    run = tmp_path / "run"
-    res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "slurmvla.train",
-         "engine=ddp", *base_overrides(matrix_root), "trainer.max_steps=4", "checkpoint.every_steps=2",
-         f"hydra.run.dir={run}"],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-4000:]
-    ckpt = run / "checkpoints" / "step_00000004"
-    assert (ckpt / "rank_00000.pt").is_file() and (ckpt / "rank_00001.pt").is_file()
-    assert json.loads((ckpt / "meta.json").read_text())["world_size"] == 2
-
-
 # -- start-up checks (no processes) -----------------------------------------------------------------
 
 def test_hsdp_degrees_must_multiply_to_the_world_size():
@@ -427,8 +412,9 @@ def _torchrun_train(args: list[str], launcher: bool = False) -> subprocess.Popen
 @pytest.mark.slow
 def test_preemption_signal_on_one_rank_checkpoints_all_and_resumes_exactly(matrix_root, tmp_path):
     """USR2 to rank 1 only: the ranks agree, save together, stop; a restart ends where an
-    uninterrupted run ends, bitwise. The preempted run goes through launchers/train.sh: its torchrun says
-    so in one line and exits with the requeue code, no failure report."""
+    uninterrupted run ends, bitwise. The uninterrupted run is the real entry path, torchrun -m slurmvla.train on
+    two ranks into one run directory; the preempted run goes through launchers/train.sh: its torchrun says so in
+    one line and exits with the requeue code, no failure report."""
     import time
 
     import psutil
@@ -437,6 +423,9 @@ def test_preemption_signal_on_one_rank_checkpoints_all_and_resumes_exactly(matri
               "trainer.signal_check_every_steps=1"]
     straight = _torchrun_train([*common, f"hydra.run.dir={tmp_path / 'straight'}"])
     assert straight.wait(timeout=300) == 0, straight.stdout.read()[-3000:]
+    ckpt = tmp_path / "straight" / "checkpoints" / "step_00000040"
+    assert (ckpt / "rank_00000.pt").is_file() and (ckpt / "rank_00001.pt").is_file()
+    assert json.loads((ckpt / "meta.json").read_text())["world_size"] == 2
 
     run = tmp_path / "preempted"
     job = _torchrun_train([*common, f"hydra.run.dir={run}"], launcher=True)
