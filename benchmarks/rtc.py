@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slurmvla.inference.build import build_server  # noqa: E402
-from slurmvla.inference.closed_loop import require_sim, run_served, summarize  # noqa: E402
+from slurmvla.inference.closed_loop import replan_of, require_sim, run_served, summarize  # noqa: E402
 
 
 def main() -> None:
@@ -45,7 +45,8 @@ def main() -> None:
     # How this policy answers rtc: inference-time guidance, or (trained with policy.rtc_training) its clean prefix.
     method = meta.get("rtc", {}).get("method")
     rows = []
-    replan = base.replan_steps or f"the default (sync: {meta['action_horizon']}, async / rtc: {meta['action_horizon'] // 2})"
+    replan = base.replan_steps or ", ".join(
+        f"{m} {replan_of(dataclasses.replace(base, execution=m), meta['action_horizon'])}" for m in args.modes)
     print(f"{args.source}: replan_steps {replan}, {args.episodes} episodes per row from seed "
           f"{args.first_seed}; modes the server offers: {offered}" + (f" (rtc by {method})" if method else ""),
           flush=True)

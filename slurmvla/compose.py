@@ -171,24 +171,33 @@ def config_groups() -> list[str]:
 def compose(overrides: list[str]) -> Config:
     """The typed config a run with these overrides would get (keys checked first, every rule run)."""
     from hydra import initialize_config_dir
-    from hydra.errors import HydraException
 
     check_overrides(overrides, probe=False)
     register_configs()
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-            try:
-                composed = _hydra_compose(overrides)
-            except HydraException as e:  # e.g. sweep syntax outside a multirun: Hydra's lines, as one
-                raise ValueError(one_line(str(e))) from None
-            return to_config(composed)
+            return to_config(_one_line(lambda: _hydra_compose(overrides)))
     except ValueError:
-        # A policy.* override given here that the chosen policy lacks: the probe (one more composition, so
-        # only when this one failed) names the policy and its options instead of Hydra's "Could not
-        # override". A config file's option its policy lacks is translated by _hydra_compose itself.
-        if any(o.split("=", 1)[0].startswith("policy.") for o in overrides):
-            check_overrides(overrides, whole=False)
+        _name_the_policy_keys(overrides)
         raise
+
+
+def _one_line(composition: typing.Callable[[], DictConfig]) -> DictConfig:
+    """``composition()``; any error of Hydra's it raises that is not explained already, as one line."""
+    from hydra.errors import HydraException
+
+    try:
+        return composition()
+    except HydraException as e:  # e.g. sweep syntax outside a multirun: Hydra's lines, as one
+        raise ValueError(one_line(str(e))) from None
+
+
+def _name_the_policy_keys(overrides: list[str]) -> None:
+    """After a failed composition: a policy.* override the chosen policy lacks is named with that policy's options
+    by the probe (one more composition, so only when the first failed) instead of Hydra's "Could not override". A
+    config file's option its policy lacks is translated by _hydra_compose itself."""
+    if any(o.split("=", 1)[0].startswith("policy.") for o in overrides):
+        check_overrides(overrides, whole=False)
 
 
 def check_overrides(overrides: list[str], probe: bool = True, whole: bool = True) -> None:
@@ -268,7 +277,6 @@ class HydraRun:
             detect_task_name,
         )
         from hydra.core.global_hydra import GlobalHydra
-        from hydra.errors import HydraException
         from hydra.types import RunMode
 
         check_overrides(overrides, probe=False)
@@ -279,16 +287,11 @@ class HydraRun:
         self.app = Hydra.create_main_hydra2(task_name=detect_task_name(calling_file, calling_module),
                                            config_search_path=search_path)
         try:
-            try:
-                self.cfg = _explained(lambda: self.app.compose_config(
-                    "config", overrides=list(overrides), run_mode=RunMode.RUN, with_log_configuration=True))
-            except HydraException as e:  # e.g. sweep syntax outside a multirun: Hydra's lines, as one
-                raise ValueError(one_line(str(e))) from None
+            self.cfg = _one_line(lambda: _explained(lambda: self.app.compose_config(
+                "config", overrides=list(overrides), run_mode=RunMode.RUN, with_log_configuration=True)))
         except ValueError:
-            GlobalHydra.instance().clear()
-            # As in compose: a policy.* override the chosen policy lacks is named with that policy's options.
-            if any(o.split("=", 1)[0].startswith("policy.") for o in overrides):
-                check_overrides(overrides, whole=False)
+            GlobalHydra.instance().clear()  # the probe composes on a Hydra of its own
+            _name_the_policy_keys(overrides)
             raise
         except BaseException:
             GlobalHydra.instance().clear()

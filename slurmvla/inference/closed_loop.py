@@ -104,7 +104,7 @@ def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: P
     try:
         wanted, state_keys = _requested(env, metadata)
         prompt_key = metadata.get("prompt") or "prompt"
-        replan = replan_of(cfg, int(metadata.get("action_horizon") or cfg.replan_steps or 1))
+        replan = replan_of(cfg, metadata.get("action_horizon"))
         modes = metadata.get("execution_modes") or ["sync", "async"]
         if cfg.execution == "rtc" and "rtc" not in modes:
             raise ValueError(f"rollout.execution=rtc: the server does not offer real-time chunking (its execution_modes: "
@@ -119,9 +119,16 @@ def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: P
         env.close()
 
 
-def replan_of(cfg: RolloutConfig, horizon: int) -> int:
+def replan_of(cfg: RolloutConfig, horizon: int | None) -> int:
     """The actions of each chunk executed before the next request: ``rollout.replan_steps`` (at most the policy's
-    ``horizon``), or by default the whole chunk in sync mode and half of it in async and rtc."""
+    ``horizon``), or by default the whole chunk in sync mode and half of it in async and rtc. A server whose
+    metadata gives no ``action_horizon`` (None): ``rollout.replan_steps`` as given, or every step, with a warning."""
+    if horizon is None:
+        if cfg.replan_steps is None:
+            log.warning("the server's metadata gives no action_horizon: replanning every step; set "
+                        "rollout.replan_steps to the actions of each chunk to execute")
+        return cfg.replan_steps or 1
+    horizon = int(horizon)
     if cfg.replan_steps is None:
         return horizon if cfg.execution == "sync" else max(1, horizon // 2)
     if cfg.replan_steps > horizon:

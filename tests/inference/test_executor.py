@@ -238,5 +238,9 @@ def test_the_closed_loops_replanning_defaults_to_the_whole_chunk_in_sync_and_hal
     assert replan_of(RolloutConfig(execution="rtc", replan_steps=3), 10) == 3
     assert replan_of(RolloutConfig(replan_steps=12), 10) == 10
     assert "rollout.replan_steps=12 is more than the policy's action_horizon=10" in caplog.text
+    # A server that does not say its horizon: the number given, or every step, with a warning.
+    assert replan_of(RolloutConfig(replan_steps=5), None) == 5
+    assert replan_of(RolloutConfig(execution="async"), None) == 1
+    assert "gives no action_horizon: replanning every step" in caplog.text
     with pytest.raises(ValueError, match="rollout.replan_steps"):
         RolloutConfig(replan_steps=0)
