@@ -84,6 +84,51 @@ def _worker_group(item) -> str | None:
     return item.module.__name__ if shared else None
 
 
+# SLURMVLA_TEST_CPU=FILE: each test's CPU seconds -- its worker's own and those of the processes it started and
+# waited for (torchrun jobs, CLI runs, servers) -- appended to FILE as JSON lines, and the suite's total with the
+# costliest tests printed at the end. On 2 cores the suite is CPU-bound: its time is this total over the cores,
+# plus what the SLURM cluster's jobs spend (their processes are slurmd's children, not the tests').
+CPU_REPORT = os.environ.get("SLURMVLA_TEST_CPU")
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    import resource
+
+    own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, waited.ru_utime + waited.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not CPU_REPORT:
+        yield
+        return
+    import json
+    import time
+
+    (own0, waited0), t0 = _cpu_seconds(), time.monotonic()
+    yield  # setup, call and teardown: a module fixture counts in the first test that uses it
+    (own1, waited1), wall = _cpu_seconds(), time.monotonic() - t0
+    with open(CPU_REPORT, "a") as f:  # one short line per write: the workers' lines do not interleave
+        f.write(json.dumps({"test": item.nodeid, "own": round(own1 - own0, 2), "waited": round(waited1 - waited0, 2),
+                            "wall": round(wall, 2)}) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not CPU_REPORT or hasattr(config, "workerinput") or not Path(CPU_REPORT).is_file():
+        return
+    import json
+
+    rows = [json.loads(line) for line in Path(CPU_REPORT).read_text().splitlines() if line.strip()]
+    total = sum(r["own"] + r["waited"] for r in rows)
+    terminalreporter.section(f"CPU seconds per test ({CPU_REPORT})")
+    terminalreporter.write_line(f"{len(rows)} tests, {total:.0f} CPU-s (own {sum(r['own'] for r in rows):.0f}, "
+                                f"processes they waited for {sum(r['waited'] for r in rows):.0f}); the costliest:")
+    for r in sorted(rows, key=lambda r: -(r["own"] + r["waited"]))[:25]:
+        name = r["test"].replace("\n", " ")[:160]
+        terminalreporter.write_line(f"{r['own'] + r['waited']:8.1f}  (own {r['own']:6.1f})  {name}")
+
+
 @pytest.fixture(scope="session")
 def sample_root(tmp_path_factory) -> Path:
     """A small DROID-format dataset (LeRobot v3.0, real mp4), several episodes per file."""
