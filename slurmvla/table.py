@@ -6,8 +6,11 @@
 directories): each run's ``config.resolved.yaml`` says its task (``rollout.env`` / ``rollout.task``), policy and
 seed (``trainer.seed``), and its periodic closed-loop evaluations (``trainer.rollout_every_steps``) are its
 ``rollout/step_N/rollout.json``. Per run, as 3D Diffusion Policy reports (Ze et al., RSS 2024): the mean of its
-``--best`` best evaluations; beside it the last evaluation (the final checkpoint's). Per task and policy: the mean
-and standard deviation over seeds, in percent, beside the published figures (``--reference``). Writes
+``--best`` best evaluations; beside it the last evaluation (the final checkpoint's), and the final checkpoint's
+evaluation on more episodes where the run has one (``RUN/rollout/final/rollout.json``, from ``python -m
+slurmvla.rollout RUN rollout.episodes=100 rollout.first_seed=200000 --out RUN/rollout/final``: seeds the periodic
+evaluations never drew). Per task and policy: the mean and standard deviation over seeds, in percent, beside the
+published figures (``--reference``). Writes
 ``table.md`` (the rows and the commands' facts), ``table.json`` and ``success.png`` (success against training step,
 one panel per task, every seed, the published figure drawn in) into ``--out`` (default ``SWEEP_DIR``).
 
@@ -42,6 +45,8 @@ REFERENCES = {
     },
 }
 TABLE, JSON, PLOT = "table.md", "table.json", "success.png"
+# A run's final checkpoint evaluated on more episodes than the periodic evaluations: RUN/FINAL/rollout.json.
+FINAL = Path("rollout") / "final"
 
 
 def read_run(run: Path) -> dict | None:
@@ -57,10 +62,15 @@ def read_run(run: Path) -> dict | None:
         summary = json.loads(path.read_text())
         evaluations[int(summary["step"])] = {"success_rate": float(summary["rollout/success_rate"]),
                                              "episodes": int(summary["rollout/episodes"])}
+    final = None
+    if (run / FINAL / "rollout.json").is_file():
+        summary = json.loads((run / FINAL / "rollout.json").read_text())
+        final = {"step": int(summary["step"]), "success_rate": float(summary["rollout/success_rate"]),
+                 "episodes": int(summary["rollout/episodes"])}
     policy = cfg.policy.get("size") or cfg.policy.get("name")
     task = cfg.rollout.get("task") or cfg.rollout.get("env", "pick")
     return {"run": str(run), "task": str(task), "policy": str(policy), "seed": int(cfg.trainer.seed),
-            "evaluations": dict(sorted(evaluations.items()))}
+            "evaluations": dict(sorted(evaluations.items())), "final": final}
 
 
 def runs_of(sweep: Path) -> list[dict]:
@@ -82,8 +92,9 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def gather(runs: list[dict], best: int = 5) -> list[dict]:
-    """One row per (task, policy): per seed the best-``best`` mean and the last evaluation, then both over seeds
-    (percent)."""
+    """One row per (task, policy): per seed the best-``best`` mean, the last evaluation and the final checkpoint's
+    evaluation on more episodes (where the run has one), then each over seeds (percent; the last over the seeds
+    that have one, None where none has)."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
         groups.setdefault((r["task"], r["policy"]), []).append(r)
@@ -94,16 +105,24 @@ def gather(runs: list[dict], best: int = 5) -> list[dict]:
                      "best": 100 * best_mean([e["success_rate"] for e in r["evaluations"].values()], best),
                      "final": 100 * r["evaluations"][max(r["evaluations"])]["success_rate"],
                      "final_step": max(r["evaluations"]), "evaluations": len(r["evaluations"]),
-                     "episodes": r["evaluations"][max(r["evaluations"])]["episodes"]} for r in members]
+                     "episodes": r["evaluations"][max(r["evaluations"])]["episodes"],
+                     "final_checkpoint": None if r["final"] is None else {
+                         "success": 100 * r["final"]["success_rate"], "episodes": r["final"]["episodes"],
+                         "step": r["final"]["step"]}} for r in members]
+        finals = [s["final_checkpoint"] for s in per_seed if s["final_checkpoint"] is not None]
         rows.append({"task": task, "policy": policy, "seeds": [s["seed"] for s in per_seed], "per_seed": per_seed,
-                     "best": mean_std([s["best"] for s in per_seed]), "final": mean_std([s["final"] for s in per_seed])})
+                     "best": mean_std([s["best"] for s in per_seed]), "final": mean_std([s["final"] for s in per_seed]),
+                     "final_checkpoint": None if not finals else {
+                         "success": mean_std([f["success"] for f in finals]), "seeds": len(finals),
+                         "episodes": sorted({f["episodes"] for f in finals})}})
     return rows
 
 
 def markdown(rows: list[dict], reference: str | None, best: int) -> str:
     ref = REFERENCES[reference] if reference else None
     names = list(ref["rows"]) if ref else []
-    head = ["task", "policy", "seeds", f"best {best} (mean ± std, %)", "final (mean ± std, %)", *names]
+    head = ["task", "policy", "seeds", f"best {best} (mean ± std, %)", "last evaluation (mean ± std, %)",
+            "final checkpoint, more episodes (mean ± std, %)", *names]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         published = []
@@ -113,10 +132,20 @@ def markdown(rows: list[dict], reference: str | None, best: int) -> str:
         lines.append("| " + " | ".join([
             row["task"], row["policy"], ",".join(map(str, row["seeds"])),
             f"{row['best'][0]:.1f} ± {row['best'][1]:.1f}", f"{row['final'][0]:.1f} ± {row['final'][1]:.1f}",
-            *published]) + " |")
+            _final_cell(row["final_checkpoint"], len(row["seeds"])), *published]) + " |")
     if ref:
         lines += ["", f"Published: {ref['source']}."]
     return "\n".join(lines) + "\n"
+
+
+def _final_cell(final: dict | None, seeds: int) -> str:
+    """e.g. ``12.0 ± 0.0 (100 episodes)``; the seeds counted when not every seed has one; ``-`` when none has."""
+    if final is None:
+        return "-"
+    mean, std = final["success"]
+    episodes = "/".join(map(str, final["episodes"]))
+    of = f", {final['seeds']} of {seeds} seeds" if final["seeds"] < seeds else ""
+    return f"{mean:.1f} ± {std:.1f} ({episodes} episodes{of})"
 
 
 def plot(runs: list[dict], rows: list[dict], out: Path, reference: str | None) -> Path:

@@ -12,7 +12,8 @@ import pytest
 from slurmvla.table import main
 
 
-def write_run(root, name: str, task: str, seed: int, rates: dict[int, float], policy: str = "keypoints_flow"):
+def write_run(root, name: str, task: str, seed: int, rates: dict[int, float], policy: str = "keypoints_flow",
+              final: float | None = None):
     run = root / name
     run.mkdir(parents=True)
     (run / "config.resolved.yaml").write_text(
@@ -21,16 +22,26 @@ def write_run(root, name: str, task: str, seed: int, rates: dict[int, float], po
         folder = run / "rollout" / f"step_{step:08d}"
         folder.mkdir(parents=True)
         (folder / "rollout.json").write_text(json.dumps({"step": step, "rollout/success_rate": rate, "rollout/episodes": 20}))
+    if final is not None:  # python -m slurmvla.rollout RUN rollout.episodes=100 --out RUN/rollout/final
+        folder = run / "rollout" / "final"
+        folder.mkdir(parents=True)
+        (folder / "rollout.json").write_text(json.dumps({"step": max(rates), "rollout/success_rate": final,
+                                                         "rollout/episodes": 100}))
     return run
 
 
 def test_each_run_counts_its_best_five_evaluations_and_seeds_give_mean_and_std(tmp_path, capsys):
     sweep = tmp_path / "multirun"
     # Seed 0: seven evaluations; the best five are 0.9, 0.8, 0.7, 0.6, 0.5 -> 70 %; its last is 0.5.
-    write_run(sweep, "0", "hammer-v3", 0, {100: 0.1, 200: 0.5, 300: 0.9, 400: 0.6, 500: 0.8, 600: 0.7, 700: 0.5})
+    # The final checkpoints on 100 episodes: 0.42 and 0.30 -> 36 +- 6 %.
+    write_run(sweep, "0", "hammer-v3", 0, {100: 0.1, 200: 0.5, 300: 0.9, 400: 0.6, 500: 0.8, 600: 0.7, 700: 0.5},
+              final=0.42)
     # Seed 1: three evaluations (fewer than five: all of them) -> (0.2 + 0.4 + 0.3) / 3 = 30 %; last 0.3.
-    write_run(sweep, "1", "hammer-v3", 1, {100: 0.2, 200: 0.4, 300: 0.3})
+    write_run(sweep, "1", "hammer-v3", 1, {100: 0.2, 200: 0.4, 300: 0.3}, final=0.30)
     write_run(sweep, "2", "button-press-v3", 0, {100: 1.0})
+    # Two seeds, one with its final checkpoint on 100 episodes: that one alone, said so.
+    write_run(sweep, "4", "disassemble-v3", 0, {100: 0.2}, final=0.5)
+    write_run(sweep, "5", "disassemble-v3", 1, {100: 0.4})
     (sweep / "multirun.yaml").write_text("not a run\n")
     (sweep / "3").mkdir()  # a job that never wrote its config: no run
     main([str(sweep), "--no-plot"])
@@ -39,10 +50,15 @@ def test_each_run_counts_its_best_five_evaluations_and_seeds_give_mean_and_std(t
     assert rows["hammer-v3"]["seeds"] == [0, 1]
     assert rows["hammer-v3"]["best"] == pytest.approx([50.0, 20.0])  # mean of 70 and 30, population std
     assert rows["hammer-v3"]["final"] == pytest.approx([40.0, 10.0])  # 50 and 30
+    assert rows["hammer-v3"]["final_checkpoint"]["success"] == pytest.approx([36.0, 6.0])
     assert rows["button-press-v3"]["best"] == pytest.approx([100.0, 0.0])
+    assert rows["button-press-v3"]["final_checkpoint"] is None
     text = (sweep / "table.md").read_text()
-    assert "| hammer-v3 | keypoints_flow | 0,1 | 50.0 ± 20.0 | 40.0 ± 10.0 | 15 ± 6 | 76 ± 4 |" in text
-    assert "| button-press-v3 | keypoints_flow | 0 | 100.0 ± 0.0 | 100.0 ± 0.0 | 99 ± 1 | - |" in text
+    assert ("| hammer-v3 | keypoints_flow | 0,1 | 50.0 ± 20.0 | 40.0 ± 10.0 | 36.0 ± 6.0 (100 episodes) | 15 ± 6 "
+            "| 76 ± 4 |") in text
+    assert "| button-press-v3 | keypoints_flow | 0 | 100.0 ± 0.0 | 100.0 ± 0.0 | - | 99 ± 1 | - |" in text
+    assert ("| disassemble-v3 | keypoints_flow | 0,1 | 30.0 ± 10.0 | 30.0 ± 10.0 | 50.0 ± 0.0 (100 episodes, 1 of 2 "
+            "seeds) | 43 ± 7 | 69 ± 4 |") in text
     assert text in capsys.readouterr().out
 
 
