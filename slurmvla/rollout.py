@@ -20,9 +20,10 @@ dense progress reward, in [0, 1] per step, summed over ``rollout.max_steps`` wit
 the steps after it count 1 each), length. Overall: ``rollout/success_rate`` with its 95 % Wilson interval,
 mean return and length, wall time, control steps and requests per second, the action jumps at chunk switches
 and within chunks, the steps held. Written to
-``rollout.out`` (default ``RUN_DIR/rollout/step_N/``): ``rollout.json`` (the summary and every
-episode) and ``episode_SEED.mp4`` for the first ``rollout.videos`` episodes (exterior and wrist
-cameras side by side). ``--shard I/N`` runs every N-th episode from the I-th (``sbatch/rollout.sh``
+``--out DIR`` / ``rollout.out`` (default ``RUN_DIR/rollout/step_N/``, where the training's periodic evaluation
+of step N goes too: a default folder that already holds a summary is refused, never overwritten):
+``rollout.json`` (the summary and every episode) and ``episode_SEED.mp4`` for the first ``rollout.videos``
+episodes (exterior and wrist cameras side by side). ``--shard I/N`` runs every N-th episode from the I-th (``sbatch/rollout.sh``
 runs N such clients and merges their files with ``--merge``).
 """
 
@@ -80,10 +81,14 @@ def _rollout_config(overrides: list[str]) -> RolloutConfig:
     return OmegaConf.to_object(merged)
 
 
-def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None, api_key: str | None = None) -> dict:
+def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None, api_key: str | None = None,
+        out: str | None = None) -> dict:
     """The episodes of ``source`` (a run, checkpoint or exported file, or ``ws://host:port``); writes and
-    returns the summary (``rollout.json``, or ``rollout_shardIofN.json`` for a ``shard`` (I, N))."""
+    returns the summary (``rollout.json``, or ``rollout_shardIofN.json`` for a ``shard`` (I, N)) into ``out``
+    (else ``rollout.out``, else the default folder, which must not hold that summary already)."""
     name = "rollout.json" if shard is None else f"rollout_shard{shard[0]}of{shard[1]}.json"
+    if out is not None:
+        overrides = [*overrides, f"rollout.out={out}"]
     shard = shard or (0, 1)
     require_sim()
     if source.startswith(("ws://", "wss://")):
@@ -91,7 +96,7 @@ def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None,
         if not host or not port.isdigit():
             raise ValueError(f"{source!r} is not a server address; write it as ws://HOST:PORT")
         cfg = _rollout_config(overrides)
-        out = Path(cfg.out or "rollout")
+        out = Path(cfg.out) if cfg.out else _unused_default(Path("rollout"), name)
         seeds = shard_seeds(cfg, shard)
         start = time.perf_counter()
         client = connect(host, int(port), api_key, cfg.connect_timeout_s)
@@ -108,7 +113,7 @@ def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None,
         loaded = server.policy.loaded
         cfg = loaded.cfg.rollout
         step, where = loaded.step, loaded.source
-        out = Path(cfg.out) if cfg.out else _default_out(Path(source), step)
+        out = Path(cfg.out) if cfg.out else _unused_default(_default_out(Path(source), step), name)
         seeds = shard_seeds(cfg, shard)
         start = time.perf_counter()
         episodes = run_served(server, cfg, seeds, out)
@@ -126,6 +131,16 @@ def _default_out(source: Path, step: int) -> Path:
         run_dir = source.parent.parent
     base = run_dir if run_dir is not None else (source.parent if source.is_file() else source)
     return base / "rollout" / f"step_{step:08d}"
+
+
+def _unused_default(out: Path, name: str) -> Path:
+    """``out`` unless it already holds a summary ``name``: the training's periodic evaluation of the same step
+    (``trainer.rollout_every_steps`` writes there too) or an earlier rollout, which a default never replaces."""
+    if (out / name).is_file():
+        raise ValueError(f"{out / name} already holds an evaluation (the training's periodic one of this step, or an "
+                         "earlier rollout), which this one would replace: give it a folder of its own with --out DIR "
+                         "(or rollout.out=DIR)")
+    return out
 
 
 def merge(paths: list[Path], out: Path) -> dict:
@@ -165,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key-env", default="SLURMVLA_API_KEY",
                         help="environment variable holding the server's API key, if it has one (default SLURMVLA_API_KEY)")
     parser.add_argument("--merge", nargs="+", metavar="SHARD_JSON", help="merge shard summaries into --out and exit")
-    parser.add_argument("--out", help="with --merge: the merged summary's path")
+    parser.add_argument("--out", help="the folder the summary and videos go to (rollout.out; default RUN_DIR/rollout/step_N/, "
+                                      "./rollout/ for a server address); with --merge: the merged summary's path")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # PyOpenGL says at import that its optional accelerator is absent; websockets logs every connection.
@@ -180,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
             if not args.source:
                 raise ValueError("give a SOURCE (run directory, checkpoint, exported file) or ws://HOST:PORT")
             shard = _parse_shard(args.shard) if args.shard else None
-            summary = run(args.source, list(args.overrides), shard, os.environ.get(args.api_key_env))
+            summary = run(args.source, list(args.overrides), shard, os.environ.get(args.api_key_env), args.out)
     print(_line(summary), flush=True)
 
 

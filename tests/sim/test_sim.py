@@ -7,6 +7,7 @@ environment renders, a hand-computed Wilson interval."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ pytest.importorskip("openpi_client.websocket_client_policy", reason="pip install
 from slurmvla.compose import compose  # noqa: E402
 from slurmvla.data.prepare import prepare_image  # noqa: E402
 from slurmvla.inference.closed_loop import wilson_interval  # noqa: E402
+from slurmvla.rollout import main as rollout_main  # noqa: E402
 from slurmvla.rollout import run  # noqa: E402
 from slurmvla.sim.env import PickCube  # noqa: E402
 from slurmvla.sim.expert import Expert  # noqa: E402
@@ -149,6 +151,19 @@ def test_a_policy_that_outputs_zeros_never_succeeds(demos, tmp_path):
                                  f"rollout.height={HEIGHT}", f"rollout.width={WIDTH}", "rollout.videos=0"])
     assert summary["rollout/success_rate"] == 0.0
     assert all(e["length"] == 30 for e in summary["episodes"])
+    # Its default folder (the run's rollout/step_N/, where training's periodic evaluation of that step goes too)
+    # now holds a summary: a second rollout there is refused, naming it, and the first is left as it was.
+    written = Path(summary["out"])
+    before = written.read_bytes()
+    args = ["rollout.first_seed=0", "rollout.episodes=2", "rollout.max_steps=30", f"rollout.height={HEIGHT}",
+            f"rollout.width={WIDTH}", "rollout.videos=0"]
+    with pytest.raises(ValueError, match=f"{re.escape(str(written))} already holds an evaluation .* --out DIR"):
+        run(str(run_dir), args)
+    assert written.read_bytes() == before
+    # --out names the folder (it used to apply to --merge alone and was ignored otherwise).
+    rollout_main([str(run_dir), *args, "--out", str(tmp_path / "final")])
+    again = json.loads((tmp_path / "final" / "rollout.json").read_text())
+    assert again["rollout/episodes"] == 2 and written.read_bytes() == before
 
 
 def _rollout_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
