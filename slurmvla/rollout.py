@@ -23,8 +23,8 @@ and within chunks, the steps held. Written to
 ``--out DIR`` / ``rollout.out`` (default ``RUN_DIR/rollout/step_N/``, where the training's periodic evaluation
 of step N goes too: a default folder that already holds a summary is refused, never overwritten):
 ``rollout.json`` (the summary and every episode) and ``episode_SEED.mp4`` for the first ``rollout.videos``
-episodes (exterior and wrist cameras side by side). ``--shard I/N`` runs every N-th episode from the I-th (``sbatch/rollout.sh``
-runs N such clients and merges their files with ``--merge``).
+episodes (exterior and wrist cameras side by side). ``--shard I/N`` runs every N-th episode from the I-th
+(``sbatch/rollout.sh`` runs N such clients and merges their files with ``--merge``).
 """
 
 from __future__ import annotations
@@ -180,8 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key-env", default="SLURMVLA_API_KEY",
                         help="environment variable holding the server's API key, if it has one (default SLURMVLA_API_KEY)")
     parser.add_argument("--merge", nargs="+", metavar="SHARD_JSON", help="merge shard summaries into --out and exit")
-    parser.add_argument("--out", help="the folder the summary and videos go to (rollout.out; default RUN_DIR/rollout/step_N/, "
-                                      "./rollout/ for a server address); with --merge: the merged summary's path")
+    parser.add_argument("--out", help="the folder the summary and videos go to (rollout.out; default "
+                                      "RUN_DIR/rollout/step_N/, ./rollout/ for a server address); with --merge: the "
+                                      "merged summary's path")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # PyOpenGL says at import that its optional accelerator is absent; websockets logs every connection.
