@@ -98,6 +98,12 @@ def _cpu_seconds() -> tuple[float, float]:
     return own.ru_utime + own.ru_stime, waited.ru_utime + waited.ru_stime
 
 
+def pytest_sessionstart(session):
+    """The report is this run's: an earlier run's lines go (by the controller, before any worker writes)."""
+    if CPU_REPORT and not hasattr(session.config, "workerinput"):
+        Path(CPU_REPORT).unlink(missing_ok=True)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     if not CPU_REPORT:
