@@ -90,7 +90,7 @@ def plan_side(base: list[str], micro: int, prompt: int | None) -> SavedByShape:
     extra = [f"policy.max_text_len={prompt}"] if prompt else []
     cfg = compose([*base, f"trainer.global_batch_size={micro}", *extra])
     planner = planner_for(cfg)
-    step = planner._step()
+    step = planner._step(on_meta=not planner.compiled(cfg))  # the compiled layers trace on fake tensors
     compute = model_states(cfg, planner.tensors, 1, 1).compute
     with SavedByShape([*step.policy.parameters(), *step.policy.buffers()]) as saved:
         step.run(micro, compute, cfg.precision == "bf16", compiled=planner.compiled(cfg))

@@ -1,9 +1,12 @@
-"""The activations of one micro-batch, MEASURED: the real policy (built on the meta device) runs one training
-forward + backward on fake tensors of the configured micro-batch while a dispatch mode adds up the bytes of
-every storage created and frees them as they die; the peak is the figure. With ``trainer.compile`` the
+"""The activations of one micro-batch, MEASURED: the real policy runs one training forward + backward on
+tensors that have shapes and dtypes but no data, at the configured micro-batch, while a dispatch mode adds up the
+bytes of every storage created and frees them as they die; the peak is the figure. The tensors are on the meta
+device (attention routed to the kernel the CPU would run: :class:`CpuAttention`), or fake CPU tensors
+(``FakeTensorMode``) where the meta device cannot run the policy, and always with ``trainer.compile``: then the
 repeated layers run as the compiled step runs them (:mod:`slurmvla.planner.compiled`: what the partitioner
-saves for the backward, not what eager autograd saves). Where a policy cannot run on fake tensors, an
-analytic ESTIMATE instead."""
+saves for the backward, not what eager autograd saves), which needs fake tensors to trace. The same ops, so the
+same bytes (a test holds them equal); on the meta device at about half the cost (FakeTensor's dispatch is what a
+pass spends its time in). Where a policy cannot run on either, an analytic ESTIMATE instead."""
 
 from __future__ import annotations
 
@@ -16,7 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from slurmvla.config import Config
 from slurmvla.planner.autocast import CudaAutocast
@@ -151,33 +158,81 @@ class Pass:
     seconds: float
 
 
-class FakeStep:
-    """The policy on fake CPU tensors, ready for training forward + backward passes at any micro-batch and
-    in any of the engines' parameter dtypes. Built once per plan."""
+class CpuAttention(TorchFunctionMode):
+    """On meta tensors, ``scaled_dot_product_attention`` as the CPU runs it. Its dispatch picks the fused kernel by
+    device, and the meta device has no choice of its own: there torch takes the unfused math path, whose
+    intermediates (the scores, the probabilities, their dtype casts) a fake CPU tensor's pass, and a real CPU
+    step, never hold. Here the choice is the CPU's (asked of one-token tensors of the same heads, dims and dtypes:
+    the sequence lengths do not enter it), and the fused kernel is called as the CPU's composite calls it: a
+    boolean mask first turned into an additive one in the queries' dtype (0 where True, -inf elsewhere)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        kwargs = dict(kwargs or {})
+        if func is not F.scaled_dot_product_attention or not args[0].is_meta:
+            return func(*args, **kwargs)
+        names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        kwargs.update(zip(names, args[3:]))
+        q, k, v = args[:3]
+        mask, dropout, causal = kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False)
+
+        def one_token(t: torch.Tensor, seq_dims: tuple[int, ...]) -> torch.Tensor:
+            shape = [1 if i == 0 or i in seq_dims else n for i, n in enumerate(t.shape)]
+            return torch.zeros(shape, dtype=t.dtype, device="cpu")
+
+        with _disable_current_modes():  # real CPU tensors, counted by no tracker
+            choice = torch._fused_sdp_choice(
+                one_token(q, (q.dim() - 2,)), one_token(k, (k.dim() - 2,)), one_token(v, (v.dim() - 2,)),
+                None if mask is None else one_token(mask, (mask.dim() - 2, mask.dim() - 1)), dropout, causal,
+                scale=kwargs.get("scale"), enable_gqa=kwargs.get("enable_gqa", False))
+        if choice != SDPBackend.FLASH_ATTENTION.value:
+            return func(q, k, v, **kwargs)
+        if mask is not None and mask.dtype == torch.bool:
+            neg_inf = torch.scalar_tensor(-float("inf"), dtype=q.dtype, device=mask.device)
+            mask = torch.where(mask, torch.scalar_tensor(0.0, dtype=q.dtype, device=mask.device), neg_inf)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout, causal, attn_mask=mask, scale=kwargs.get("scale"))[0]
+
+
+class ShapeStep:
+    """The policy on tensors without data (meta, or with ``fake`` fake CPU tensors), ready for training forward +
+    backward passes at any micro-batch and in any of the engines' parameter dtypes. Built once per plan (and
+    once more with ``fake`` for the compiled layers). Takes ``meta_policy`` over (its parameters on the meta
+    device, its buffers real: the sample is prepared from them first)."""
 
     def __init__(self, cfg: Config, meta_policy: nn.Module, round_to: int = CUDA_BLOCK,
-                 frame: tuple[int, int] = DROID_FRAME):
+                 frame: tuple[int, int] = DROID_FRAME, fake: bool = False):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        self.cfg, self.round_to = cfg, round_to
-        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.cfg, self.round_to, self.fake = cfg, round_to, fake
         self.policy = meta_policy
         # One sample, prepared while the buffers (normalization statistics) are still real: pi0.5 writes its
-        # prompt from the state's values, which a fake tensor does not have.
+        # prompt from the state's values, which a tensor without data does not have.
         self.sample = fake_batch(cfg, meta_policy, 1, frame)
         self._dtypes: tuple[torch.dtype, torch.dtype] | None = None
         self._resident: bool | None = None
         self._compiled = None  # the layers' compiled traces, made at the first compiled pass
-        with self.mode:
-            self.policy.to_empty(device="cpu")
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+        with self._tensors():
+            self.policy.to_empty(device="cpu" if fake else "meta")
         self.policy.train()
+
+    @contextmanager
+    def _tensors(self) -> Iterator[None]:
+        """Where the pass's tensors live: fake CPU tensors, or the meta device (a factory without a device makes
+        a meta tensor there, as it makes a fake one under FakeTensorMode) with the CPU's attention."""
+        if self.fake:
+            with self.mode:
+                yield
+        else:
+            with torch.device("meta"), CpuAttention():
+                yield
 
     def use_dtypes(self, compute: tuple[torch.dtype, torch.dtype], resident_grads: bool = True) -> None:
         """Trainable / frozen parameters in these dtypes; ``resident_grads``: every trainable one with a gradient
         already (they are not counted), else none (each pass counts them as its backward makes them)."""
         if compute == self._dtypes and resident_grads == self._resident:
             return
-        with self.mode, torch.no_grad():
+        with self._tensors(), torch.no_grad():
             for p in self.policy.parameters():
                 want = compute[0] if p.requires_grad else compute[1]
                 if p.is_floating_point() and p.dtype != want:
@@ -240,10 +295,15 @@ class FakeStep:
 
         t0 = time.perf_counter()
         self.use_dtypes(compute, resident_grads)
+        if compiled and not self.fake:
+            raise ValueError("the compiled layers are traced on fake tensors: a ShapeStep(..., fake=True) measures them")
         batch = {k: (v.expand(micro, *v.shape[1:]).clone() if isinstance(v, torch.Tensor) else list(v) * micro)
                  for k, v in self.sample.items()}
-        with self.mode:
-            batch = {k: (self.mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        if self.fake:
+            with self.mode:
+                batch = {k: (self.mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        else:
+            batch = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
         known = [*self.policy.parameters(), *self.policy.buffers(),
                  *(p.grad for p in self.policy.parameters() if p.grad is not None),
                  *(v for v in batch.values() if isinstance(v, torch.Tensor))]
@@ -252,7 +312,7 @@ class FakeStep:
         autocast = CudaAutocast(torch.bfloat16) if low else None
         hooks = self._cast_inputs() if cast_inputs else []
         try:
-            with self._checkpointing(checkpointing), self.mode, tracker, self._compiling(compiled, tracker):
+            with self._checkpointing(checkpointing), self._tensors(), tracker, self._compiling(compiled, tracker):
                 with counter if counter is not None else _nothing(), autocast if autocast is not None else _nothing():
                     out = self.policy(batch)
                     loss = out["loss"] if isinstance(out, dict) else out
@@ -361,7 +421,7 @@ class Activations:
     fixed: float
     per_sample: float
     measured: dict[int, int]
-    method: str  # "measured (fake tensors)", "measured under the compiled step's partitioner (...)" or "analytic ESTIMATE"
+    method: str  # "measured (meta tensors)", "measured under the compiled step's partitioner (...)" or "analytic ESTIMATE"
     model_flops_per_sample: float | None = None
     issued_flops_per_sample: float | None = None
     seconds: float = 0.0

@@ -11,7 +11,7 @@ import torch
 
 from slurmvla.config import Config
 from slurmvla.planner import PlanError
-from slurmvla.planner.activations import Activations, FakeStep, Pass, analytic_activations, failure
+from slurmvla.planner.activations import Activations, Pass, ShapeStep, analytic_activations, failure
 from slurmvla.planner.gpus import DEFAULT_MARGIN, DEFAULT_UTILIZATION, GPU, RESERVED_BYTES
 from slurmvla.planner.model_states import build_on_meta, count_tensors, model_states
 from slurmvla.planner.step_time import time_estimate
@@ -28,19 +28,30 @@ class Planner:
         self.cfg = cfg
         self.policy = build_on_meta(cfg)
         self.tensors = count_tensors(cfg, self.policy)
-        self._fake: FakeStep | None = None
+        # The passes' policies: on the meta device (True) and on fake CPU tensors (False: the compiled layers,
+        # and a policy the meta device cannot run); built at their first pass.
+        self._steps: dict[bool, ShapeStep] = {}
+        self._meta_error: str | None = None  # why the meta device could not run the policy (fake tensors then)
         self._fake_error: str | None = None
         self._compile_error: str | None = None  # why the layers could not be measured as compiled
         self._cache: dict[tuple, Pass] = {}
         self._flops: tuple[float, float] | None = None
 
-    def _step(self) -> FakeStep | None:
-        if self._fake is None and self._fake_error is None:
+    def _step(self, on_meta: bool = True) -> ShapeStep | None:
+        """The step on the meta device (``on_meta``, unless it failed there: the fake one then), or on fake CPU
+        tensors; None where the policy cannot be built on them."""
+        on_meta = on_meta and self._meta_error is None
+        if on_meta not in self._steps and self._fake_error is None:
+            # The planner's own policy goes to the first step; a later one builds its own.
+            policy = self.policy if not self._steps else build_on_meta(self.cfg)
             try:
-                self._fake = FakeStep(self.cfg, self.policy)
-            except Exception as e:  # a policy that cannot live on fake tensors
+                self._steps[on_meta] = ShapeStep(self.cfg, policy, fake=not on_meta)
+            except Exception as e:  # a policy that cannot live on tensors without data
+                if on_meta:
+                    self._meta_error = failure(e)
+                    return self._step(False)
                 self._fake_error = failure(e)
-        return self._fake
+        return self._steps.get(on_meta)
 
     def compiled(self, cfg: Config) -> bool:
         """Whether the activations are measured with the layers as the compiled step runs them: with
@@ -54,7 +65,8 @@ class Planner:
         compiled = self.compiled(cfg)
         key = (micro, compute, cfg.precision, cast_inputs, compiled, resident_grads)
         if key not in self._cache:
-            step = self._step()
+            on_meta = not compiled and self._meta_error is None
+            step = self._step(on_meta)
             if step is None:
                 return None
             try:
@@ -63,9 +75,12 @@ class Planner:
             except Exception as e:
                 if compiled:  # the layers would not trace: eager autograd's figure, labelled so
                     self._compile_error = failure(e)
-                    return self.measure(cfg, micro, compute, cast_inputs, resident_grads)
-                self._fake_error = failure(e)
-                return None
+                elif on_meta:  # the meta device cannot run it: on fake tensors
+                    self._meta_error = failure(e)
+                else:
+                    self._fake_error = failure(e)
+                    return None
+                return self.measure(cfg, micro, compute, cast_inputs, resident_grads)
         return self._cache[key]
 
     def flops(self, cfg: Config, compute: tuple[torch.dtype, torch.dtype]) -> tuple[float, float] | None:
@@ -80,11 +95,12 @@ class Planner:
                 return self._flops
             except Exception:  # noqa: BLE001 - a policy the meta device cannot run: the fake-tensor passes
                 pass
+            fake = self._step(False)
             try:
-                got = self._step().run(1, compute, low, count_flops=True, checkpointing=False)
+                got = fake.run(1, compute, low, count_flops=True, checkpointing=False)
                 issued = got.flops
-                if self._step().policy.gradient_checkpointing:
-                    issued = self._step().run(1, compute, low, count_flops=True).flops
+                if fake.policy.gradient_checkpointing:
+                    issued = fake.run(1, compute, low, count_flops=True).flops
             except Exception as e:
                 self._fake_error = failure(e)
                 return None
@@ -127,15 +143,17 @@ class Planner:
                 method = ("measured under the compiled step's partitioner (fake tensors; trainer.compile: the "
                           "layers traced by AOTAutograd and split by inductor's min-cut partitioner)")
             elif cfg.trainer.compile:
-                method = (f"measured in eager autograd (fake tensors; the compiled layers could not be traced: "
-                          f"{self._compile_error}; compiled training saves less)")
+                method = (f"measured in eager autograd ({'meta' if self._meta_error is None else 'fake'} tensors; the "
+                          f"compiled layers could not be traced: {self._compile_error}; compiled training saves less)")
+            elif self._meta_error is None:
+                method = "measured (meta tensors)"
             else:
-                method = "measured (fake tensors)"
+                method = f"measured (fake tensors; the meta device could not run the policy: {self._meta_error})"
             return Activations(fixed, per_sample, points, method, model, issued, time.perf_counter() - t0, compute)
         per = analytic_activations(cfg, 1)
         if per is None:
-            return Activations(0.0, 0.0, {}, f"NOT ESTIMATED (fake tensors failed: {self._fake_error})")
-        return Activations(0.0, float(per), {}, f"analytic ESTIMATE (fake tensors failed: {self._fake_error})")
+            return Activations(0.0, 0.0, {}, f"NOT ESTIMATED (meta and fake tensors failed: {self._fake_error})")
+        return Activations(0.0, float(per), {}, f"analytic ESTIMATE (meta and fake tensors failed: {self._fake_error})")
 
 
 # The planners of the last few policies planned, newest last: the engines of ``--compare``, or the recomputation

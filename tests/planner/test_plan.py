@@ -24,7 +24,7 @@ import torch
 from slurmvla import plan
 from slurmvla.compose import compose
 from slurmvla.planner import fit
-from slurmvla.planner.activations import FakeStep, analytic_activations, backward
+from slurmvla.planner.activations import ShapeStep, analytic_activations, backward
 from slurmvla.planner.autocast import (
     AUTOCAST_FP32,
     AUTOCAST_FP32_OPT_DTYPE,
@@ -143,7 +143,7 @@ def test_activations_are_what_a_real_step_allocates(make_cfg, tmp_path, override
         states = model_states(cfg, planner.tensors, 1, 1)
         micro = trainer.micro_batch_size
         # Byte for byte as the CPU allocates (no rounding), and as the plan reports it (CUDA's 512-byte blocks).
-        planner._fake = FakeStep(cfg, planner.policy, round_to=1)
+        planner._steps[True] = ShapeStep(cfg, planner.policy, round_to=1)
         exact = planner.measure(cfg, micro, states.compute, resident_grads=accumulating).peak_bytes
         reported = Planner(cfg).activations(cfg, micro, states.compute, resident_grads=accumulating).at(micro)
         r = fit.plan_engine(planner, cfg, GPUS["h100-80gb"], 1, 1, peak_only=True)  # its pass: the one above
@@ -178,7 +178,7 @@ def test_flops_counted_on_the_meta_device_equal_the_fake_tensor_passes(monkeypat
                    "policy.gradient_checkpointing=true"])
     compute = (torch.bfloat16, torch.bfloat16)
     meta = Planner(cfg).flops(cfg, compute)
-    monkeypatch.setattr(FakeStep, "flops_on_meta", lambda self, low: 1 / 0)
+    monkeypatch.setattr(ShapeStep, "flops_on_meta", lambda self, low: 1 / 0)
     fake = Planner(cfg).flops(cfg, compute)
     assert meta == fake and meta[1] > meta[0] > 0, (meta, fake)
 
@@ -216,8 +216,9 @@ def test_a_compiled_step_saves_what_the_plan_measures_under_the_partitioner(make
     finally:
         trainer.close()
     planner = Planner(cfg)
-    step = planner._step()
-    step.sample = {k: v[:1] for k, v in batch.items()}  # the real batch's prompt, not the longest one
+    step = planner._step(on_meta=False)  # the compiled layers are traced on fake tensors
+    for on_meta in (True, False):  # the real batch's prompt, not the longest one, in every pass
+        planner._step(on_meta).sample = {k: v[:1] for k, v in batch.items()}
     states = model_states(cfg, planner.tensors, 1, 1)
     # The plan's figure, as the report names it (this also traces the layers: a trace saves for a backward of
     # its own); with trainer.compile=false, eager autograd's as before.
@@ -225,7 +226,7 @@ def test_a_compiled_step_saves_what_the_plan_measures_under_the_partitioner(make
     eager_cfg = make_cfg(*overrides, "trainer.compile=false")
     eager = planner.activations(eager_cfg, 4, states.compute, count_flops=False)
     assert acts.method.startswith("measured under the compiled step's partitioner (")
-    assert eager.method == "measured (fake tensors)"
+    assert eager.method == "measured (meta tensors)"
     assert acts.at(4) <= eager.at(4)
     saved = {}
     for compiled in (True, False):
@@ -256,11 +257,11 @@ def test_a_policy_fake_tensors_cannot_run_gets_the_analytic_estimate(monkeypatch
         raise RuntimeError("no fake kernel for this op")
 
     monkeypatch.setattr(fit, "_LAST", {})  # no planner of an earlier test, with its measurements
-    monkeypatch.setattr(FakeStep, "run", cannot)
+    monkeypatch.setattr(ShapeStep, "run", cannot)
     plan.main(["policy=small", "--gpu", "h100-80gb"])
     out = capsys.readouterr().out
     assert "activations, micro-batch 16: analytic ESTIMATE" in out
-    assert "fake tensors failed: RuntimeError: no fake kernel for this op" in out
+    assert "meta and fake tensors failed: RuntimeError: no fake kernel for this op" in out
     cfg = compose(["policy=small"])
     assert analytic_activations(cfg, 2) == 2 * analytic_activations(cfg, 1) > 0
 
@@ -485,3 +486,27 @@ def test_json_has_every_figure(tmp_path, capsys):
                 "time_estimate"):
         assert key in r
     assert Path(out).stat().st_size > 0
+
+
+@pytest.mark.parametrize("overrides", [
+    # The reference policy: its peak is in attention (unrouted, the meta pass's math path holds 11 % more).
+    ["policy=tiny", "trainer.global_batch_size=2"],
+    # pi0.5: grouped-query attention under a boolean mask, bf16 autocast, selective recomputation keeping the
+    # matmuls (what the fused attention kernel saves is what that policy keeps).
+    ["policy=pi05_tiny", "precision=bf16", "trainer.global_batch_size=4", "policy.gradient_checkpointing=true",
+     "policy.checkpoint_saves=matmuls"],
+], ids=["tiny", "pi05_tiny-bf16-matmuls"])
+def test_the_meta_device_pass_holds_what_the_fake_tensor_pass_holds(overrides):
+    """The plan's passes run on the meta device, whose attention is routed to the kernel the CPU runs; on fake
+    CPU tensors (the compiled layers' passes, and the plan's method before) every peak is the same to the byte,
+    with resident gradients and with those the backward makes. (The reference policies' meta passes are held
+    against real steps above.)"""
+    cfg = compose(overrides)
+    planner = Planner(cfg)
+    compute = model_states(cfg, planner.tensors, 1, 1).compute
+    meta, fake = planner._step(on_meta=True), planner._step(on_meta=False)
+    assert not meta.fake and fake.fake
+    for resident in (True, False):
+        got = {name: step.run(2, compute, cfg.precision == "bf16", resident_grads=resident).peak_bytes
+               for name, step in (("meta", meta), ("fake", fake))}
+        assert got["meta"] == got["fake"] > 0, (resident, got)

@@ -125,11 +125,11 @@ def test_the_choice_is_the_first_setting_in_order_of_cost_that_fits(budget_gib):
 
 
 def test_with_trainer_compile_the_choice_weighs_the_compiled_steps_activations(monkeypatch):
-    """The fake step's passes replaced by made-up peaks (5 GiB per sample kept by eager autograd, 2 GiB by the
+    """The plan's passes replaced by made-up peaks (5 GiB per sample kept by eager autograd, 2 GiB by the
     compiled step, 0.1 GiB recomputed): at micro-batch 16 on one 80 GB GPU keeping everything fits only as
     compiled, so trainer.compile=true recomputes nothing and trainer.compile=false does."""
     from slurmvla.planner import fit
-    from slurmvla.planner.activations import FakeStep, Pass
+    from slurmvla.planner.activations import Pass, ShapeStep
 
     def run(self, micro, compute, low, count_flops=False, checkpointing=None, cast_inputs=False, compiled=False,
             resident_grads=True):
@@ -137,7 +137,7 @@ def test_with_trainer_compile_the_choice_weighs_the_compiled_steps_activations(m
         return Pass(micro, int(per * GiB * micro), 1.0, 1.0, 0.0)
 
     monkeypatch.setattr(fit, "_LAST", {})
-    monkeypatch.setattr(FakeStep, "run", run)
+    monkeypatch.setattr(ShapeStep, "run", run)
     chosen = {}
     for compiled in (True, False):
         cfg = compose(["policy=pi05_tiny", "precision=bf16", "trainer.global_batch_size=16",
