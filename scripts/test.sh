@@ -15,4 +15,4 @@ bash scripts/install.sh dev,deepspeed,vla,sim,lora,openpi
 # cluster's timers and jobs, so the other two keep both cores busy meanwhile (docs/testing.md has the figures).
 # tests/conftest.py keeps together the tests that share a module's fixture (one SLURM cluster, one parity job per
 # policy). SLURMVLA_TEST_WORKERS=N sets the number; 0 runs the suite in this one process.
-exec "${PYTHON:-python3}" -m pytest -p no:benchmark -n "${SLURMVLA_TEST_WORKERS:-3}" --dist loadgroup "$@"
+exec "${PYTHON:-python3}" -m pytest -n "${SLURMVLA_TEST_WORKERS:-3}" --dist loadgroup "$@"

@@ -4,6 +4,7 @@ LoRA training against one process is in the parity matrix (tests/test_distribute
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -25,7 +26,8 @@ from slurmvla.trainer import Trainer
 from slurmvla.weights import has_adapters, is_adapter, plain_name
 from tests.policy.test_pi0 import batch_for, paligemma_dir  # noqa: F401 (a fixture)
 
-pytest.importorskip("peft")
+if importlib.util.find_spec("peft") is None:  # not importorskip: importing peft costs every worker ~4 s at collection
+    pytest.skip("the [lora] extra (peft)", allow_module_level=True)
 
 LORA = ["policy.lora.enabled=true"]
 
