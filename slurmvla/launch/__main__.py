@@ -22,17 +22,43 @@ from slurmvla.launch.preempt import FINISHED_MARKER
 DEFAULT_MAX_RESTARTS = 3
 
 
-def nproc_per_node(env: dict[str, str]) -> int:
+def nproc_per_node(env: dict[str, str], sys_root: Path = Path("/sys"), dev: Path = Path("/dev")) -> int:
     for name in ("NPROC_PER_NODE", "GPUS_PER_NODE", "SLURM_GPUS_ON_NODE"):
         value = env.get(name, "")
         if value.isdigit() and int(value) > 0:
             return int(value)
+    if not gpus_may_be_present(sys_root, dev):
+        return 1  # a CPU node answers without importing torch (~3 CPU-s on every node of every launch)
     try:
         import torch
 
         return max(1, torch.cuda.device_count())
     except ImportError:
         return 1
+
+
+# PCI vendors whose display controllers torch.cuda counts (CUDA; ROCm's HIP), and the device files of their
+# drivers (NVIDIA's, its Jetson boards', ROCm's kernel driver, WSL's GPU paravirtualisation).
+GPU_VENDORS = ("0x10de", "0x1002")
+GPU_DEVICE_FILES = ("nvidia[0-9]*", "nvmap", "kfd", "dxg")
+
+
+def gpus_may_be_present(sys_root: Path = Path("/sys"), dev: Path = Path("/dev")) -> bool:
+    """False only where this node certainly has no GPU torch could count: no GPU driver's device file, and the
+    PCI bus readable and without an NVIDIA or AMD display controller (PCI class 0x03...). Anything it cannot
+    tell (no PCI bus to read) is True: torch counts then."""
+    if any(any(dev.glob(pattern)) for pattern in GPU_DEVICE_FILES):
+        return True
+    try:
+        devices = list((sys_root / "bus" / "pci" / "devices").iterdir())
+        if not devices:
+            return True
+        for d in devices:
+            if (d / "vendor").read_text().strip() in GPU_VENDORS and (d / "class").read_text().startswith("0x03"):
+                return True
+    except OSError:
+        return True
+    return False
 
 
 def requeue_decision(run_dir: Path, exit_code: int, env: dict[str, str]) -> tuple[str, int]:

@@ -77,6 +77,56 @@ def test_slurm_errors_name_the_variable():
         DistEnv.from_environ({**SLURM_STEP, "SLURM_STEP_NUM_TASKS": "7"})
 
 
+def _node(tmp_path: Path, pci: dict[str, tuple[str, str]], dev: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """A node's /sys (PCI devices: name -> (vendor, class)) and /dev (these files)."""
+    sys_root, dev_root = tmp_path / "sys", tmp_path / "dev"
+    for name, (vendor, klass) in pci.items():
+        d = sys_root / "bus" / "pci" / "devices" / name
+        d.mkdir(parents=True)
+        (d / "vendor").write_text(vendor + "\n")
+        (d / "class").write_text(klass + "\n")
+    dev_root.mkdir()
+    for f in dev:
+        (dev_root / f).touch()
+    return sys_root, dev_root
+
+
+CPU_NODE = {"0000:00:00.0": ("0x8086", "0x060000"), "0000:00:03.0": ("0x1af4", "0x020000")}
+
+
+@pytest.mark.parametrize("pci, dev, may", [
+    (CPU_NODE, (), False),  # a host bridge and a network card: no GPU, torch is never imported
+    ({**CPU_NODE, "0000:17:00.0": ("0x10de", "0x030200")}, (), True),  # an NVIDIA 3D controller (H100)
+    ({**CPU_NODE, "0000:c1:00.0": ("0x1002", "0x038000")}, (), True),  # an AMD display controller (MI300)
+    ({**CPU_NODE, "0000:17:00.1": ("0x10de", "0x040300")}, (), False),  # NVIDIA's audio function is no GPU
+    (CPU_NODE, ("nvidia0",), True),  # a driver's device file (a container that sees no PCI GPU)
+    (CPU_NODE, ("kfd",), True),
+    ({}, (), True),  # no PCI bus to read: cannot tell, torch counts
+], ids=["cpu", "nvidia", "amd", "nvidia-audio", "dev-nvidia0", "dev-kfd", "no-pci"])
+def test_a_node_without_a_gpu_is_counted_without_torch(tmp_path, pci, dev, may):
+    from slurmvla.launch.__main__ import gpus_may_be_present, nproc_per_node
+
+    sys_root, dev_root = _node(tmp_path, pci, dev)
+    assert gpus_may_be_present(sys_root, dev_root) is may
+    if not may:
+        assert nproc_per_node({}, sys_root, dev_root) == 1
+    # The scheduler's and the user's figures win either way.
+    assert nproc_per_node({"SLURM_GPUS_ON_NODE": "4"}, sys_root, dev_root) == 4
+    assert nproc_per_node({"NPROC_PER_NODE": "2", "GPUS_PER_NODE": "8"}, sys_root, dev_root) == 2
+
+
+def test_nproc_per_node_on_a_cpu_node_loads_no_torch():
+    """This machine (no GPU): the launcher's helper answers 1 without importing torch."""
+    code = ("import sys\nfrom slurmvla.launch.__main__ import nproc_per_node\n"
+            "print(nproc_per_node({}), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert out.stdout.split() == ["1", "False"], out.stdout + out.stderr
+
+
 def test_port_derivation_is_deterministic_and_outside_the_ephemeral_range():
     ports = {derive_master_port(j) for j in range(1, 5000)}
     assert len(ports) == 4999, "consecutive jobs on one node never share a port"
