@@ -4,10 +4,12 @@ policy by guidance: run this once per policy to compare them.
 
     python benchmarks/rtc.py RUN_DIR [--modes sync async rtc] [--delays 0 1 2 4 8] [--episodes 100] [overrides ...]
 
-``RUN_DIR``: a trained policy (a run directory, checkpoint or exported file) of the simulated pick task, e.g.
-``bash scripts/sim_demo.sh policy=keypoints_flow``'s. The policy is loaded once and served on 127.0.0.1; for each
-mode and delay d (control steps the arm keeps executing, or holds in sync, while a request is outstanding) the
-same episodes run on seeds from ``--first-seed`` (no demonstration used them: the recorder's seeds start at 0).
+``RUN_DIR``: a trained policy (a run directory, checkpoint or exported file) of a simulated task, e.g.
+``bash scripts/sim_demo.sh policy=keypoints_flow``'s (the pick task), or an ``experiment=metaworld`` run's (the
+episodes run in the run's ``rollout.env`` and ``rollout.task``). The policy is loaded once and served on
+127.0.0.1; for each mode and delay d (control steps the arm keeps executing, or holds in sync, while a request is
+outstanding) the same episodes run on seeds from ``--first-seed`` (no demonstration used them: the recorders'
+seeds are far below).
 Prints per row: success rate with its 95 % Wilson interval, mean episode length, the mean / max action jump
 |a_t - a_(t-1)| at chunk switches and within chunks, and the mean steps held. ``--json OUT`` keeps every row.
 """
