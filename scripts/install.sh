@@ -5,6 +5,7 @@
 #   bash scripts/install.sh dev      # + test tools        (extras are comma separated: dev,deepspeed)
 #   bash scripts/install.sh sim      # + the closed loop: MuJoCo, openpi's client, and (as root, with apt)
 #                                    #   the EGL libraries MuJoCo renders offscreen with
+#   bash scripts/install.sh dev examples/custom_policy   # more editable packages, in the same pip call
 #
 # torch is installed first and exactly once: an environment that already has torch keeps it (a
 # cluster's CUDA build stays); otherwise torch==$TORCH_VERSION (default 2.13.0) is installed, which
@@ -14,9 +15,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 EXTRAS=${1:-}
+ALSO=()
+for path in "${@:2}"; do ALSO+=(-e "$path"); done
 PIP=("$PYTHON" -m pip install --quiet --disable-pip-version-check)
+# Versions from the installed packages' metadata: importing torch to ask costs seconds.
+version_of() { "$PYTHON" -c "from importlib.metadata import version; print(version('$1'))" 2>/dev/null || true; }
 
-have=$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)
+have=$(version_of torch)
 if [ -n "${TORCH_VERSION:-}" ] && [ "${have%%+*}" != "$TORCH_VERSION" ]; then
   "${PIP[@]}" "torch==$TORCH_VERSION"
 elif [ -z "$have" ]; then
@@ -25,7 +30,13 @@ fi
 # DeepSpeed (the [deepspeed] extra) compiles its ops just in time when they are used; building them
 # at install time would need CUDA. TORCH_EXTENSIONS_DIR caches what it compiles.
 export DS_BUILD_OPS=${DS_BUILD_OPS:-0}
-"${PIP[@]}" -e ".${EXTRAS:+[$EXTRAS]}"
+# The editable builds use this environment's setuptools when it is new enough (pyproject.toml's build-system):
+# an isolated build environment per package costs several seconds each.
+BUILD=()
+if "$PYTHON" -c "from importlib.metadata import version; assert int(version('setuptools').split('.')[0]) >= 71" 2>/dev/null; then
+  BUILD=(--no-build-isolation)
+fi
+"${PIP[@]}" "${BUILD[@]}" -e ".${EXTRAS:+[$EXTRAS]}" "${ALSO[@]}"
 if [[ ",$EXTRAS," == *",dev,"* ]] && ! command -v c++ >/dev/null; then
   # torch.compile on the CPU (trainer.compile, serve.compile; their tests) builds C++ with the system's compiler.
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -48,4 +59,4 @@ if [[ ",$EXTRAS," == *",sim,"* ]]; then
   # openpi's client pins numpy<2 although its code runs on numpy 2: --no-deps keeps this environment's numpy.
   "${PIP[@]}" --no-deps openpi-client==0.1.2
 fi
-echo "slurmvla installed with torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"
+echo "slurmvla installed with torch $(version_of torch)"

@@ -4,13 +4,12 @@
 # serve.fp8_prefix) and run the whole test suite. Extra arguments go to pytest, e.g.  bash scripts/test.sh -k resume
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh dev,deepspeed,vla,sim,lora,openpi
+# The example policy package is installed as a user installs their own (the plug-in tests train it), in the same call.
+bash scripts/install.sh dev,deepspeed,vla,sim,lora,openpi examples/custom_policy
 # torchao (the [fp8] extra: serve.fp8_prefix) beside the environment, not in it: transformers imports it whenever it is
 # installed, +0.45 s in every process that builds pi0 / pi0.5; tests/inference/test_fp8.py puts this folder on its own path.
 [ -d .test-deps/torchao/torchao ] || "${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check --no-deps \
     --target .test-deps/torchao torchao==0.18.0
-# The example policy package, installed as a user installs their own (the plug-in tests train it).
-"${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check -e examples/custom_policy
 # Three workers (pytest-xdist) on two cores: the SLURM tests (one worker, about 10 minutes) mostly wait on the
 # cluster's timers and jobs, so the other two keep both cores busy meanwhile (docs/testing.md has the figures).
 # tests/conftest.py keeps together the tests that share a module's fixture (one SLURM cluster, one parity job per
