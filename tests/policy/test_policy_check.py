@@ -11,6 +11,7 @@ where one process does (DDP: tests/test_slurm.py's plug-in job on two nodes).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -73,16 +74,30 @@ def test_a_plug_in_is_named_by_import_path_and_bad_paths_say_what_is_wrong(sampl
 
 
 # slurmvla.policy.check: the command users learnt before the checker moved up still answers.
-@pytest.mark.parametrize("entry", ["slurmvla.check", "slurmvla.policy.check", "slurmvla.train"])
-def test_a_bad_target_is_one_message_and_exit_2(entry, sample_root, tmp_path):
-    res = subprocess.run([sys.executable, "-m", entry, *overrides(sample_root, "nope.Policy"),
-                          f"hydra.run.dir={tmp_path}"][: None if entry == "slurmvla.train" else -1],
-                         capture_output=True, text=True, cwd=REPO, timeout=120)
-    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
-    assert res.returncode == 2 and errors == ["error: policy.target='nope.Policy': cannot import 'nope' (No module "
-                                              "named 'nope'); is the package that defines it installed in this "
-                                              "environment (pip install -e <your package>)?"], res.stderr
-    assert "Traceback" not in res.stderr
+ENTRIES = ("slurmvla.check", "slurmvla.policy.check", "slurmvla.train")
+
+
+def test_a_bad_target_is_one_message_and_exit_2_on_every_entry_point(sample_root, tmp_path):
+    """Each entry point as ``python -m`` runs it (``runpy`` with ``alter_sys=True``), one after another in one
+    interpreter: torch and Hydra load once, not once an entry point."""
+    code = ("import contextlib, io, json, runpy, sys\nout, entries, given = {}, *map(json.loads, sys.argv[1:])\n"
+            "for m in entries:\n    args = given if m == 'slurmvla.train' else given[:-1]\n"
+            "    sys.argv, err, code = [m, *args], io.StringIO(), None\n"
+            "    with contextlib.redirect_stderr(err):\n        try:\n"
+            "            runpy.run_module(m, run_name='__main__', alter_sys=True)\n        except SystemExit as e:\n"
+            "            code = e.code\n    out[m] = [code, err.getvalue()]\nprint(json.dumps(out))\n")
+    args = [*overrides(sample_root, "nope.Policy"), f"hydra.run.dir={tmp_path}"]
+    res = subprocess.run([sys.executable, "-c", code, json.dumps(ENTRIES), json.dumps(args)], capture_output=True,
+                         text=True, cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.splitlines()[-1])
+    assert list(got) == list(ENTRIES)
+    for entry, (code, stderr) in got.items():
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert code == 2 and errors == ["error: policy.target='nope.Policy': cannot import 'nope' (No module named "
+                                        "'nope'); is the package that defines it installed in this environment (pip "
+                                        "install -e <your package>)?"], (entry, code, stderr)
+        assert "Traceback" not in stderr, (entry, stderr)
 
 
 def test_a_policy_that_cannot_be_built_is_one_message_not_a_failure_per_check(sample_root):
