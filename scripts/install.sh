@@ -36,7 +36,8 @@ BUILD=()
 if "$PYTHON" -c "from importlib.metadata import version; assert int(version('setuptools').split('.')[0]) >= 71" 2>/dev/null; then
   BUILD=(--no-build-isolation)
 fi
-"${PIP[@]}" "${BUILD[@]}" -e ".${EXTRAS:+[$EXTRAS]}" "${ALSO[@]}"
+# (${A[@]+"${A[@]}"}: an empty array under set -u, which bash before 4.4 calls unbound.)
+"${PIP[@]}" ${BUILD[@]+"${BUILD[@]}"} -e ".${EXTRAS:+[$EXTRAS]}" ${ALSO[@]+"${ALSO[@]}"}
 if [[ ",$EXTRAS," == *",dev,"* ]] && ! command -v c++ >/dev/null; then
   # torch.compile on the CPU (trainer.compile, serve.compile; their tests) builds C++ with the system's compiler.
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
