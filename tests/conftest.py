@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -224,6 +225,23 @@ def run_train(args: list[str], nproc: int = 0, timeout: int = 600) -> str:
     code, log = run_until([*launcher, *args], timeout, "training")
     assert code == 0, log[-4000:]
     return log
+
+
+def run_entry_points(cases: list[tuple[str, list[str]]]) -> list[tuple[int | None, str, str]]:
+    """(exit code, stdout, stderr) of each ``(module, args)``, run as ``python -m`` runs it (``runpy`` with
+    ``alter_sys=True``), one after another in one interpreter: torch and Hydra load once, not once a case."""
+    code = ("import contextlib, io, json, runpy, sys\nout = []\nfor m, args in json.loads(sys.argv[1]):\n"
+            "    sys.argv, o, e, code = [m, *args], io.StringIO(), io.StringIO(), None\n"
+            "    with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):\n        try:\n"
+            "            runpy.run_module(m, run_name='__main__', alter_sys=True)\n        except SystemExit as x:\n"
+            "            code = x.code\n    out.append([code, o.getvalue(), e.getvalue()])\n"
+            "print(json.dumps(out))\n")
+    res = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True, cwd=REPO,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = [tuple(r) for r in json.loads(res.stdout.splitlines()[-1])]
+    assert len(got) == len(cases), got
+    return got
 
 
 def rel_l2(a: dict, b: dict) -> float:

@@ -26,6 +26,7 @@ from slurmvla.data import DataError, synthetic
 from slurmvla.errors import Failure, boundary, exit_code
 from slurmvla.launch import __main__ as launch
 from slurmvla.launch.runlock import RunDirInUse
+from tests.conftest import run_entry_points
 
 REPO = Path(__file__).resolve().parents[1]
 NO_DATA = ["logging.wandb.mode=disabled", "data.num_workers=0"]
@@ -348,15 +349,8 @@ def test_help_names_every_program_as_it_is_run():
     """--help's usage line is a command that runs (python -m slurmvla.X), not the file's name (X.py). The programs
     run one after another in one interpreter (torch loads once, not once a program), each as ``python -m`` runs
     it: ``runpy.run_module(alter_sys=True)`` puts the module's file in sys.argv[0], as ``-m`` does."""
-    code = ("import contextlib, io, json, runpy, sys\nout = {}\nfor m in sys.argv[1:]:\n    buf = io.StringIO()\n"
-            "    sys.argv = [m, '--help']\n    code = None\n    with contextlib.redirect_stdout(buf):\n        try:\n"
-            "            runpy.run_module(m, run_name='__main__', alter_sys=True)\n        except SystemExit as e:\n"
-            "            code = e.code\n    out[m] = [code, buf.getvalue()]\nprint(json.dumps(out))\n")
-    res = subprocess.run([sys.executable, "-c", code, *ARGPARSE_PROGRAMS], cwd=REPO, capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr[-2000:]
-    got = json.loads(res.stdout.splitlines()[-1])
-    assert list(got) == list(ARGPARSE_PROGRAMS)
+    got = dict(zip(ARGPARSE_PROGRAMS, ([code, out] for code, out, _ in
+                                       run_entry_points([(m, ["--help"]) for m in ARGPARSE_PROGRAMS]))))
     wrong = {m: (code, text[:200]) for m, (code, text) in got.items()
              if code not in (0, None) or not text.startswith(f"usage: python -m {m} [-h]")}
     assert not wrong, wrong

@@ -11,7 +11,6 @@ where one process does (DDP: tests/test_slurm.py's plug-in job on two nodes).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +33,7 @@ from slurmvla.compose import compose
 from slurmvla.policy import build_policy
 from tests import broken_policies
 from tests.broken_policies import NEGATIVE_CONTROLS
-from tests.conftest import rel_l2, run_train
+from tests.conftest import rel_l2, run_entry_points, run_train
 
 REPO = Path(__file__).resolve().parents[2]
 MULTI_RANK = (FSDP_SAFETY, ZERO3_CONSTRUCTION, RANK_DIVERGENT_INPUTS)
@@ -71,21 +70,6 @@ def test_a_plug_in_is_named_by_import_path_and_bad_paths_say_what_is_wrong(sampl
         compose(["policy=custom"])
     with pytest.raises(ValueError, match="policy.target='x.Y' is read only with policy=custom"):
         compose(["policy.target=x.Y"])
-
-
-def run_entry_points(cases: list[tuple[str, list[str]]]) -> list[tuple[int | None, str, str]]:
-    """(exit code, stdout, stderr) of each ``(module, args)``, run as ``python -m`` runs it (``runpy`` with
-    ``alter_sys=True``), one after another in one interpreter: torch and Hydra load once, not once a case."""
-    code = ("import contextlib, io, json, runpy, sys\nout = []\nfor m, args in json.loads(sys.argv[1]):\n"
-            "    sys.argv, o, e, code = [m, *args], io.StringIO(), io.StringIO(), None\n"
-            "    with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):\n        try:\n"
-            "            runpy.run_module(m, run_name='__main__', alter_sys=True)\n        except SystemExit as x:\n"
-            "            code = x.code\n    out.append([code, o.getvalue(), e.getvalue()])\n"
-            "print(json.dumps(out))\n")
-    res = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True, cwd=REPO,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return [tuple(r) for r in json.loads(res.stdout.splitlines()[-1])]
 
 
 def test_a_policy_that_cannot_be_imported_or_built_is_one_message_and_exit_2_on_every_entry_point(sample_root,
