@@ -252,6 +252,49 @@ def test_spatial_softmax_finds_where_a_feature_fires():
     torch.testing.assert_close(points, torch.tensor([-0.5, 1.0, 0.5, -1.0]), atol=1e-4, rtol=0)
 
 
+def test_the_standardized_spatial_softmax_is_the_hand_computed_one_and_sees_a_faint_feature():
+    """``spatial_norm``: each map standardized over its positions and scaled by its channel's temperature before the
+    softmax (numpy by hand below); a map's offset and scale then do not matter. The faint feature is the point: a
+    map that varies by 0.1 across the image (what a small convolution gives at initialization) leaves the raw
+    softmax's keypoint at the centre wherever the feature is, and the standardized one finds it."""
+    import torch
+
+    from slurmvla.sim.policies import SpatialSoftmax
+
+    g = torch.Generator().manual_seed(0)
+    maps = torch.randn(2, 3, 6, 8, generator=g, dtype=torch.float64)
+    layer = SpatialSoftmax(3).double()
+    with torch.no_grad():
+        layer.log_temperature.copy_(torch.tensor([0.0, 0.5, -1.0]))
+    m = maps.numpy().reshape(2, 3, -1)
+    z = (m - m.mean(-1, keepdims=True)) / (m.std(-1, ddof=1, keepdims=True) + 1e-5) * np.exp([0.0, 0.5, -1.0])[:, None]
+    w = np.exp(z - z.max(-1, keepdims=True))
+    w = (w / w.sum(-1, keepdims=True)).reshape(2, 3, 6, 8)
+    ys, xs = np.linspace(-1, 1, 6), np.linspace(-1, 1, 8)
+    expected = np.concatenate([(w.sum(3) * ys).sum(2), (w.sum(2) * xs).sum(2)], axis=1)
+    np.testing.assert_allclose(layer(maps).detach().numpy(), expected, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(layer(3.0 * maps - 7.0).detach().numpy(), expected, rtol=0, atol=1e-5)  # up to the 1e-5
+
+    faint = torch.zeros(2, 1, 24, 24)
+    faint[0, 0, 3:6, 3:6] = 0.1  # top left
+    faint[1, 0, 18:21, 18:21] = 0.1  # bottom right
+    raw, standardized = SpatialSoftmax()(faint), SpatialSoftmax(1)(faint).detach()
+    assert (raw[0] - raw[1]).abs().max() < 0.01, raw  # the centre, both times
+    assert (standardized[1] - standardized[0]).min() > 1.0, standardized  # y and x: from top left to bottom right
+
+    # Through the config: the option on adds one temperature per keypoint and encoder; off (the default), the
+    # encoder earlier runs trained, parameter for parameter.
+    from slurmvla.policy import build_policy
+
+    def names(*extra: str) -> set[str]:
+        cfg = compose(["experiment=sim_pick", "policy=keypoints_flow", "data.root=/any/where", *extra])
+        return set(build_policy(cfg.policy, None).state_dict())
+
+    plain, on = names(), names("+policy.kwargs.spatial_norm=true")
+    assert not any("log_temperature" in k for k in plain)
+    assert on - plain == {f"encoders.{i}.5.log_temperature" for i in range(2)}, on - plain  # 2 cameras, 1 frame
+
+
 def test_the_keypoint_policy_keeps_the_contract_and_regresses_chunks_in_data_units(demos):
     import torch
 
