@@ -290,7 +290,7 @@ def test_the_standardized_spatial_softmax_is_the_hand_computed_one_and_sees_a_fa
         cfg = compose(["experiment=sim_pick", "policy=keypoints_flow", "data.root=/any/where", *extra])
         return set(build_policy(cfg.policy, None).state_dict())
 
-    plain, on = names(), names("+policy.kwargs.spatial_norm=true")
+    plain, on = names(), names("policy.kwargs.spatial_norm=true")
     assert not any("log_temperature" in k for k in plain)
     assert on - plain == {f"encoders.{i}.5.log_temperature" for i in range(2)}, on - plain  # 2 cameras, 1 frame
 
