@@ -48,7 +48,7 @@ def main() -> None:
             env.reset(seed)
             obs = env.observe()
             camera = next(iter(env.client_cameras))
-            request = {camera_key: obs[camera], state_key: env.state(), cfg.serve.prompt: "task"}
+            request = {camera_key: obs[camera], state_key: env.state(), cfg.serve.prompt: env.instruction}
             session = runner.session()
             action = session.infer(request)["actions"][0]
             points = float("nan")
