@@ -11,6 +11,9 @@ from slurmvla.config.serve import EXECUTION_MODES
 
 # rollout.env: the closed loop's simulated embodiments (slurmvla.sim.make_env).
 SIM_ENVS = ("pick", "metaworld")
+# rollout.task for rollout.env=pick: null is the one-cube task; two_cubes puts two identical cubes on the table (either
+# one lifted succeeds: two equally good paths, the multimodal case of real-time chunking; slurmvla.sim.env).
+PICK_TASKS = ("two_cubes",)
 # rollout.delay: fixed (rollout.delay_steps) or measured (each call's wall time times the control rate).
 DELAYS = ("fixed", "measured")
 
@@ -22,7 +25,8 @@ class RolloutConfig:
 
     # The embodiment: pick (the DROID-shaped pick task) or metaworld (a Meta-World v3 task, rollout.task).
     env: str = "pick"
-    # The Meta-World task (e.g. assembly-v3; every v3 task the package ships); null for the pick task.
+    # The Meta-World task (e.g. assembly-v3; every v3 task the package ships); for the pick task null (one cube) or
+    # two_cubes (two identical cubes, either one will do).
     task: str | None = None
     episodes: int = 50
     # Episode e is the environment's seed first_seed + e. The recorded demonstrations use 0..N-1;
@@ -60,9 +64,9 @@ class RolloutConfig:
         check_choice("rollout.env", self.env, SIM_ENVS)
         if self.env == "metaworld" and not self.task:
             raise ValueError("rollout.env=metaworld needs rollout.task (a Meta-World v3 task, e.g. rollout.task=assembly-v3)")
-        if self.env == "pick" and self.task is not None:
-            raise ValueError(f"rollout.task={self.task!r}: the pick task has no tasks to choose (rollout.env=pick); "
-                             "set rollout.env=metaworld for a Meta-World task, or leave rollout.task null")
+        if self.env == "pick" and self.task is not None and self.task not in PICK_TASKS:
+            raise ValueError(f"rollout.task={self.task!r} is not a variant of the pick task (rollout.env=pick); choose "
+                             f"one of {list(PICK_TASKS)} or null (one cube), or set rollout.env=metaworld for a Meta-World task")
         check_choice("rollout.execution", self.execution, EXECUTION_MODES)
         check_choice("rollout.delay", self.delay, DELAYS)
         check_positive("rollout.delay_steps", self.delay_steps, allow_zero=True)

@@ -1,5 +1,6 @@
 """The simulated tasks the closed loop runs in (the [sim] extra), one module per embodiment:
-:mod:`slurmvla.sim.env` (the DROID-shaped pick task, ``rollout.env=pick``; its scripted expert in
+:mod:`slurmvla.sim.env` (the DROID-shaped pick task, ``rollout.env=pick``, with one cube or, ``rollout.task=two_cubes``,
+two; its scripted expert in
 :mod:`slurmvla.sim.expert`) and :mod:`slurmvla.sim.metaworld` (Meta-World's tasks, ``rollout.env=metaworld
 rollout.task=...``, with their own scripted experts); :mod:`slurmvla.sim.record` (demonstrations as a LeRobot
 dataset), :mod:`slurmvla.sim.policies` (reference policies). ``python -m slurmvla.rollout`` runs them.
@@ -24,7 +25,7 @@ def make_env(name: str, task: str | None = None, height: int = 180, width: int =
     if name == "pick":
         from slurmvla.sim.env import CAMERAS, PickCube
 
-        return PickCube(height=height, width=width, cameras=CAMERAS)
+        return PickCube(height=height, width=width, cameras=CAMERAS, cubes=2 if task == "two_cubes" else 1)
     if name == "metaworld":
         from slurmvla.sim.metaworld import MetaWorld
 

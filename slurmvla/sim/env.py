@@ -11,6 +11,12 @@ are bimanual (ALOHA), or pin older MuJoCo releases and ship hundreds of MB of as
 
 The episode succeeds when the cube is lifted ``LIFT_HEIGHT`` above the table; the initial cube place,
 its yaw and the arm's start (a few degrees around home) are drawn from the episode's seed.
+
+``PickCube(cubes=2)`` (``rollout.task=two_cubes``) puts two identical cubes on the table, mirror images of each
+other across the arm's plane, and succeeds when either is lifted: two equally good paths from one observation, the
+multimodal case real-time chunking is about (a policy that hesitates between them loses time; one that switches
+cube between chunks loses the grasp). The expert's cube (``target``) is drawn from the seed, so the demonstrations
+go to either one half of the time each, and nothing the cameras or the state show tells which.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ CUBE_RANGE = 0.10  # the cube's x and y are drawn uniformly within +-CUBE_RANGE 
 LIFT_HEIGHT = 0.08  # success: the cube's bottom this far above the table
 FINGER_OPEN = 0.05  # each finger's travel (m): 0 = closed, 0.05 = a 10 cm opening
 INSTRUCTION = "pick up the red cube"
+# The pick task's variants (rollout.task; null: one cube): slurmvla.config.rollout.PICK_TASKS names them.
+TWO_CUBES_INSTRUCTION = "pick up one of the red cubes"
+MIN_MIRROR_Y = 0.05  # m: two cubes stand at y and -y with |y| at least this (their centres 10 cm apart or more)
 CAMERAS = ("exterior_1_left", "exterior_2_left", "wrist_left")
 # The keys openpi's DROID client sends each camera under.
 CLIENT_CAMERAS = dict(zip(DROID_CLIENT_CAMERAS, CAMERAS, strict=True))
@@ -49,7 +58,11 @@ def _look(pos: tuple, target: tuple) -> str:
 
 
 _LINK = 'rgba=".92 .92 .92 1" contype="0" conaffinity="0" mass="1"'
-SCENE = f"""
+_CUBE = f"""<body name="{{name}}" pos="{CUBE_CENTER[0]} {{y}} {CUBE_HALF}">
+      <freejoint name="{{name}}"/>
+      <geom name="{{name}}" type="box" size="{CUBE_HALF} {CUBE_HALF} {CUBE_HALF}" rgba=".85 .1 .1 1" mass="0.05" friction="2 0.01 0.001" condim="4"/>
+    </body>"""
+_SCENE = f"""
 <mujoco model="slurmvla_pick">
   <compiler angle="radian" autolimits="true"/>
   <option timestep="{PHYSICS_DT}" integrator="implicitfast" cone="elliptic" impratio="10"/>
@@ -111,10 +124,7 @@ SCENE = f"""
         </body>
       </body>
     </body>
-    <body name="cube" pos="{CUBE_CENTER[0]} {CUBE_CENTER[1]} {CUBE_HALF}">
-      <freejoint name="cube"/>
-      <geom name="cube" type="box" size="{CUBE_HALF} {CUBE_HALF} {CUBE_HALF}" rgba=".85 .1 .1 1" mass="0.05" friction="2 0.01 0.001" condim="4"/>
-    </body>
+    {{cubes}}
   </worldbody>
   <equality>
     <joint joint1="finger_left" joint2="finger_right" polycoef="0 1 0 0 0"/>
@@ -130,6 +140,21 @@ SCENE = f"""
 """
 
 
+def cube_names(cubes: int) -> tuple[str, ...]:
+    """The cubes' body (and free joint) names: ``cube`` alone, or ``cube`` and ``cube2``."""
+    return ("cube", "cube2")[:cubes]
+
+
+def scene(cubes: int = 1) -> str:
+    """The MJCF of the scene with one cube or two."""
+    if cubes not in (1, 2):
+        raise ValueError(f"cubes={cubes}: the pick task has one cube or two")
+    return _SCENE.replace("{cubes}", "\n    ".join(_CUBE.format(name=n, y=0.1 * i) for i, n in enumerate(cube_names(cubes))))
+
+
+SCENE = scene(1)
+
+
 @dataclass
 class Step:
     """What the environment returns after each action."""
@@ -141,7 +166,8 @@ class Step:
 class PickCube:
     """The task. ``reset(seed)`` draws the episode; ``observe()`` gives DROID's observation keys;
     ``step(action)`` applies an 8-D action (7 joint velocities in rad/s, then the gripper position in
-    [0, 1], 1 = closed) for one 1/15 s control period."""
+    [0, 1], 1 = closed) for one 1/15 s control period. ``cubes=2``: two identical cubes, either one lifted
+    succeeds; ``target`` is the one the episode's expert goes for."""
 
     # The closed loop's facts about this embodiment (slurmvla.sim.make_env; Meta-World's: slurmvla.sim.metaworld).
     client_cameras = CLIENT_CAMERAS
@@ -150,17 +176,16 @@ class PickCube:
     action_space = "DROID's: 7 joint velocities (rad/s) and the gripper position (0 open, 1 closed)"
     video_keys = ("observation/exterior_image_1_left", "observation/wrist_image_left")
     fps = FPS
-    instruction = INSTRUCTION
-
     def rest_action(self) -> np.ndarray:
         """What the arm does before its first chunk arrives: hold still, the gripper where it is."""
         return np.array([0.0] * 7 + [self.gripper_position()])
 
-    def __init__(self, height: int = 180, width: int = 320, cameras: tuple[str, ...] = CAMERAS):
+    def __init__(self, height: int = 180, width: int = 320, cameras: tuple[str, ...] = CAMERAS, cubes: int = 1):
         unknown = [c for c in cameras if c not in CAMERAS]
         if unknown:
             raise ValueError(f"sim cameras {unknown} are not in this scene; choose from {list(CAMERAS)}")
-        self.model = mujoco.MjModel.from_xml_string(SCENE)
+        self.model = mujoco.MjModel.from_xml_string(scene(cubes))
+        self.instruction = INSTRUCTION if cubes == 1 else TWO_CUBES_INSTRUCTION
         self.model.vis.global_.offwidth = max(width, 640)
         self.model.vis.global_.offheight = max(height, 480)
         self.data = mujoco.MjData(self.model)
@@ -171,10 +196,11 @@ class PickCube:
         self._arm_qpos = np.array([m.jnt_qposadr[m.joint(f"joint{i}").id] for i in range(1, 8)])
         self._arm_dof = np.array([m.jnt_dofadr[m.joint(f"joint{i}").id] for i in range(1, 8)])
         self._finger_qpos = m.jnt_qposadr[m.joint("finger_left").id]
-        self._cube_qpos = m.jnt_qposadr[m.joint("cube").id]
+        self._cubes_qpos = [m.jnt_qposadr[m.joint(n).id] for n in cube_names(cubes)]
+        self._cubes = [m.body(n).id for n in cube_names(cubes)]
         self._tcp = m.site("tcp").id
         self._hand = m.body("hand").id
-        self._cube = m.body("cube").id
+        self.target = 0
         self.steps = 0
 
     # -- episode ------------------------------------------------------------------------------
@@ -185,9 +211,18 @@ class PickCube:
         self.data.qpos[self._arm_qpos] = arm
         self.data.act[:7] = arm  # the velocity integrators hold the start pose
         self.data.qpos[self._finger_qpos : self._finger_qpos + 2] = FINGER_OPEN
-        xy = CUBE_CENTER + rng.uniform(-CUBE_RANGE, CUBE_RANGE, size=2)
-        yaw = rng.uniform(-np.pi / 8, np.pi / 8)
-        self.data.qpos[self._cube_qpos : self._cube_qpos + 7] = [*xy, TABLE_Z + CUBE_HALF, np.cos(yaw / 2), 0, 0, np.sin(yaw / 2)]
+        if len(self._cubes) == 1:
+            places = [CUBE_CENTER + rng.uniform(-CUBE_RANGE, CUBE_RANGE, size=2)]
+            yaws = [rng.uniform(-np.pi / 8, np.pi / 8)]
+            self.target = 0
+        else:  # mirror images across the arm's plane (y = 0), each with its own yaw; the expert's cube by a coin
+            x = CUBE_CENTER[0] + rng.uniform(-CUBE_RANGE, CUBE_RANGE)
+            y = rng.uniform(MIN_MIRROR_Y, CUBE_RANGE)
+            places = [np.array([x, CUBE_CENTER[1] + y]), np.array([x, CUBE_CENTER[1] - y])]
+            yaws = list(rng.uniform(-np.pi / 8, np.pi / 8, size=2))
+            self.target = int(rng.integers(2))
+        for adr, xy, yaw in zip(self._cubes_qpos, places, yaws, strict=True):
+            self.data.qpos[adr : adr + 7] = [*xy, TABLE_Z + CUBE_HALF, np.cos(yaw / 2), 0, 0, np.sin(yaw / 2)]
         self.data.ctrl[7] = FINGER_OPEN
         mujoco.mj_forward(self.model, self.data)
         self.steps = 0
@@ -210,24 +245,32 @@ class PickCube:
         """DROID's convention: 0 open, 1 closed."""
         return float(1.0 - self.data.qpos[self._finger_qpos] / FINGER_OPEN)
 
-    def cube_position(self) -> np.ndarray:
-        return self.data.xpos[self._cube].copy()
+    def cube_position(self, cube: int | None = None) -> np.ndarray:
+        """The position of cube ``cube`` (default: the expert's, ``target``)."""
+        return self.data.xpos[self._cubes[self.target if cube is None else cube]].copy()
 
-    def cube_yaw(self) -> float:
-        w, _, _, z = self.data.xquat[self._cube]
+    def cube_yaw(self, cube: int | None = None) -> float:
+        w, _, _, z = self.data.xquat[self._cubes[self.target if cube is None else cube]]
         return float(2 * np.arctan2(z, w))
 
     def tcp_position(self) -> np.ndarray:
         return self.data.site_xpos[self._tcp].copy()
 
+    def lifted(self, cube: int) -> float:
+        """How far cube ``cube``'s bottom is above the table (m)."""
+        return float(self.cube_position(cube)[2] - CUBE_HALF - TABLE_Z)
+
     def success(self) -> bool:
-        return bool(self.cube_position()[2] - CUBE_HALF - TABLE_Z > LIFT_HEIGHT)
+        """A cube, any of them, lifted ``LIFT_HEIGHT`` above the table."""
+        return any(self.lifted(c) > LIFT_HEIGHT for c in range(len(self._cubes)))
 
     def reward(self) -> float:
-        """Dense progress in [0, 1]: reach the cube, then lift it (1 at success)."""
-        reach = np.exp(-10 * np.linalg.norm(self.tcp_position() - self.cube_position()))
-        lift = np.clip((self.cube_position()[2] - CUBE_HALF - TABLE_Z) / LIFT_HEIGHT, 0, 1)
-        return float(0.5 * reach + 0.5 * lift)
+        """Dense progress in [0, 1]: reach a cube, then lift it (1 at success); the best over the cubes."""
+        def progress(c: int) -> float:
+            reach = np.exp(-10 * np.linalg.norm(self.tcp_position() - self.cube_position(c)))
+            return float(0.5 * reach + 0.5 * np.clip(self.lifted(c) / LIFT_HEIGHT, 0, 1))
+
+        return max(progress(c) for c in range(len(self._cubes)))
 
     def observe(self, cameras: tuple[str, ...] | None = None) -> dict:
         """The observation under the keys openpi's DROID client sends (images HxWx3 uint8); ``cameras``

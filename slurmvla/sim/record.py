@@ -2,6 +2,7 @@
 (:mod:`slurmvla.data.writer`): the simulated pick task's in DROID's layout, or a Meta-World task's.
 
     python -m slurmvla.sim.record --out DIR [--episodes 100] [--first-seed 0] [--height 180 --width 320]
+    python -m slurmvla.sim.record --task two_cubes --out DIR      # the pick task with two identical cubes
     python -m slurmvla.sim.record --env metaworld --task assembly-v3 --out DIR [--episodes 10] [--first-seed 0]
 
 Meta-World (:func:`slurmvla.sim.metaworld.record`): 200-step episodes at 128 x 128 from the ``corner2`` camera,
@@ -30,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from slurmvla.cli import ArgumentParser, program
-from slurmvla.config.rollout import SIM_ENVS
+from slurmvla.config.rollout import PICK_TASKS, SIM_ENVS
 from slurmvla.data.keep_ranges import episode_key
 from slurmvla.data.writer import droid_columns, out_folder_problem, write_dataset
 from slurmvla.droid_features import DROID_CAMERAS
@@ -40,6 +41,7 @@ from slurmvla.droid_features import DROID_CAMERAS
 HOLD_STEPS = 6
 MAX_STEPS = 120
 INSTRUCTIONS = ("pick up the red cube", "lift the red cube off the table", "grasp the cube and lift it")
+TWO_CUBES_INSTRUCTIONS = ("pick up one of the red cubes", "lift a red cube off the table", "grasp either cube and lift it")
 
 
 def _cartesian(env) -> np.ndarray:  # noqa: ANN001 - a PickCube
@@ -96,36 +98,42 @@ def expert_episode(env, seed: int, render: bool = True, noise: float = 0.0) -> d
 
 
 def record(out: str | Path, episodes: int, first_seed: int = 0, height: int = 180, width: int = 320,
-           episodes_per_file: int = 25, noise: float = 0.0) -> dict:
-    """Write ``episodes`` expert demonstrations into ``out``; returns the ``sim.json`` summary."""
+           episodes_per_file: int = 25, noise: float = 0.0, cubes: int = 1) -> dict:
+    """Write ``episodes`` expert demonstrations into ``out`` (of the task with ``cubes`` cubes); returns the
+    ``sim.json`` summary."""
     from slurmvla.sim.env import PickCube
 
-    env = PickCube(height=height, width=width, cameras=tuple(c.removeprefix("observation.images.") for c in DROID_CAMERAS))
-    per_episode, keep, seeds, successes = [], {}, [], []
+    env = PickCube(height=height, width=width, cameras=tuple(c.removeprefix("observation.images.") for c in DROID_CAMERAS),
+                   cubes=cubes)
+    instructions = INSTRUCTIONS if cubes == 1 else TWO_CUBES_INSTRUCTIONS
+    per_episode, keep, seeds, successes, targets = [], {}, [], [], []
     start = 0
     try:
         for e in range(episodes):
             ep = expert_episode(env, first_seed + e, noise=noise)
             n = len(ep["state"])
             columns = droid_columns(ep["state"], ep["action"], ep["joint_velocity"], ep["cartesian_state"],
-                                    ep["cartesian_action"], list(INSTRUCTIONS), ep["success"], episode_index=e,
+                                    ep["cartesian_action"], list(instructions), ep["success"], episode_index=e,
                                     start_index=start, task_index=0)
             frames = {f"observation.images.{cam}": f for cam, f in ep["frames"].items()}
             episode_id = f"SIM+{first_seed + e:08d}+2026-11-25-00h-00m-00s"
-            per_episode.append((columns, frames, {"episode_index": e, "tasks": [INSTRUCTIONS[0]], "length": n,
+            per_episode.append((columns, frames, {"episode_index": e, "tasks": [instructions[0]], "length": n,
                                                   "episode_id": episode_id}))
             keep[episode_key(_rel_path(first_seed + e, ep["success"]))] = [[0, n]]
             seeds.append(first_seed + e)
             successes.append(ep["success"])
+            targets.append(env.target)
             start += n
     finally:
         env.close()
-    summary = {"task": "pick_cube", "instruction": INSTRUCTIONS[0], "action_noise": noise, "seeds": seeds, "success": successes,
-               "expert_success_rate": float(np.mean(successes)), "frames": start}
+    summary = {"task": "pick_cube" if cubes == 1 else "two_cubes", "instruction": instructions[0], "action_noise": noise,
+               "seeds": seeds, "success": successes, "expert_success_rate": float(np.mean(successes)), "frames": start}
+    if cubes > 1:  # the cube each demonstration went for (0: y > 0, 1: its mirror image)
+        summary["target"] = targets
     extra = {"keep_ranges_1_0_1.json": json.dumps(keep, indent=1), "sim.json": json.dumps(summary, indent=1),
              "episode_id_to_path.json": json.dumps({f"SIM+{s:08d}+2026-11-25-00h-00m-00s": _rel_path(s, ok)
                                                     for s, ok in zip(seeds, successes)}, indent=1)}
-    write_dataset(out, per_episode, [INSTRUCTIONS[0]], episodes_per_file=episodes_per_file, extra_files=extra,
+    write_dataset(out, per_episode, [instructions[0]], episodes_per_file=episodes_per_file, extra_files=extra,
                   robot_type="sim_franka")
     return summary
 
@@ -138,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog=program("slurmvla.sim.record"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output folder (must not hold a dataset yet)")
     parser.add_argument("--env", default="pick", help="pick (default) or metaworld")
-    parser.add_argument("--task", help="the Meta-World task, e.g. assembly-v3 (--env metaworld)")
+    parser.add_argument("--task", help="the Meta-World task, e.g. assembly-v3 (--env metaworld); for the pick task "
+                                       f"one of {list(PICK_TASKS)} (default: one cube)")
     parser.add_argument("--episodes", type=int, default=None, help="demonstrations (default 100; Meta-World: 10)")
     parser.add_argument("--first-seed", type=int, default=0, help="episode e is the environment's seed first_seed + e")
     parser.add_argument("--noise", type=float, default=0.0,
@@ -157,8 +166,9 @@ def main(argv: list[str] | None = None) -> None:
         problem = f"--env={args.env!r} is not valid; choose one of {list(SIM_ENVS)}"
     elif metaworld and not args.task:
         problem = "--env metaworld needs --task (a Meta-World v3 task, e.g. --task assembly-v3)"
-    elif not metaworld and args.task:
-        problem = f"--task={args.task!r}: the pick task has no tasks to choose; use --env metaworld"
+    elif not metaworld and args.task and args.task not in PICK_TASKS:
+        problem = (f"--task={args.task!r} is not a variant of the pick task; choose one of {list(PICK_TASKS)} or none "
+                   "(one cube), or use --env metaworld")
     elif args.episodes < 1:
         problem = f"--episodes={args.episodes} must be >= 1"
     elif args.noise < 0:
@@ -178,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
                 check_task(args.task, "--task")
                 summary = record_metaworld(out, args.task, args.episodes, args.first_seed, args.height, args.width)
             else:
-                summary = record(out, args.episodes, args.first_seed, args.height, args.width, noise=args.noise)
+                summary = record(out, args.episodes, args.first_seed, args.height, args.width, noise=args.noise,
+                                 cubes=2 if args.task == "two_cubes" else 1)
         except OSError as e:
             problem = f"cannot write the dataset to --out={args.out!r}: {e.strerror or e}"
         except ValueError as e:

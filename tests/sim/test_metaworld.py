@@ -118,8 +118,10 @@ def test_rollout_settings_name_the_embodiment_and_its_task():
         RolloutConfig(env="libero")
     with pytest.raises(ValueError, match=r"rollout.env=metaworld needs rollout.task"):
         RolloutConfig(env="metaworld")
-    with pytest.raises(ValueError, match=r"rollout.task='assembly-v3': the pick task has no tasks"):
+    with pytest.raises(ValueError, match=r"rollout.task='assembly-v3' is not a variant of the pick task \(rollout.env=pick\); "
+                                         r"choose one of \['two_cubes'\] or null"):
         RolloutConfig(task="assembly-v3")
+    assert RolloutConfig(task="two_cubes").task == "two_cubes"
     with pytest.raises(ValueError, match=r"rollout.task='assembly-v2' is not a Meta-World v3 task; choose one of "
                                          r"\['assembly-v3', 'basketball-v3'"):
         MetaWorld("assembly-v2")

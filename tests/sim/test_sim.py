@@ -73,6 +73,42 @@ def test_the_expert_succeeds_on_at_least_90_percent_of_seeded_episodes():
     assert wins / 50 >= 0.9, f"expert success rate {wins / 50:.2f}"
 
 
+def test_two_cubes_mirror_each_other_and_either_one_lifted_succeeds():
+    """rollout.task=two_cubes: the cubes stand at (x, y) and (x, -y); the expert lifts the one the seed drew (both
+    drawn over the seeds) and leaves the other on the table; lifting the other one succeeds as well."""
+    import mujoco
+
+    from slurmvla.sim.env import CUBE_HALF, LIFT_HEIGHT, MIN_MIRROR_Y, TWO_CUBES_INSTRUCTION
+
+    env = PickCube(height=HEIGHT, width=WIDTH, cubes=2)
+    assert env.instruction == TWO_CUBES_INSTRUCTION
+    targets = []
+    for seed in range(10):
+        ep = expert_episode(env, seed, render=False)
+        env.reset(seed)
+        a, b = env.cube_position(0), env.cube_position(1)
+        assert a[0] == b[0] and a[1] == -b[1] and a[1] >= MIN_MIRROR_Y, (a, b)
+        assert not env.success() and env.steps == 0
+        targets.append(env.target)
+        assert ep["success"], seed
+    assert set(targets) == {0, 1}
+    # Replayed from the seed, the expert's episode ends with its cube lifted and the other one where it stood.
+    env.reset(3)
+    expert, other = Expert(), 1 - env.target
+    start = env.cube_position(other)
+    while not env.step(expert.act(env)).success:
+        assert env.steps < 100
+    assert env.lifted(env.target) > LIFT_HEIGHT
+    np.testing.assert_allclose(env.cube_position(other), start, atol=2e-3)
+    # The other cube lifted (placed by hand) succeeds too, and its reward is the best of the two.
+    env.reset(3)
+    adr = env.model.jnt_qposadr[env.model.joint(("cube", "cube2")[other]).id]
+    env.data.qpos[adr + 2] = CUBE_HALF + LIFT_HEIGHT + 0.01
+    mujoco.mj_forward(env.model, env.data)
+    assert env.success() and env.reward() >= 0.5
+    env.close()
+
+
 def test_an_episode_is_a_function_of_its_seed():
     env = PickCube(height=HEIGHT, width=WIDTH)
     a, b, c = (expert_episode(env, s, render=False) for s in (3, 3, 4))
