@@ -12,11 +12,13 @@ are bimanual (ALOHA), or pin older MuJoCo releases and ship hundreds of MB of as
 The episode succeeds when the cube is lifted ``LIFT_HEIGHT`` above the table; the initial cube place,
 its yaw and the arm's start (a few degrees around home) are drawn from the episode's seed.
 
-``PickCube(cubes=2)`` (``rollout.task=two_cubes``) puts two identical cubes on the table, mirror images of each
-other across the arm's plane, and succeeds when either is lifted: two equally good paths from one observation, the
-multimodal case real-time chunking is about (a policy that hesitates between them loses time; one that switches
-cube between chunks loses the grasp). The expert's cube (``target``) is drawn from the seed, so the demonstrations
-go to either one half of the time each, and nothing the cameras or the state show tells which.
+``PickCube(cubes=2)`` (``rollout.task=two_cubes``) puts two cubes on the table, a red and a blue one of the same
+size and mass at mirror places across the arm's plane, and succeeds when either is lifted: two equally good paths
+from one observation, the multimodal case real-time chunking is about (a policy that hesitates between them loses
+time; one that switches cube between chunks loses the grasp). The expert's cube (``target``) is drawn from the seed,
+so the demonstrations go to either one half of the time each, and nothing the cameras or the state show tells which.
+They differ in colour because a spatial softmax (the keypoint policies' encoder: one expected position per feature
+map) puts two identical cubes' keypoint between them, and the policy then grasps at neither.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ LIFT_HEIGHT = 0.08  # success: the cube's bottom this far above the table
 FINGER_OPEN = 0.05  # each finger's travel (m): 0 = closed, 0.05 = a 10 cm opening
 INSTRUCTION = "pick up the red cube"
 # The pick task's variants (rollout.task; null: one cube): slurmvla.config.rollout.PICK_TASKS names them.
-TWO_CUBES_INSTRUCTION = "pick up one of the red cubes"
+TWO_CUBES_INSTRUCTION = "pick up the red cube or the blue cube"
 MIN_MIRROR_Y = 0.05  # m: two cubes stand at y and -y with |y| at least this (their centres 10 cm apart or more)
 CAMERAS = ("exterior_1_left", "exterior_2_left", "wrist_left")
 # The keys openpi's DROID client sends each camera under.
@@ -60,7 +62,7 @@ def _look(pos: tuple, target: tuple) -> str:
 _LINK = 'rgba=".92 .92 .92 1" contype="0" conaffinity="0" mass="1"'
 _CUBE = f"""<body name="{{name}}" pos="{CUBE_CENTER[0]} {{y}} {CUBE_HALF}">
       <freejoint name="{{name}}"/>
-      <geom name="{{name}}" type="box" size="{CUBE_HALF} {CUBE_HALF} {CUBE_HALF}" rgba=".85 .1 .1 1" mass="0.05" friction="2 0.01 0.001" condim="4"/>
+      <geom name="{{name}}" type="box" size="{CUBE_HALF} {CUBE_HALF} {CUBE_HALF}" rgba="{{rgba}}" mass="0.05" friction="2 0.01 0.001" condim="4"/>
     </body>"""
 _SCENE = f"""
 <mujoco model="slurmvla_pick">
@@ -141,7 +143,7 @@ _SCENE = f"""
 
 
 def cube_names(cubes: int) -> tuple[str, ...]:
-    """The cubes' body (and free joint) names: ``cube`` alone, or ``cube`` and ``cube2``."""
+    """The cubes' body (and free joint) names: ``cube`` alone (red), or ``cube`` and ``cube2`` (red and blue)."""
     return ("cube", "cube2")[:cubes]
 
 
@@ -149,7 +151,9 @@ def scene(cubes: int = 1) -> str:
     """The MJCF of the scene with one cube or two."""
     if cubes not in (1, 2):
         raise ValueError(f"cubes={cubes}: the pick task has one cube or two")
-    return _SCENE.replace("{cubes}", "\n    ".join(_CUBE.format(name=n, y=0.1 * i) for i, n in enumerate(cube_names(cubes))))
+    colors = (".85 .1 .1 1", ".1 .25 .85 1")  # red, blue
+    return _SCENE.replace("{cubes}", "\n    ".join(_CUBE.format(name=n, y=0.1 * i, rgba=colors[i])
+                                                   for i, n in enumerate(cube_names(cubes))))
 
 
 SCENE = scene(1)

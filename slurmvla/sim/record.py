@@ -41,7 +41,7 @@ from slurmvla.droid_features import DROID_CAMERAS
 HOLD_STEPS = 6
 MAX_STEPS = 120
 INSTRUCTIONS = ("pick up the red cube", "lift the red cube off the table", "grasp the cube and lift it")
-TWO_CUBES_INSTRUCTIONS = ("pick up one of the red cubes", "lift a red cube off the table", "grasp either cube and lift it")
+TWO_CUBES_INSTRUCTIONS = ("pick up the red cube or the blue cube", "lift a cube off the table", "grasp either cube and lift it")
 
 
 def _cartesian(env) -> np.ndarray:  # noqa: ANN001 - a PickCube
@@ -128,7 +128,7 @@ def record(out: str | Path, episodes: int, first_seed: int = 0, height: int = 18
         env.close()
     summary = {"task": "pick_cube" if cubes == 1 else "two_cubes", "instruction": instructions[0], "action_noise": noise,
                "seeds": seeds, "success": successes, "expert_success_rate": float(np.mean(successes)), "frames": start}
-    if cubes > 1:  # the cube each demonstration went for (0: y > 0, 1: its mirror image)
+    if cubes > 1:  # the cube each demonstration went for (0: the red one, y > 0; 1: the blue one, its mirror image)
         summary["target"] = targets
     extra = {"keep_ranges_1_0_1.json": json.dumps(keep, indent=1), "sim.json": json.dumps(summary, indent=1),
              "episode_id_to_path.json": json.dumps({f"SIM+{s:08d}+2026-11-25-00h-00m-00s": _rel_path(s, ok)
