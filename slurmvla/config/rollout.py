@@ -11,7 +11,7 @@ from slurmvla.config.serve import EXECUTION_MODES
 
 # rollout.env: the closed loop's simulated embodiments (slurmvla.sim.make_env).
 SIM_ENVS = ("pick", "metaworld")
-# rollout.task for rollout.env=pick: null is the one-cube task; two_cubes puts two identical cubes on the table (either
+# rollout.task for rollout.env=pick: null is the one-cube task; two_cubes puts a red and a blue cube on the table (either
 # one lifted succeeds: two equally good paths, the multimodal case of real-time chunking; slurmvla.sim.env).
 PICK_TASKS = ("two_cubes",)
 # rollout.delay: fixed (rollout.delay_steps) or measured (each call's wall time times the control rate).
@@ -26,7 +26,7 @@ class RolloutConfig:
     # The embodiment: pick (the DROID-shaped pick task) or metaworld (a Meta-World v3 task, rollout.task).
     env: str = "pick"
     # The Meta-World task (e.g. assembly-v3; every v3 task the package ships); for the pick task null (one cube) or
-    # two_cubes (two identical cubes, either one will do).
+    # two_cubes (a red and a blue cube, either one will do).
     task: str | None = None
     episodes: int = 50
     # Episode e is the environment's seed first_seed + e. The recorded demonstrations use 0..N-1;

@@ -170,7 +170,7 @@ class Step:
 class PickCube:
     """The task. ``reset(seed)`` draws the episode; ``observe()`` gives DROID's observation keys;
     ``step(action)`` applies an 8-D action (7 joint velocities in rad/s, then the gripper position in
-    [0, 1], 1 = closed) for one 1/15 s control period. ``cubes=2``: two identical cubes, either one lifted
+    [0, 1], 1 = closed) for one 1/15 s control period. ``cubes=2``: a red and a blue cube, either one lifted
     succeeds; ``target`` is the one the episode's expert goes for."""
 
     # The closed loop's facts about this embodiment (slurmvla.sim.make_env; Meta-World's: slurmvla.sim.metaworld).
@@ -180,6 +180,7 @@ class PickCube:
     action_space = "DROID's: 7 joint velocities (rad/s) and the gripper position (0 open, 1 closed)"
     video_keys = ("observation/exterior_image_1_left", "observation/wrist_image_left")
     fps = FPS
+
     def rest_action(self) -> np.ndarray:
         """What the arm does before its first chunk arrives: hold still, the gripper where it is."""
         return np.array([0.0] * 7 + [self.gripper_position()])

@@ -2,7 +2,7 @@
 (:mod:`slurmvla.data.writer`): the simulated pick task's in DROID's layout, or a Meta-World task's.
 
     python -m slurmvla.sim.record --out DIR [--episodes 100] [--first-seed 0] [--height 180 --width 320]
-    python -m slurmvla.sim.record --task two_cubes --out DIR      # the pick task with two identical cubes
+    python -m slurmvla.sim.record --task two_cubes --out DIR      # the pick task with a red and a blue cube
     python -m slurmvla.sim.record --env metaworld --task assembly-v3 --out DIR [--episodes 10] [--first-seed 0]
 
 Meta-World (:func:`slurmvla.sim.metaworld.record`): 200-step episodes at 128 x 128 from the ``corner2`` camera,

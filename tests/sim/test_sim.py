@@ -109,6 +109,22 @@ def test_two_cubes_mirror_each_other_and_either_one_lifted_succeeds():
     env.close()
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--env", "libero"], "--env='libero' is not valid; choose one of ['pick', 'metaworld']"),
+    (["--env", "metaworld"], "--env metaworld needs --task"),
+    (["--task", "three_cubes"], "--task='three_cubes' is not a variant of the pick task; choose one of ['two_cubes'] or none"),
+])
+def test_the_recorder_names_a_bad_embodiment_or_task_and_writes_nothing(args, message, tmp_path, capsys):
+    from slurmvla.sim.record import main as record_main
+
+    with pytest.raises(SystemExit) as exit_:
+        record_main(["--out", str(tmp_path / "demos"), *args])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "demos").exists()
+
+
 def test_an_episode_is_a_function_of_its_seed():
     env = PickCube(height=HEIGHT, width=WIDTH)
     a, b, c = (expert_episode(env, s, render=False) for s in (3, 3, 4))
