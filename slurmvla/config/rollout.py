@@ -13,7 +13,8 @@ from slurmvla.config.serve import EXECUTION_MODES
 SIM_ENVS = ("pick", "metaworld")
 # rollout.task for rollout.env=pick: null is the one-cube task; two_cubes puts a red and a blue cube on the table (either
 # one lifted succeeds: two equally good paths, the multimodal case of real-time chunking; slurmvla.sim.env).
-PICK_TASKS = ("two_cubes",)
+# Each variant with its number of cubes (the one place that says so: the closed loop and the recorder read it).
+PICK_TASKS = {"two_cubes": 2}
 # rollout.delay: fixed (rollout.delay_steps) or measured (each call's wall time times the control rate).
 DELAYS = ("fixed", "measured")
 

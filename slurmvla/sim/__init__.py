@@ -23,9 +23,10 @@ def make_env(name: str, task: str | None = None, height: int = 180, width: int =
     """The environment ``rollout.env`` names (one of :data:`slurmvla.config.rollout.SIM_ENVS`), rendering at ``height`` x
     ``width``."""
     if name == "pick":
+        from slurmvla.config.rollout import PICK_TASKS
         from slurmvla.sim.env import CAMERAS, PickCube
 
-        return PickCube(height=height, width=width, cameras=CAMERAS, cubes=2 if task == "two_cubes" else 1)
+        return PickCube(height=height, width=width, cameras=CAMERAS, cubes=PICK_TASKS.get(task, 1))
     if name == "metaworld":
         from slurmvla.sim.metaworld import MetaWorld
 

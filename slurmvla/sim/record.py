@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
                 summary = record_metaworld(out, args.task, args.episodes, args.first_seed, args.height, args.width)
             else:
                 summary = record(out, args.episodes, args.first_seed, args.height, args.width, noise=args.noise,
-                                 cubes=2 if args.task == "two_cubes" else 1)
+                                 cubes=PICK_TASKS.get(args.task, 1))
         except OSError as e:
             problem = f"cannot write the dataset to --out={args.out!r}: {e.strerror or e}"
         except ValueError as e:
