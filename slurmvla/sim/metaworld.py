@@ -207,10 +207,18 @@ def layout():  # noqa: ANN201 - slurmvla.data.writer.Layout
     return Layout((VIDEO_KEY,), features, fps=FPS, episode_stats=("observation.state", "action"))
 
 
-def expert_episode(env: MetaWorld, seed: int, steps: int = EPISODE_STEPS, render: bool = True) -> dict:
+def expert_episode(env: MetaWorld, seed: int, steps: int = EPISODE_STEPS, render: bool = True,
+                   noise: float = 0.0) -> dict:
     """One seeded episode of the task's scripted expert, ``steps`` long whatever happens (as DP3 records them):
-    per-step state, environment state, action, reward and success, and the camera's frames."""
+    per-step state, environment state, action, reward and success, and the camera's frames.
+
+    ``noise``: the standard deviation of Gaussian noise added to the end effector's displacement (dims 0-2, in the
+    action's [-1, 1] units) when it is executed, drawn from the episode's seed; the gripper's effort is executed as
+    commanded. What is recorded is the expert's command: the scripted policy reads the state at every step, so the
+    demonstrations show it correcting the drift a learned policy makes (DART, Laskey et al. 2017), and a policy
+    that models the action distribution does not learn to add the noise."""
     policy = ExpertPolicy(env.task)
+    rng = np.random.default_rng(seed)
     env.reset(seed)
     states, env_states, actions, rewards, successes, frames = [], [], [], [], [], []
     for _ in range(steps):
@@ -220,6 +228,9 @@ def expert_episode(env: MetaWorld, seed: int, steps: int = EPISODE_STEPS, render
             frames.append(env.render())
         action = policy.infer({ENV_STATE_KEY: env_states[-1]})["actions"][0]
         actions.append(action)
+        if noise:
+            action = np.array(action, dtype=np.float32)
+            action[:3] = np.clip(action[:3] + rng.normal(0.0, noise, size=3), -1.0, 1.0)
         step = env.step(action)
         rewards.append(step.reward)
         successes.append(step.success)
@@ -241,11 +252,11 @@ def columns(ep: dict, episode_index: int, start_index: int, fps: int) -> dict[st
 
 
 def record(out, task: str, episodes: int, first_seed: int = 0, height: int = 128, width: int = 128,  # noqa: ANN001
-           steps: int = EPISODE_STEPS, max_tries: int | None = None) -> dict:
+           steps: int = EPISODE_STEPS, max_tries: int | None = None, noise: float = 0.0) -> dict:
     """``episodes`` successful expert demonstrations of ``task`` into ``out`` (LeRobot v3.0), from seeds
     ``first_seed``, ``first_seed + 1``, ...: an episode is kept when the task succeeded on at least
     :data:`MIN_SUCCESS_STEPS` steps (DP3's rule), the others skipped; at most ``max_tries`` seeds (default
-    ``4 x episodes``) are tried. Returns ``metaworld.json``'s summary (every seed tried, and which were kept)."""
+    ``4 x episodes``) are tried; ``noise`` perturbs the executed displacement (:func:`expert_episode`). Returns ``metaworld.json``'s summary (every seed tried, and which were kept)."""
     from slurmvla.data.writer import write_dataset
 
     env = MetaWorld(task, height=height, width=width, max_steps=steps)
@@ -255,7 +266,7 @@ def record(out, task: str, episodes: int, first_seed: int = 0, height: int = 128
     max_tries = 4 * episodes if max_tries is None else max_tries
     try:
         while len(per_episode) < episodes and len(tried) < max_tries:
-            ep = expert_episode(env, seed, steps)
+            ep = expert_episode(env, seed, steps, noise=noise)
             ok = int(ep["success"].sum()) >= MIN_SUCCESS_STEPS
             tried.append({"seed": seed, "success_steps": int(ep["success"].sum()), "kept": ok})
             if ok:
@@ -271,7 +282,7 @@ def record(out, task: str, episodes: int, first_seed: int = 0, height: int = 128
         raise ValueError(f"the scripted expert of {task} succeeded on {len(per_episode)} of {len(tried)} seeds from "
                          f"{first_seed}; {episodes} demonstrations were asked for")
     summary = {"env": "metaworld", "task": task, "instruction": instruction(task), "camera": CAMERA,
-               "camera_position": list(CAMERA_POSITION), "height": height, "width": width, "steps": steps,
+               "camera_position": list(CAMERA_POSITION), "height": height, "width": width, "steps": steps, "action_noise": noise,
                "seeds": kept, "tried": tried, "expert_success_rate": len(kept) / len(tried), "frames": start}
     import json
 

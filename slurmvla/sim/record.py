@@ -151,8 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--episodes", type=int, default=None, help="demonstrations (default 100; Meta-World: 10)")
     parser.add_argument("--first-seed", type=int, default=0, help="episode e is the environment's seed first_seed + e")
     parser.add_argument("--noise", type=float, default=0.0,
-                        help="std (rad/s) of Gaussian noise added to the executed joint velocities; the expert's "
-                             "command is what is recorded (default 0)")
+                        help="std of Gaussian noise added to the executed action, the expert's command being what is "
+                             "recorded (default 0): the pick task's joint velocities (rad/s); Meta-World's end-effector "
+                             "displacement (its [-1, 1] units)")
     parser.add_argument("--height", type=int, default=None, help="camera frames' height (default 180; Meta-World: 128)")
     parser.add_argument("--width", type=int, default=None, help="camera frames' width (default 320; Meta-World: 128)")
     args = parser.parse_args(argv)
@@ -172,11 +173,9 @@ def main(argv: list[str] | None = None) -> None:
     elif args.episodes < 1:
         problem = f"--episodes={args.episodes} must be >= 1"
     elif args.noise < 0:
-        problem = f"--noise={args.noise} must be >= 0 (rad/s)"
+        problem = f"--noise={args.noise} must be >= 0"
     elif min(args.height, args.width) < 16 or args.height % 2 or args.width % 2:
         problem = f"--height={args.height} --width={args.width}: each must be an even number >= 16 (the video is yuv420p)"
-    elif metaworld and args.noise:
-        problem = "--noise applies to the pick task's expert only"
     else:
         problem = out_folder_problem(out)
     if problem is None:
@@ -186,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
                 from slurmvla.sim.metaworld import record as record_metaworld
 
                 check_task(args.task, "--task")
-                summary = record_metaworld(out, args.task, args.episodes, args.first_seed, args.height, args.width)
+                summary = record_metaworld(out, args.task, args.episodes, args.first_seed, args.height, args.width,
+                                           noise=args.noise)
             else:
                 summary = record(out, args.episodes, args.first_seed, args.height, args.width, noise=args.noise,
                                  cubes=PICK_TASKS.get(args.task, 1))

@@ -113,6 +113,29 @@ def test_the_scripted_expert_served_through_openpis_client_plays_its_own_episode
     assert all(e["requests"] == e["length"] for e in served)  # one request a step: replan_steps=1, horizon 1
 
 
+def test_noisy_demonstrations_record_the_experts_command_for_the_state_the_noise_led_to():
+    """``--noise`` (DART): the executed displacement is perturbed, the recorded action is what the scripted expert
+    commands in the state the perturbed arm reached (asked again here, state by state), the gripper's effort is
+    executed unperturbed; without noise the episode is the expert's own, bitwise."""
+    env = MetaWorld(TASK, height=64, width=64)
+    try:
+        clean = expert_episode(env, 7, steps=40, render=False)
+        noisy = expert_episode(env, 7, steps=40, render=False, noise=0.3)
+        assert np.array_equal(clean["state"][0], noisy["state"][0])  # the same start
+        drift = np.abs(noisy["state"][1:, :3] - clean["state"][1:, :3]).max()
+        assert drift > 1e-3, drift  # the perturbed arm went elsewhere
+        expert = ExpertPolicy(TASK)
+        asked = np.clip([expert.infer({ENV_STATE_KEY: s})["actions"][0] for s in noisy["env_state"]], -1.0, 1.0)
+        # (the state is stored in float32: the expert asked again from it differs in the last bit)
+        np.testing.assert_allclose(noisy["action"], asked, rtol=0, atol=1e-5)
+        assert not np.array_equal(noisy["action"], clean["action"])
+        # noise 0 is the episode recorded before the option existed: the expert acting alone.
+        again = expert_episode(env, 7, steps=40, render=False, noise=0.0)
+        assert all(np.array_equal(clean[k], again[k]) for k in ("state", "env_state", "action"))
+    finally:
+        env.close()
+
+
 def test_rollout_settings_name_the_embodiment_and_its_task():
     with pytest.raises(ValueError, match=r"rollout.env='libero' is not valid; choose one of \['pick', 'metaworld'\]"):
         RolloutConfig(env="libero")
