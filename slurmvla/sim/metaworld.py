@@ -256,7 +256,8 @@ def record(out, task: str, episodes: int, first_seed: int = 0, height: int = 128
     """``episodes`` successful expert demonstrations of ``task`` into ``out`` (LeRobot v3.0), from seeds
     ``first_seed``, ``first_seed + 1``, ...: an episode is kept when the task succeeded on at least
     :data:`MIN_SUCCESS_STEPS` steps (DP3's rule), the others skipped; at most ``max_tries`` seeds (default
-    ``4 x episodes``) are tried; ``noise`` perturbs the executed displacement (:func:`expert_episode`). Returns ``metaworld.json``'s summary (every seed tried, and which were kept)."""
+    ``4 x episodes``) are tried; ``noise`` perturbs the executed displacement (:func:`expert_episode`). Returns
+    ``metaworld.json``'s summary (every seed tried, and which were kept)."""
     from slurmvla.data.writer import write_dataset
 
     env = MetaWorld(task, height=height, width=width, max_steps=steps)
@@ -282,8 +283,8 @@ def record(out, task: str, episodes: int, first_seed: int = 0, height: int = 128
         raise ValueError(f"the scripted expert of {task} succeeded on {len(per_episode)} of {len(tried)} seeds from "
                          f"{first_seed}; {episodes} demonstrations were asked for")
     summary = {"env": "metaworld", "task": task, "instruction": instruction(task), "camera": CAMERA,
-               "camera_position": list(CAMERA_POSITION), "height": height, "width": width, "steps": steps, "action_noise": noise,
-               "seeds": kept, "tried": tried, "expert_success_rate": len(kept) / len(tried), "frames": start}
+               "camera_position": list(CAMERA_POSITION), "height": height, "width": width, "steps": steps,
+               "action_noise": noise, "seeds": kept, "tried": tried, "expert_success_rate": len(kept) / len(tried), "frames": start}
     import json
 
     write_dataset(out, per_episode, [instruction(task)], extra_files={"metaworld.json": json.dumps(summary, indent=1)},

@@ -3,12 +3,13 @@
 
     python -m slurmvla.sim.record --out DIR [--episodes 100] [--first-seed 0] [--height 180 --width 320]
     python -m slurmvla.sim.record --task two_cubes --out DIR      # the pick task with a red and a blue cube
-    python -m slurmvla.sim.record --env metaworld --task assembly-v3 --out DIR [--episodes 10] [--first-seed 0]
+    python -m slurmvla.sim.record --env metaworld --task assembly-v3 --out DIR [--episodes 10] [--first-seed 0] [--noise 0.1]
 
 Meta-World (:func:`slurmvla.sim.metaworld.record`): 200-step episodes at 128 x 128 from the ``corner2`` camera,
 only those where the task succeeded on at least 5 steps (3D Diffusion Policy's rule), seeds tried from
 ``--first-seed`` on; beside the data ``metaworld.json`` lists every seed tried. The evaluation's seeds
-(``rollout.first_seed``, 100000 by default) are none of them.
+(``rollout.first_seed``, 100000 by default) are none of them. ``--noise``: the executed end-effector displacement
+perturbed, the expert's command for the reached state recorded (:func:`slurmvla.sim.metaworld.expert_episode`).
 
 The pick task:
 
