@@ -129,23 +129,71 @@ class SpatialSoftmax(nn.Module):
         return torch.cat([(weights.sum(dim=3) * ys).sum(dim=2), (weights.sum(dim=2) * xs).sum(dim=2)], dim=1)
 
 
+# The keypoint encoders' backbones (policy.kwargs.encoder).
+ENCODERS = ("conv", "resnet18")
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block (He et al. 2016) with GroupNorm in place of BatchNorm, as Diffusion Policy trains its
+    image encoder (one group per 16 channels): two 3 x 3 convolutions and the shortcut, a 1 x 1 convolution where
+    the shape changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.GroupNorm(max(cout // 16, 1), cout), nn.ReLU(),
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.GroupNorm(max(cout // 16, 1), cout))
+        self.shortcut = (nn.Identity() if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.GroupNorm(max(cout // 16, 1), cout)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+def resnet18(width: int = 64) -> nn.Sequential:
+    """ResNet-18's convolutional trunk (no pooling, no classifier), GroupNorm throughout: a 7 x 7 stem and
+    max-pool, then four stages of two basic blocks of ``width``, 2x, 4x and 8x channels, each after the first
+    halving the resolution (an image of 96 px gives 3 x 3 maps of ``8 * width`` channels). At ``width=64`` it is
+    torchvision's ``resnet18`` without its ``fc``: 11,176,512 parameters."""
+    layers: list[nn.Module] = [nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.GroupNorm(max(width // 16, 1), width),
+                               nn.ReLU(), nn.MaxPool2d(3, 2, 1)]
+    cin = width
+    for stage, stride in enumerate((1, 2, 2, 2)):
+        cout = width * 2**stage
+        layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+        cin = cout
+    return nn.Sequential(*layers)
+
+
+def keypoint_backbone(encoder: str, keypoints: int, width: int) -> list[nn.Module]:
+    """The layers from an image to ``keypoints`` feature maps, which the spatial softmax reads."""
+    if encoder == "conv":  # three convolutions: 96 px -> 24 x 24 maps
+        return [nn.Conv2d(3, 32, kernel_size=5, stride=2, padding=2), nn.ReLU(),
+                nn.Conv2d(32, 32, kernel_size=3, stride=2, padding=1), nn.ReLU(),
+                nn.Conv2d(32, keypoints, kernel_size=3, padding=1)]
+    if encoder == "resnet18":  # robomimic's and Diffusion Policy's: the trunk, then a 1 x 1 convolution to keypoints
+        return [resnet18(width), nn.Conv2d(8 * width, keypoints, kernel_size=1)]
+    raise ValueError(f"policy.kwargs.encoder={encoder!r} is not valid; choose one of {list(ENCODERS)}")
+
+
 class KeypointEncoding(nn.Module):
     """The keypoint policies' observation encoder: per camera (and history frame) three convolutions and a
     spatial softmax (``keypoints`` image positions), with the normalized state; ``features(batch)`` ->
     ``[B, feature_dim]``. Subclasses add the head that turns the features into an action chunk.
     ``spatial_norm`` (``policy.kwargs.spatial_norm=true``): the softmax reads standardized maps with a learned
     temperature (:class:`SpatialSoftmax`). Off by default: the encoder every run so far trained, whose checkpoints
-    load and act as they did (docs/benchmarks.md#meta-world: what it changes, measured)."""
+    load and act as they did (docs/benchmarks.md#meta-world: what it changes, measured).
+    ``encoder`` (``policy.kwargs.encoder``): ``conv`` (the default) or ``resnet18``, Diffusion Policy's image trunk
+    (:func:`resnet18`, ``width`` channels in its first stage: 64 is ResNet-18's own, ~25x the ``conv`` encoder's
+    multiply-adds at 96 px)."""
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, keypoints: int = 16,  # noqa: ANN001
-                 spatial_norm: bool = False):
+                 spatial_norm: bool = False, encoder: str = "conv", width: int = 64):
         super().__init__()
         self.horizon, self.action_dim = cfg.action_horizon, cfg.action_dim
         frames = cfg.num_obs_history * cfg.num_cameras
         self.encoders = nn.ModuleList(nn.Sequential(
-            nn.Conv2d(3, 32, kernel_size=5, stride=2, padding=2), nn.ReLU(),
-            nn.Conv2d(32, 32, kernel_size=3, stride=2, padding=1), nn.ReLU(),
-            nn.Conv2d(32, keypoints, kernel_size=3, padding=1), SpatialSoftmax(keypoints if spatial_norm else None))
+            *keypoint_backbone(encoder, keypoints, width), SpatialSoftmax(keypoints if spatial_norm else None))
             for _ in range(frames))
         self.feature_dim = frames * 2 * keypoints + cfg.num_obs_history * cfg.state_dim
         register_normalization(self, cfg, stats)
@@ -172,8 +220,8 @@ class KeypointPolicy(KeypointEncoding):
     """
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, keypoints: int = 16,  # noqa: ANN001
-                 hidden: int = 256, spatial_norm: bool = False):
-        super().__init__(cfg, stats, keypoints, spatial_norm)
+                 hidden: int = 256, spatial_norm: bool = False, encoder: str = "conv", width: int = 64):
+        super().__init__(cfg, stats, keypoints, spatial_norm, encoder, width)
         self.head = nn.Sequential(
             nn.Linear(self.feature_dim, hidden), nn.ReLU(),
             nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, self.horizon * self.action_dim))
@@ -254,8 +302,9 @@ class KeypointFlowPolicy(KeypointEncoding):
     supports_rtc_training = True  # policy.rtc_training: the head reads a time per action
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, keypoints: int = 16,  # noqa: ANN001
-                 hidden: int = 256, blocks: int = 3, prediction: str = "sample", spatial_norm: bool = False):
-        super().__init__(cfg, stats, keypoints, spatial_norm)
+                 hidden: int = 256, blocks: int = 3, prediction: str = "sample", spatial_norm: bool = False,
+                 encoder: str = "conv", width: int = 64):
+        super().__init__(cfg, stats, keypoints, spatial_norm, encoder, width)
         if prediction not in PREDICTIONS:
             raise ValueError(f"policy.kwargs.prediction={prediction!r} is not valid; choose one of {list(PREDICTIONS)}")
         self.prediction = prediction

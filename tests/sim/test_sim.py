@@ -347,6 +347,37 @@ def test_the_standardized_spatial_softmax_is_the_hand_computed_one_and_sees_a_fa
     assert on - plain == {f"encoders.{i}.5.log_temperature" for i in range(2)}, on - plain  # 2 cameras, 1 frame
 
 
+def test_the_resnet18_encoder_is_resnet18s_trunk_and_feeds_the_spatial_softmax():
+    """``policy.kwargs.encoder=resnet18``: Diffusion Policy's image trunk. At width 64 its parameter count is
+    torchvision's ``resnet18`` less the classifier (11,689,512 - 512 * 1000 - 1000: BatchNorm's and GroupNorm's
+    affine parameters are as many), a 96 px image gives 3 x 3 maps (five halvings), and the policy built through
+    the config reads one such trunk per camera and frame into the same features; a bad name is one clear error."""
+    import torch
+
+    from slurmvla.policy import build_policy
+    from slurmvla.sim.policies import BasicBlock, resnet18
+
+    trunk = resnet18(64)
+    assert sum(p.numel() for p in trunk.parameters()) == 11_689_512 - 512 * 1000 - 1000
+    assert sum(isinstance(m, BasicBlock) for m in trunk.modules()) == 8  # 4 stages x 2 blocks: 18 = 1 + 8 x 2 + 1
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in trunk.modules())
+    assert trunk(torch.zeros(2, 3, 96, 96)).shape == (2, 512, 3, 3)
+
+    cfg = compose(["experiment=metaworld", "policy=keypoints", "data.root=/any/where", "policy.kwargs.encoder=resnet18",
+                   "policy.kwargs.width=8", "policy.kwargs.spatial_norm=true"])
+    policy = build_policy(cfg.policy, None)
+    assert len(policy.encoders) == 2 and isinstance(policy.encoders[0][0][4], BasicBlock)  # 1 camera x 2 frames
+    size = cfg.policy.image_size
+    batch = {"images": torch.randint(0, 256, (3, 2, size, size, 3), dtype=torch.uint8),
+             "image_mask": torch.ones(3, 2, dtype=torch.bool), "state": torch.zeros(3, 2, 9)}
+    assert policy.features(batch).shape == (3, 2 * 2 * 16 + 2 * 9)
+    assert policy.sample_actions(batch).shape == (3, 4, 4)
+
+    bad = compose(["experiment=metaworld", "policy=keypoints", "data.root=/any/where", "policy.kwargs.encoder=vit"])
+    with pytest.raises(ValueError, match=r"policy.kwargs.encoder='vit' is not valid; choose one of \['conv', 'resnet18'\]"):
+        build_policy(bad.policy, None)
+
+
 def test_the_keypoint_policy_keeps_the_contract_and_regresses_chunks_in_data_units(demos):
     import torch
 
