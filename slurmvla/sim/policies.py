@@ -172,13 +172,16 @@ def keypoint_backbone(encoder: str, keypoints: int, width: int) -> list[nn.Modul
                 nn.Conv2d(32, 32, kernel_size=3, stride=2, padding=1), nn.ReLU(),
                 nn.Conv2d(32, keypoints, kernel_size=3, padding=1)]
     if encoder == "resnet18":  # robomimic's and Diffusion Policy's: the trunk, then a 1 x 1 convolution to keypoints
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"policy.kwargs.width={width!r} is not valid: the first stage's channels, a positive integer "
+                             "(64 is ResNet-18's own)")
         return [resnet18(width), nn.Conv2d(8 * width, keypoints, kernel_size=1)]
     raise ValueError(f"policy.kwargs.encoder={encoder!r} is not valid; choose one of {list(ENCODERS)}")
 
 
 class KeypointEncoding(nn.Module):
-    """The keypoint policies' observation encoder: per camera (and history frame) three convolutions and a
-    spatial softmax (``keypoints`` image positions), with the normalized state; ``features(batch)`` ->
+    """The keypoint policies' observation encoder: per camera (and history frame) a backbone (by default three
+    convolutions) and a spatial softmax (``keypoints`` image positions), with the normalized state; ``features(batch)`` ->
     ``[B, feature_dim]``. Subclasses add the head that turns the features into an action chunk.
     ``spatial_norm`` (``policy.kwargs.spatial_norm=true``): the softmax reads standardized maps with a learned
     temperature (:class:`SpatialSoftmax`). Off by default: the encoder every run so far trained, whose checkpoints

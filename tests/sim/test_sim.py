@@ -376,6 +376,10 @@ def test_the_resnet18_encoder_is_resnet18s_trunk_and_feeds_the_spatial_softmax()
     bad = compose(["experiment=metaworld", "policy=keypoints", "data.root=/any/where", "policy.kwargs.encoder=vit"])
     with pytest.raises(ValueError, match=r"policy.kwargs.encoder='vit' is not valid; choose one of \['conv', 'resnet18'\]"):
         build_policy(bad.policy, None)
+    zero = compose(["experiment=metaworld", "policy=keypoints", "data.root=/any/where", "policy.kwargs.encoder=resnet18",
+                    "policy.kwargs.width=0"])
+    with pytest.raises(ValueError, match=r"policy.kwargs.width=0 is not valid: the first stage's channels"):
+        build_policy(zero.policy, None)
 
 
 def test_the_keypoint_policy_keeps_the_contract_and_regresses_chunks_in_data_units(demos):
