@@ -29,9 +29,10 @@ class ServeConfig:
     # Client keys concatenated (in this order) into the policy's raw state (data.state_keys).
     state: list[str] = field(default_factory=lambda: ["observation/joint_position", "observation/gripper_position"])
     prompt: str = "prompt"
-    # Each request samples its action chunk from noise seeded by this: the same observation always
-    # gives the same chunk, on any server. null: fresh noise per request (openpi's server): in closed loop
-    # a fixed seed is the same draw at every request, a bias that does not average out.
+    # Each request samples its action chunk from noise seeded by this and the observation itself
+    # (slurmvla.inference.runner.request_seed): the same observation always gives the same chunk, on any
+    # server, and consecutive observations in closed loop draw unrelated noise. null: fresh noise per
+    # request (openpi's server), not reproducible.
     seed: int | None = 0
     # auto: the GPU when there is one.
     device: str = "auto"

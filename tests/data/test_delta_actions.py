@@ -17,7 +17,7 @@ from slurmvla.data.mixture import Mixture
 from slurmvla.evaluate import evaluate
 from slurmvla.export import export
 from slurmvla.inference.load import load_exported
-from slurmvla.inference.runner import PolicyRunner
+from slurmvla.inference.runner import PolicyRunner, request_seed
 from slurmvla.policy.rtc import Guidance
 from slurmvla.trainer import Trainer
 from tests.conftest import policy_spec
@@ -166,7 +166,8 @@ def _policy_chunk(runner: PolicyRunner, obs: dict, rtc: Guidance | None = None) 
     """The policy's own (delta) chunk for ``obs``, with the noise serve.seed draws, called here."""
     batch = runner.processor.batch(collections.deque([runner.processor.read(obs)]))
     pc = runner.cfg.policy
-    noise = torch.randn((1, pc.action_horizon, pc.action_dim), generator=torch.Generator().manual_seed(runner.cfg.serve.seed))
+    noise = torch.randn((1, pc.action_horizon, pc.action_dim),
+                        generator=torch.Generator().manual_seed(request_seed(runner.cfg.serve.seed, batch)))
     with torch.no_grad():
         return runner.policy.sample_actions(batch, noise=noise, **({"rtc": rtc} if rtc else {}))[0].numpy()
 

@@ -17,7 +17,7 @@ from torch import nn
 from slurmvla.compose import compose
 from slurmvla.inference.harness import serving_in_thread
 from slurmvla.inference.load import Loaded
-from slurmvla.inference.runner import PolicyRunner
+from slurmvla.inference.runner import PolicyRunner, request_seed
 from slurmvla.inference.server import PolicyServer
 from slurmvla.policy import build_policy
 from slurmvla.policy.base import supports_rtc
@@ -201,7 +201,7 @@ def plain_chunk(runner: PolicyRunner, obs: dict, rtc: Guidance | None = None) ->
     seeded_sample_actions draws it, sample_actions called here."""
     batch = runner.processor.batch(collections.deque([runner.processor.read(obs)]))
     pc = runner.cfg.policy
-    noise = torch.randn((1, pc.action_horizon, pc.action_dim), generator=torch.Generator().manual_seed(7))
+    noise = torch.randn((1, pc.action_horizon, pc.action_dim), generator=torch.Generator().manual_seed(request_seed(7, batch)))
     with torch.no_grad():
         return runner.policy.sample_actions(batch, noise=noise, **({"rtc": rtc} if rtc else {}))[0].numpy()
 
