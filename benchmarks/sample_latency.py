@@ -180,7 +180,7 @@ def run_mode(mode: str, policy, spec, batch: dict, ctx, autocast: bool, cuda: bo
 def jitter(loaded: Loaded, batch: dict, ctx, autocast: bool, cuda: bool, args) -> None:
     """``--jitter``: per mode, the variants' tables and the verdict; JSON (``--json``) rewritten after each mode."""
     policy, cfg = loaded.policy, loaded.cfg
-    cfg.serve.seed = 0  # the same noise every call, as a fixed serve.seed gives
+    cfg.serve.seed = 0  # one observation and a fixed serve.seed: the same noise every call
     device = torch.device("cuda" if cuda else "cpu")
     sm = SmClock(device) if cuda else None
     if sm is not None:

@@ -34,9 +34,9 @@ class RolloutConfig:
     # the default evaluates on seeds no demonstration was recorded from.
     first_seed: int = 100000
     # Actions of each predicted chunk executed before the policy is asked again, at most policy.action_horizon.
-    # null: the whole chunk in sync mode (as openpi's DROID client, open_loop_horizon = 8), half of it in async and
-    # rtc (the rest is the overlap a late answer switches into); the best of each mode on the pick task
-    # (docs/benchmarks.md#real-time-chunking: sync 0.85 replanning every 8 of 8 steps, 0.21 every 4).
+    # null: half the chunk in every mode (in async and rtc the rest is the overlap a late answer switches into); on
+    # the pick task sync solves 0.97 replanning every 4 of 8 steps and 0.92 executing all 8
+    # (docs/benchmarks.md#real-time-chunking). openpi's DROID client executes 8 of pi0.5's 10.
     replan_steps: int | None = None
     # An episode ends at success or after this many control steps (15 Hz).
     max_steps: int = 100

@@ -121,7 +121,7 @@ def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: P
 
 def replan_of(cfg: RolloutConfig, horizon: int | None) -> int:
     """The actions of each chunk executed before the next request: ``rollout.replan_steps`` (at most the policy's
-    ``horizon``), or by default the whole chunk in sync mode and half of it in async and rtc. A server whose
+    ``horizon``), or by default half of it, in every mode. A server whose
     metadata gives no ``action_horizon`` (None): ``rollout.replan_steps`` as given, or every step, with a warning."""
     if horizon is None:
         if cfg.replan_steps is None:
@@ -130,7 +130,7 @@ def replan_of(cfg: RolloutConfig, horizon: int | None) -> int:
         return cfg.replan_steps or 1
     horizon = int(horizon)
     if cfg.replan_steps is None:
-        return horizon if cfg.execution == "sync" else max(1, horizon // 2)
+        return max(1, horizon // 2)
     if cfg.replan_steps > horizon:
         log.warning("rollout.replan_steps=%d is more than the policy's action_horizon=%d: replanning every %d",
                     cfg.replan_steps, horizon, horizon)

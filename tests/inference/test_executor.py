@@ -226,14 +226,14 @@ def test_the_executor_imports_without_torch():
     assert done.returncode == 0, done.stderr
 
 
-def test_the_closed_loops_replanning_defaults_to_the_whole_chunk_in_sync_and_half_of_it_otherwise(caplog):
-    """rollout.replan_steps null: what docs/benchmarks.md measured best per mode (sync 8 of 8, async / rtc 4 of 8);
+def test_the_closed_loops_replanning_defaults_to_half_the_chunk(caplog):
+    """rollout.replan_steps null: half the chunk in every mode (4 of 8: what docs/benchmarks.md measured best);
     a number is kept, one above the policy's horizon replans every horizon with a warning naming both."""
     from slurmvla.config.rollout import RolloutConfig
     from slurmvla.inference.closed_loop import replan_of
 
     assert RolloutConfig().replan_steps is None
-    assert [replan_of(RolloutConfig(execution=m), 8) for m in ("sync", "async", "rtc")] == [8, 4, 4]
+    assert [replan_of(RolloutConfig(execution=m), 8) for m in ("sync", "async", "rtc")] == [4, 4, 4]
     assert [replan_of(RolloutConfig(execution=m), 1) for m in ("sync", "async", "rtc")] == [1, 1, 1]
     assert replan_of(RolloutConfig(execution="rtc", replan_steps=3), 10) == 3
     assert replan_of(RolloutConfig(replan_steps=12), 10) == 10
