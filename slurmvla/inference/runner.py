@@ -157,9 +157,9 @@ class PolicyRunner:
         ``data.delta_actions`` says; :meth:`Processor.to_commands` turns them into commands). Noise is drawn on the
         CPU, seeded by ``serve.seed`` and the request's batch (:func:`request_seed`): the same observation always
         gives the same chunk, on any server and device (up to the device's precision), and different observations
-        draw unrelated noise. ``serve.seed=null``: fresh noise for each
-        request (as openpi's server), from a generator seeded once from the OS. ``rtc``: guided towards a
-        previous chunk (:meth:`read_rtc`), from the same noise."""
+        draw unrelated noise. ``serve.seed=null``: fresh noise for each request (as openpi's server), from a
+        generator seeded once from the OS. ``rtc``: guided towards a previous chunk (:meth:`read_rtc`), from the
+        same noise."""
         seed = (request_seed(self.cfg.serve.seed, batch) if self.cfg.serve.seed is not None
                 else int(self.fresh.integers(2**62)))
         batch = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
