@@ -72,14 +72,16 @@ class ServeConfig:
     # refuses to start: anyone who reaches the port could drive the robot. true: start anyway, with a warning.
     allow_unauthenticated: bool = False
     # Real-time chunking (a request with prev_actions / delay; slurmvla/policy/rtc.py): the largest guidance
-    # weight (the paper's beta), and how the guidance weights decay over the overlap after the delay
-    # (exp: the paper's soft mask; linear; ones: the whole overlap as the frozen part; zeros: the frozen part only).
+    # weight (the paper's beta), and the guidance weights over the overlap after the delay: zeros (the default: a
+    # hard mask, only the d actions that run during the delay guide; a request with d = 0 is a plain one), exp
+    # (the paper's soft mask), linear, ones (the whole overlap as the frozen part). The soft mask pulls the actions
+    # the robot will run from the new chunk towards the older plan and cost success at d = 1-2 on the pick task
+    # (docs/serving.md, "Which real-time chunking").
     rtc_max_guidance: float = 5.0
-    rtc_schedule: str = "exp"
+    rtc_schedule: str = "zeros"
     # The guidance's Jacobian: identity (LeRobot 0.6.1's form: the weighted error itself, no backward pass; the
-    # default) or model (the paper's vector-Jacobian product through the velocity). On the pick task the model's
-    # Jacobian spreads each dim's error over the others and keeps the gripper from deciding: 0.03 success at
-    # d = 0 against 0.58 with the identity (docs/serving.md, "Which real-time chunking").
+    # default) or model (the paper's vector-Jacobian product through the velocity, which spreads 63-80 % of each
+    # dim's pull over the others on the pick task).
     rtc_jacobian: str = "identity"
     # The action dims guided towards the previous chunk; null: every one. The others follow the policy alone;
     # the delay's actions are the previous chunk's in every dim. Each embodiment's experiment leaves its gripper

@@ -232,7 +232,8 @@ def test_rtc_requests_send_absolute_previous_actions_which_become_deltas(delta_r
     padded = torch.zeros(1, pc.action_horizon, pc.action_dim)
     padded[0, :6] = torch.from_numpy(prev)
     padded[0, :6, :7] -= torch.from_numpy(state[:7])
-    want = _policy_chunk(runner, obs, Guidance(padded, torch.tensor([2]), torch.tensor([6]), jacobian="identity"))
+    want = _policy_chunk(runner, obs, Guidance(padded, torch.tensor([2]), torch.tensor([6]), schedule="zeros",
+                                                jacobian="identity"))
     want[:, :7] += state[:7]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # The delay's actions are the previous chunk's, in absolute units again.

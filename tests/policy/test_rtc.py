@@ -216,7 +216,7 @@ def test_the_server_serves_rtc_requests_and_refuses_bad_ones_through_openpis_cli
         client = wcp.WebsocketClientPolicy("127.0.0.1", port)
         meta = client.get_server_metadata()
         assert meta["execution_modes"] == ["sync", "async", "rtc"]
-        assert meta["rtc"] == {"method": "guidance", "max_guidance": 5.0, "schedule": "exp", "jacobian": "identity",
+        assert meta["rtc"] == {"method": "guidance", "max_guidance": 5.0, "schedule": "zeros", "jacobian": "identity",
                                "guided_dims": None}
         # A client that sends neither key (or delay 0 alone) gets today's chunk, bit for bit.
         want = plain_chunk(runner, obs)
@@ -226,8 +226,13 @@ def test_the_server_serves_rtc_requests_and_refuses_bad_ones_through_openpis_cli
         np.testing.assert_array_equal(got[:2], prev[:2].astype(np.float32))
         padded = torch.zeros(1, h, dims)
         padded[0, :6] = torch.from_numpy(prev).float()
-        rtc = Guidance(padded, torch.tensor([2]), torch.tensor([6]), jacobian="identity")  # serve.rtc_jacobian's default
+        # serve.rtc_schedule's and serve.rtc_jacobian's defaults
+        rtc = Guidance(padded, torch.tensor([2]), torch.tensor([6]), schedule="zeros", jacobian="identity")
         np.testing.assert_allclose(got, plain_chunk(runner, obs, rtc), rtol=1e-5, atol=1e-6)
+        # The hard mask guides the delay's actions only, and through them the rest of the chunk moves too; with
+        # no delay nothing is guided: the plain chunk, bit for bit.
+        assert np.abs(got[2:] - want[2:]).max() > 1e-3
+        np.testing.assert_array_equal(client.infer({**obs, "prev_actions": prev, "delay": 0})["actions"], want)
         bad = [({"prev_actions": prev[:, :3], "delay": 1}, f"prev_actions: expected numbers shaped [k, {dims}]"),
                ({"prev_actions": np.zeros((h + 1, dims)), "delay": 1}, "prev_actions: expected numbers shaped"),
                ({"prev_actions": np.full((6, dims), np.nan), "delay": 1}, "prev_actions hold NaN or inf"),
@@ -305,12 +310,12 @@ def test_the_guidance_variants_are_serve_options_the_requests_carry(tmp_path):
     """serve.rtc_jacobian / serve.rtc_guided_dims reach each request's guidance and the metadata; a model-Jacobian
     request (the paper's form; identity is the default) samples the chunk the hand-made Guidance gives; a dim beyond
     the actions is one line naming it."""
-    runner = demo_runner(tmp_path, "serve.rtc_jacobian=model", "serve.rtc_guided_dims=[0,1,2]")
+    runner = demo_runner(tmp_path, "serve.rtc_jacobian=model", "serve.rtc_guided_dims=[0,1,2]", "serve.rtc_schedule=exp")
     pc = runner.cfg.policy
     prev = np.random.default_rng(1).normal(size=(4, pc.action_dim))
     obs = droid_obs(runner, 0)
     guidance = runner.read_rtc({"prev_actions": prev, "delay": 1}, runner.processor.read(obs).state)
-    assert (guidance.jacobian, guidance.guided_dims) == ("model", (0, 1, 2))
+    assert (guidance.jacobian, guidance.guided_dims, guidance.schedule) == ("model", (0, 1, 2), "exp")
     assert runner.rtc_metadata()["jacobian"] == "model" and runner.rtc_metadata()["guided_dims"] == [0, 1, 2]
     got = runner.session().infer({**obs, "prev_actions": prev, "delay": 1})["actions"]
     padded = torch.zeros(1, pc.action_horizon, pc.action_dim)
