@@ -4,7 +4,9 @@ The next chunk is sampled while the previous one still runs: its first ``d`` act
 the previous chunk anyway, so they are frozen to it, and the rest of the overlap ``k`` is guided towards it with
 weights that decay over ``d <= i < k``. On every flow step the predicted clean chunk ``x_t - t * u`` is compared
 with the previous chunk ``Y``; the weighted error, pulled back through the velocity (a vector-Jacobian product
-with respect to ``x_t``), corrects the velocity, its weight clipped at ``max_guidance`` (the paper's beta).
+with respect to ``x_t``), corrects the velocity, its weight clipped at ``max_guidance`` (the paper's beta). The
+weights over the overlap are the ``schedule``: the paper's soft mask (``exp``), or the hard mask (``zeros``: the d
+frozen actions alone guide), which the server uses by default (``serve.rtc_schedule``; docs/serving.md).
 
 Time: slurmvla's flow runs t = 1 (noise) -> 0 (actions) with ``u = noise - actions``; the paper's runs
 tau = 0 (noise) -> 1 with ``v = actions - noise``. So ``tau = 1 - t`` and ``v = -u``; the clean estimate
