@@ -75,7 +75,7 @@ class ServeConfig:
     # weight (the paper's beta), and the guidance weights over the overlap after the delay: zeros (the default: a
     # hard mask, only the d actions that run during the delay guide; a request with d = 0 is a plain one), exp
     # (the paper's soft mask), linear, ones (the whole overlap as the frozen part). The soft mask pulls the actions
-    # the robot will run from the new chunk towards the older plan and cost success at d = 1-2 on the pick task
+    # the robot will run from the new chunk towards the older plan and costs success at d = 1-2 on the pick task
     # (docs/serving.md, "Which real-time chunking").
     rtc_max_guidance: float = 5.0
     rtc_schedule: str = "zeros"

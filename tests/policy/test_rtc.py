@@ -307,7 +307,7 @@ def test_guidance_settings_name_their_value_and_choices():
 
 
 def test_the_guidance_variants_are_serve_options_the_requests_carry(tmp_path):
-    """serve.rtc_jacobian / serve.rtc_guided_dims reach each request's guidance and the metadata; a model-Jacobian
+    """serve.rtc_jacobian / serve.rtc_guided_dims / serve.rtc_schedule reach each request's guidance and the metadata; a model-Jacobian
     request (the paper's form; identity is the default) samples the chunk the hand-made Guidance gives; a dim beyond
     the actions is one line naming it."""
     runner = demo_runner(tmp_path, "serve.rtc_jacobian=model", "serve.rtc_guided_dims=[0,1,2]", "serve.rtc_schedule=exp")
