@@ -201,7 +201,8 @@ def plain_chunk(runner: PolicyRunner, obs: dict, rtc: Guidance | None = None) ->
     seeded_sample_actions draws it, sample_actions called here."""
     batch = runner.processor.batch(collections.deque([runner.processor.read(obs)]))
     pc = runner.cfg.policy
-    noise = torch.randn((1, pc.action_horizon, pc.action_dim), generator=torch.Generator().manual_seed(request_seed(7, batch)))
+    g = torch.Generator().manual_seed(request_seed(7, batch))
+    noise = torch.randn((1, pc.action_horizon, pc.action_dim), generator=g)
     with torch.no_grad():
         return runner.policy.sample_actions(batch, noise=noise, **({"rtc": rtc} if rtc else {}))[0].numpy()
 
@@ -307,10 +308,11 @@ def test_guidance_settings_name_their_value_and_choices():
 
 
 def test_the_guidance_variants_are_serve_options_the_requests_carry(tmp_path):
-    """serve.rtc_jacobian / serve.rtc_guided_dims / serve.rtc_schedule reach each request's guidance and the metadata; a model-Jacobian
-    request (the paper's form; identity is the default) samples the chunk the hand-made Guidance gives; a dim beyond
-    the actions is one line naming it."""
-    runner = demo_runner(tmp_path, "serve.rtc_jacobian=model", "serve.rtc_guided_dims=[0,1,2]", "serve.rtc_schedule=exp")
+    """serve.rtc_jacobian / serve.rtc_guided_dims / serve.rtc_schedule reach each request's guidance and the
+    metadata; a model-Jacobian request (the paper's form; identity is the default) samples the chunk the hand-made
+    Guidance gives; a dim beyond the actions is one line naming it."""
+    runner = demo_runner(tmp_path, "serve.rtc_jacobian=model", "serve.rtc_guided_dims=[0,1,2]",
+                         "serve.rtc_schedule=exp")
     pc = runner.cfg.policy
     prev = np.random.default_rng(1).normal(size=(4, pc.action_dim))
     obs = droid_obs(runner, 0)
