@@ -588,7 +588,8 @@ def load_model_file(checkpoint: Path, ema: bool = False) -> dict[str, torch.Tens
     if ema:
         if not (checkpoint / EMA_FILE).is_file():
             raise ValueError(f"checkpoint {checkpoint} holds no moving average ({EMA_FILE}): its run had no "
-                             "trainer.ema_decay; export its weights without --ema")
+                             "trainer.ema_decay; use its trained weights (serve.weights=auto or trained; export "
+                             "without --ema)")
         return load_file(str(checkpoint / EMA_FILE))
     meta = json.loads((checkpoint / META_FILE).read_text())
     return ENGINES.get(meta["engine"]).load_full_state(checkpoint)

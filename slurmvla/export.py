@@ -2,12 +2,14 @@
 
     python -m slurmvla.export CHECKPOINT_OR_RUN_DIR OUT.safetensors
     python -m slurmvla.export CHECKPOINT_OR_RUN_DIR OUT_DIR --layout lerobot    # pi0 / pi0.5 for LeRobot 0.6.1
-    python -m slurmvla.export CHECKPOINT_OR_RUN_DIR OUT.safetensors --ema       # the moving average (trainer.ema_decay)
+    python -m slurmvla.export CHECKPOINT_OR_RUN_DIR OUT.safetensors --weights trained   # not the moving average
     python -m slurmvla.export LORA_RUN_DIR OUT.safetensors --adapters           # a LoRA run's adapters alone (default: merged)
 
-The file's metadata carries the step, the engine and, when the run directory has it, the resolved
-config, so the policy can be rebuilt without the run directory: the server and the evaluator load
-such a file (or a run directory / checkpoint folder) with its config alone. A LeRobot pi0 / pi0.5
+A run with ``trainer.ema_decay`` is exported with the moving average of its weights, as serving it does
+(``serve.weights=auto``); ``--weights trained`` or ``--weights ema`` chooses. The file's metadata carries
+the step, the engine, which weights and, when the run directory has it, the resolved config, so the policy
+can be rebuilt without the run directory: the server and the evaluator load such a file (or a run
+directory / checkpoint folder) with its config alone. A LeRobot pi0 / pi0.5
 checkpoint directory is a source too: its weights, statistics and config, loaded strictly.
 
     python -m slurmvla.export LEROBOT_DIR OUT.safetensors policy.tokenizer_path=PALIGEMMA_DIR
@@ -25,18 +27,20 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from slurmvla.checkpoint import LORA_BASE, META_FILE, load_model_file, resolve_checkpoint
+from slurmvla.checkpoint import EMA_FILE, LORA_BASE, META_FILE, load_model_file, resolve_checkpoint
 from slurmvla.cli import ArgumentParser, program
+from slurmvla.config.serve import SERVED_WEIGHTS
 from slurmvla.errors import boundary
 from slurmvla.inference.lerobot_checkpoint import lerobot_type, not_lerobot_reason
 from slurmvla.inference.load import CONFIG_FILE, Loaded, load_exported, read_config
 
 
-def export(source: str | Path, out: str | Path, overrides: list[str] | tuple[str, ...] = (), ema: bool = False,
+def export(source: str | Path, out: str | Path, overrides: list[str] | tuple[str, ...] = (), ema: bool | None = None,
            adapters: bool = False) -> Path:
     """``source`` as one fp32 file. ``overrides`` are read for a LeRobot checkpoint directory only (its
     size when it is not a published one, its tokenizer): a slurmvla checkpoint is written as it is.
-    ``ema``: the checkpoint's moving average of the weights (``trainer.ema_decay``) instead of them.
+    ``ema``: the checkpoint's moving average of the weights (``trainer.ema_decay``) instead of them; None:
+    the average where the checkpoint holds one (``serve.weights=auto``: what serving the run would load).
     A LoRA run's checkpoint is written merged (the plain policy, which loads without peft) unless
     ``adapters``: then the adapters and what else it trained alone, small, loaded onto the base its config
     rebuilds."""
@@ -54,6 +58,8 @@ def export(source: str | Path, out: str | Path, overrides: list[str] | tuple[str
     if reason := not_lerobot_reason(source):
         raise ValueError(reason)
     checkpoint = resolve_checkpoint(source)
+    if ema is None:
+        ema = (checkpoint / EMA_FILE).is_file()
     meta = json.loads((checkpoint / META_FILE).read_text())
     metadata = {"step": str(meta["step"]), "engine": meta["engine"], "source": str(checkpoint.resolve()),
                 "weights": "moving average" if ema else "trained"}
@@ -100,7 +106,7 @@ LEROBOT_SIDE_FILES = ("config.json", "policy_preprocessor.json", "policy_postpro
 
 
 def export_lerobot(source: str | Path, out: str | Path, overrides: list[str] | tuple[str, ...] = (),
-                   ema: bool = False) -> Path:
+                   ema: bool | None = None) -> Path:
     """A pi0 / pi0.5 checkpoint as a LeRobot 0.6.1 checkpoint directory: ``model.safetensors`` with
     every key LeRobot's PI0Policy / PI05Policy holds (it loads with ``strict=True``), plus LeRobot's
     config and processor files when the run started from a LeRobot checkpoint directory."""
@@ -131,19 +137,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", help="the .safetensors file to write (--layout lerobot: a directory)")
     parser.add_argument("--layout", choices=("slurmvla", "lerobot"), default="slurmvla",
                         help="lerobot: a LeRobot 0.6.1 pi0 / pi0.5 checkpoint directory (strict-loadable)")
-    parser.add_argument("--ema", action="store_true",
-                        help="the moving average of the weights the checkpoint holds (trainer.ema_decay)")
+    parser.add_argument("--weights", choices=SERVED_WEIGHTS, default="auto",
+                        help="ema: the moving average of the weights the checkpoint holds (trainer.ema_decay); "
+                             "trained: the optimizer's own; auto (the default): the average where there is one, "
+                             "as serving the run does (serve.weights)")
+    parser.add_argument("--ema", action="store_true", help="the same as --weights ema")
     parser.add_argument("--adapters", action="store_true",
                         help="a LoRA run: its adapters alone (small; serve and evaluate rebuild the base), not merged")
     parser.add_argument("overrides", nargs="*", help="for a LeRobot source: e.g. policy.tokenizer_path=DIR")
     args = parser.parse_intermixed_args(argv)
+    ema = True if args.ema else {"auto": None, "trained": False, "ema": True}[args.weights]
     with boundary():
+        if args.ema and args.weights == "trained":
+            raise ValueError("--ema and --weights trained contradict each other: give one")
         if args.adapters and args.layout != "slurmvla":
             raise ValueError("--adapters writes slurmvla's layout; --layout lerobot writes the merged weights")
         if args.layout == "slurmvla":
-            out = export(args.source, args.out, args.overrides, ema=args.ema, adapters=args.adapters)
+            out = export(args.source, args.out, args.overrides, ema=ema, adapters=args.adapters)
         else:
-            out = export_lerobot(args.source, args.out, args.overrides, ema=args.ema)
+            out = export_lerobot(args.source, args.out, args.overrides, ema=ema)
     print(f"wrote {out}")
 
 

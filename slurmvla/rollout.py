@@ -104,7 +104,7 @@ def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None,
             episodes = run_episodes(client, cfg, seeds, out)
         finally:
             close_client(client)
-        step, where = None, source
+        step, where, weights = None, source, None
     else:
         from slurmvla.inference.build import build_server
 
@@ -112,13 +112,13 @@ def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None,
         server = build_server(source, [*overrides, "serve.host=127.0.0.1", "serve.port=0"], environ={})
         loaded = server.policy.loaded
         cfg = loaded.cfg.rollout
-        step, where = loaded.step, loaded.source
+        step, where, weights = loaded.step, loaded.source, loaded.weights
         out = Path(cfg.out) if cfg.out else _unused_default(_default_out(Path(source), step), name)
         seeds = shard_seeds(cfg, shard)
         start = time.perf_counter()
         episodes = run_served(server, cfg, seeds, out)
     summary = summarize(episodes, time.perf_counter() - start)
-    summary.update({"source": where, "step": step, "max_steps": cfg.max_steps,
+    summary.update({"source": where, "step": step, "weights": weights, "max_steps": cfg.max_steps,
                     **execution_of(cfg), "shard": f"{shard[0]}/{shard[1]}", "host": socket.gethostname()})
     out.mkdir(parents=True, exist_ok=True)
     (out / name).write_text(json.dumps(summary, indent=1))

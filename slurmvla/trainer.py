@@ -72,7 +72,8 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, env: DistEnv | None = None,
                  closed_loop: Callable[..., dict[str, float] | None] | None = None):
         """``closed_loop``: what ``trainer.rollout_every_steps`` calls, as
-        ``closed_loop(policy, cfg, step, run_dir, rank, world_size)`` on every rank, returning the
+        ``closed_loop(policy, cfg, step, run_dir, rank, world_size, weights=...)`` on every rank (``weights``:
+        ``ema`` when the policy holds the moving average, ``serve.weights``), returning the
         metrics on rank 0 (``python -m slurmvla.train`` passes :func:`slurmvla.inference.closed_loop.in_training`)."""
         if cfg.trainer.rollout_every_steps and closed_loop is None:
             raise ValueError(f"trainer.rollout_every_steps={cfg.trainer.rollout_every_steps} needs the closed loop: "
@@ -391,9 +392,13 @@ class Trainer:
         if self.env.is_main:
             log.info("step %d: %d closed-loop episodes over %d rank(s)", self.step, self.cfg.rollout.episodes,
                      self.env.world_size)
+        # serve.weights: the moving average, where the run keeps one, unless the trained weights are asked for.
+        average = self.ema is not None and self.cfg.serve.weights != "trained"
         self.policy.eval()
         try:
-            metrics = self._closed_loop(self.policy, self.cfg, self.step, self.run_dir, self.env.rank, self.env.world_size)
+            with self.ema.applied_to(self.policy) if average else contextlib.nullcontext():
+                metrics = self._closed_loop(self.policy, self.cfg, self.step, self.run_dir, self.env.rank,
+                                            self.env.world_size, weights="ema" if average else "trained")
         finally:
             self.policy.train()
         if metrics is not None:

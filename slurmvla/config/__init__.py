@@ -244,6 +244,11 @@ class Config:
                 f"{list(ENGINES.names(whole_model=True))}, or set it to 0 and roll out a checkpoint with "
                 "python -m slurmvla.rollout RUN_DIR"
             )
+        if self.trainer.rollout_every_steps and self.serve.weights == "ema" and self.trainer.ema_decay is None:
+            raise ValueError(
+                "serve.weights=ema evaluates the moving average of the weights, which this run does not keep "
+                "(trainer.ema_decay=null): set trainer.ema_decay (e.g. 0.999), or serve.weights=auto / trained"
+            )
         if self.policy.num_obs_history != self.data.num_obs_history:
             raise ValueError(
                 f"policy.num_obs_history={self.policy.num_obs_history} does not match data.num_obs_history="

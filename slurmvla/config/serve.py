@@ -11,6 +11,8 @@ from slurmvla.config.policy import RTC_JACOBIANS, RTC_SCHEDULES
 
 # rollout.execution and the robot-side executor (slurmvla/inference/executor.py): how action chunks run.
 EXECUTION_MODES = ("sync", "async", "rtc")
+# serve.weights: which of a checkpoint's weights a policy is served (and evaluated, rolled out, exported) with.
+SERVED_WEIGHTS = ("auto", "trained", "ema")
 
 
 @dataclass
@@ -34,6 +36,10 @@ class ServeConfig:
     # server, and consecutive observations in closed loop draw unrelated noise. null: fresh noise per
     # request (openpi's server), not reproducible.
     seed: int | None = 0
+    # Which weights: ema, the moving average a run with trainer.ema_decay keeps (what openpi serves and
+    # Diffusion Policy evaluates); trained, the optimizer's own; auto, the average where the checkpoint holds
+    # one (ema.safetensors), else the trained weights. The trainer's periodic closed loop follows it too.
+    weights: str = "auto"
     # auto: the GPU when there is one.
     device: str = "auto"
     # Real-time inference on a GPU (slurmvla/inference/graphs.py). cuda_graph: each request replays one
@@ -92,6 +98,8 @@ class ServeConfig:
         if not 0 <= self.rtc_max_guidance < float("inf"):
             raise ValueError(f"serve.rtc_max_guidance={self.rtc_max_guidance} must be a number >= 0 (the paper's "
                              "5.0; 0 turns guidance off, the delay's actions still come from prev_actions)")
+        if self.weights not in SERVED_WEIGHTS:
+            raise ValueError(f"serve.weights={self.weights!r} is not one of {', '.join(SERVED_WEIGHTS)}")
         if self.rtc_schedule not in RTC_SCHEDULES:
             raise ValueError(f"serve.rtc_schedule={self.rtc_schedule!r} is not one of {', '.join(RTC_SCHEDULES)}")
         if self.rtc_jacobian not in RTC_JACOBIANS:

@@ -56,6 +56,22 @@ class MovingAverage:
             with torch.no_grad():
                 torch._foreach_copy_(masters, kept)
 
+    @contextlib.contextmanager
+    def applied_to(self, module: torch.nn.Module) -> Iterator[None]:
+        """The average in ``module``'s own weights until the block ends, put back exactly after: what the
+        trainer's periodic closed loop evaluates (a whole-model engine's policy; its compute dtype, as the
+        trained weights are). One more copy of the module's weights for the duration."""
+        state = self.state_dict()
+        live = module.state_dict()
+        if missing := sorted(set(state) - set(live)):
+            raise RuntimeError(f"the moving average holds tensors the policy does not: {missing[:5]}")
+        kept = {k: live[k].detach().clone() for k in state}
+        module.load_state_dict(state, strict=False)
+        try:
+            yield
+        finally:
+            module.load_state_dict(kept, strict=False)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The averaged policy as fp32 CPU tensors (a collective where the engine shards; on rank 0
         where the engine gathers there only)."""

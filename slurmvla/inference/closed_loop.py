@@ -256,10 +256,12 @@ def run_served(server: Any, cfg: RolloutConfig, seeds: list[int], video_dir: Pat
             close_client(client)
 
 
-def in_training(policy: Any, cfg: Any, step: int, run_dir: Path, rank: int, world_size: int) -> dict | None:
+def in_training(policy: Any, cfg: Any, step: int, run_dir: Path, rank: int, world_size: int,
+                weights: str = "trained") -> dict | None:
     """The trainer's periodic closed loop (``trainer.rollout_every_steps``): this rank's share of the
-    episodes against its copy of ``policy``; every rank calls it. Rank 0 gets the metrics of all
-    episodes (and writes ``run_dir/rollout/step_N/``); the other ranks get None."""
+    episodes against its copy of ``policy`` (holding the ``weights`` named: trained, or ema for the moving
+    average); every rank calls it. Rank 0 gets the metrics of all episodes (and writes
+    ``run_dir/rollout/step_N/``); the other ranks get None."""
     from slurmvla.collectives import gather_objects
     from slurmvla.inference.load import Loaded
     from slurmvla.inference.runner import PolicyRunner
@@ -268,13 +270,13 @@ def in_training(policy: Any, cfg: Any, step: int, run_dir: Path, rank: int, worl
     rcfg = cfg.rollout
     out = Path(rcfg.out) / f"step_{step:08d}" if rcfg.out else Path(run_dir) / "rollout" / f"step_{step:08d}"
     start = time.perf_counter()
-    server = PolicyServer(PolicyRunner(Loaded(policy, cfg, step, str(run_dir))), "127.0.0.1", 0)
+    server = PolicyServer(PolicyRunner(Loaded(policy, cfg, step, str(run_dir), weights)), "127.0.0.1", 0)
     mine = run_served(server, rcfg, shard_seeds(rcfg, (rank, world_size)), out if rank == 0 else None)
     everyone = gather_objects(mine)
     if rank != 0:
         return None
     summary = summarize([e for part in everyone for e in part], time.perf_counter() - start)
-    summary.update({"source": str(run_dir), "step": step, "max_steps": rcfg.max_steps,
+    summary.update({"source": str(run_dir), "step": step, "weights": weights, "max_steps": rcfg.max_steps,
                     **execution_of(rcfg)})
     out.mkdir(parents=True, exist_ok=True)
     (out / "rollout.json").write_text(json.dumps(summary, indent=1))

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from slurmvla.checkpoint import LORA_BASE, META_FILE, load_model_file, resolve_checkpoint
+from slurmvla.checkpoint import EMA_FILE, LORA_BASE, META_FILE, load_model_file, resolve_checkpoint
 from slurmvla.compose import check_override_keys, explain_config_error, to_config
 from slurmvla.config import Config
 from slurmvla.engine.materialize import has_meta_parameters
@@ -36,10 +36,11 @@ class Loaded:
     cfg: Config  # the run's resolved config with the overrides applied
     step: int
     source: str  # the file or checkpoint folder the weights came from
+    weights: str = "trained"  # trained, or ema: the moving average of them (serve.weights)
 
 
 def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (),
-                  device: str | torch.device = "cpu", ema: bool = False, merge: bool = True) -> Loaded:
+                  device: str | torch.device = "cpu", ema: bool | None = None, merge: bool = True) -> Loaded:
     """The trained policy, rebuilt from its config alone and loaded with its weights.
 
     ``source``: a file written by ``python -m slurmvla.export`` (its metadata carries the config), a checkpoint
@@ -47,13 +48,16 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
     ``config.resolved.yaml``). ``overrides``: Hydra-style ``key=value`` pairs applied to that config
     (e.g. ``policy.num_inference_steps=5``, ``data.root=...``). A ValueError names the file and what
     is wrong with it. A LoRA run's adapters are rebuilt onto its base and, with ``merge`` (the default),
-    folded into it."""
+    folded into it. ``ema``: the checkpoint's moving average of the weights (True) or its trained weights
+    (False); None: as ``serve.weights`` of the config with the overrides says (:func:`wants_average`)."""
     path = Path(source)
     if ema and (not path.is_dir() or lerobot_type(path)):
         raise ValueError(f"--ema reads a slurmvla checkpoint's moving average; {str(path)!r} is not a checkpoint "
                          "folder or run directory")
     if lerobot_type(path):
-        return _load_lerobot(path, overrides, device)
+        loaded = _load_lerobot(path, overrides, device)
+        _one_set_of_weights(loaded.cfg, path, "a LeRobot checkpoint directory (one set of weights)")
+        return loaded
     if path.is_file():
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -66,6 +70,11 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
         config_yaml, step, origin = metadata["config_yaml"], int(metadata.get("step", -1)), str(path)
         base = json.loads(metadata[LORA_BASE]) if LORA_BASE in metadata else None
         where = f"the config in {path}'s metadata"
+        cfg = read_config(config_yaml, list(overrides), where)
+        weights = "ema" if metadata.get("weights") == "moving average" else "trained"
+        if weights == "trained":
+            _one_set_of_weights(cfg, path, "an exported file of the trained weights (python -m slurmvla.export "
+                                "--weights ema writes the average)")
         state = load_file(str(path))
     elif path.is_dir():
         if reason := not_lerobot_reason(path):
@@ -75,16 +84,17 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
         if not config.is_file():
             raise ValueError(f"checkpoint {checkpoint} has no {CONFIG_FILE} in its run directory {config.parent}: "
                              "the policy cannot be rebuilt without its config")
-        config_yaml, where = config.read_text(), str(config)
+        cfg = read_config(config.read_text(), list(overrides), str(config))
         meta = json.loads((checkpoint / META_FILE).read_text())
         step, base = int(meta["step"]), meta.get(LORA_BASE)
-        origin, state = str(checkpoint), load_model_file(checkpoint, ema=ema)
+        average = wants_average(cfg, checkpoint) if ema is None else ema
+        weights = "ema" if average else "trained"
+        origin, state = str(checkpoint), load_model_file(checkpoint, ema=average)
     else:
         raise ValueError(f"{str(path)!r} does not exist; give an exported .safetensors file, a checkpoint folder "
                          "or a run directory")
-    cfg = read_config(config_yaml, list(overrides), where)
     if cfg.policy.lora.enabled:
-        return _load_adapted(cfg, state, step, origin, device, merge, base)
+        return dataclasses.replace(_load_adapted(cfg, state, step, origin, device, merge, base), weights=weights)
     # The trained weights (and normalization buffers) replace any pretrained ones: do not read (or
     # need) the pretrained file; keep its tokenizer, which the policy's prompts are written with.
     # A policy that can initialise parameter by parameter is built on the meta device and takes the loaded
@@ -97,7 +107,19 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
         raise ValueError(f"{origin}: the weights do not fit the policy its config builds ({cfg.policy.name}); "
                          f"missing: {missing[:5]}, unexpected: {unexpected[:5]}")
     policy.load_state_dict(state, assign=deferred)
-    return Loaded(policy.to(device).eval(), cfg, step, origin)
+    return Loaded(policy.to(device).eval(), cfg, step, origin, weights)
+
+
+def wants_average(cfg: Config, checkpoint: Path) -> bool:
+    """Whether ``serve.weights`` picks the moving average of ``checkpoint``'s weights: ema (its file must be
+    there: :func:`slurmvla.checkpoint.load_model_file` says so), or auto where the checkpoint holds one."""
+    return cfg.serve.weights == "ema" or (cfg.serve.weights == "auto" and (checkpoint / EMA_FILE).is_file())
+
+
+def _one_set_of_weights(cfg: Config, path: Path, what: str) -> None:
+    if cfg.serve.weights == "ema":
+        raise ValueError(f"serve.weights=ema: {str(path)!r} is {what}, which holds no moving average; serve "
+                         "the run directory or checkpoint folder, or leave serve.weights at auto / trained")
 
 
 def _load_adapted(cfg: Config, state: dict[str, torch.Tensor], step: int, origin: str, device,

@@ -61,6 +61,7 @@ class PolicyRunner:
         pc = self.cfg.policy
         return {
             "server": "slurmvla", "policy": pc.target or pc.name, "step": self.loaded.step, "source": self.loaded.source,
+            "weights": self.loaded.weights,
             "action_horizon": pc.action_horizon, "action_dim": pc.action_dim, "image_size": self.spec.image_size,
             "cameras": {cam: key for cam, key in zip(self.cfg.data.cameras, self.processor.camera_keys)},
             "state": list(self.cfg.serve.state), "prompt": self.cfg.serve.prompt, "seed": self.cfg.serve.seed,

@@ -115,7 +115,8 @@ class PolicyServer:
     def _describe(self) -> str:
         meta = self.metadata()
         if "source" in meta and "step" in meta:
-            return f"{meta['source']} (step {meta['step']})"
+            average = ", the moving average of its weights" if meta.get("weights") == "ema" else ""
+            return f"{meta['source']} (step {meta['step']}{average})"
         return type(self.policy).__name__
 
     @staticmethod

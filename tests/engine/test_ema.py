@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from slurmvla.checkpoint import list_checkpoints
+from slurmvla.inference.load import load_exported
 from slurmvla.trainer import Trainer
 
 DECAY = 0.7
@@ -56,22 +57,96 @@ def test_the_average_is_openpis_formula_over_every_steps_weights_and_resumes_bit
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_export_writes_the_average_on_request(make_cfg, tmp_path):
+def _equal(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_export_and_serving_take_the_average_where_the_run_keeps_one(make_cfg, tmp_path):
+    """serve.weights=auto (the default) loads the moving average of a run that keeps one, as openpi serves
+    its EMA parameters; export writes the same; trained / ema choose, and a choice that cannot be met is
+    refused naming the checkpoint or file."""
     cfg = make_cfg("trainer.max_steps=4", "checkpoint.every_steps=4", f"trainer.ema_decay={DECAY}")
     run(cfg, tmp_path / "run")
-    cmd = [sys.executable, "-m", "slurmvla.export", str(tmp_path / "run"), str(tmp_path / "ema.safetensors"), "--ema"]
-    subprocess.run(cmd, check=True, cwd=REPO, capture_output=True)
-    exported = load_file(str(tmp_path / "ema.safetensors"))
-    saved = load_file(str(tmp_path / "run" / "checkpoints" / "step_00000004" / "ema.safetensors"))
-    assert all(torch.equal(exported[k], saved[k]) for k in saved)
-    with safe_open(str(tmp_path / "ema.safetensors"), "pt") as f:
-        assert f.metadata()["weights"] == "moving average"
+    step = tmp_path / "run" / "checkpoints" / "step_00000004"
+    average, trained = load_file(str(step / "ema.safetensors")), load_file(str(step / "model.safetensors"))
+    assert not _equal(average, trained)
+
+    def served(source, *overrides):
+        loaded = load_exported(source, list(overrides))
+        return {k: v for k, v in loaded.policy.state_dict().items() if k in average}, loaded.weights
+
+    for source, overrides in [(tmp_path / "run", ()), (step, ("serve.weights=ema",))]:
+        state, which = served(source, *overrides)
+        assert which == "ema" and _equal(state, average), overrides
+    state, which = served(tmp_path / "run", "serve.weights=trained")
+    assert which == "trained" and _equal(state, trained)
+
+    export = [sys.executable, "-m", "slurmvla.export", str(tmp_path / "run")]
+    for flags, name, want, label in [((), "auto", average, "moving average"), (("--ema",), "ema", average, None),
+                                     (("--weights", "trained"), "trained", trained, "trained")]:
+        subprocess.run([*export, str(tmp_path / f"{name}.safetensors"), *flags], check=True, cwd=REPO,
+                       capture_output=True)
+        assert _equal(load_file(str(tmp_path / f"{name}.safetensors")), want), name
+        with safe_open(str(tmp_path / f"{name}.safetensors"), "pt") as f:
+            assert label is None or f.metadata()["weights"] == label
+    assert served(tmp_path / "auto.safetensors")[1] == "ema"
+    assert served(tmp_path / "trained.safetensors")[1] == "trained"
+    assert _equal(served(tmp_path / "auto.safetensors", "serve.weights=ema")[0], average)
+    with pytest.raises(ValueError, match=r"serve.weights=ema: .*trained.safetensors' is an exported file of the "
+                                         r"trained weights .* which holds no moving average"):
+        load_exported(tmp_path / "trained.safetensors", ["serve.weights=ema"])
+    with pytest.raises(ValueError, match=r"serve.weights='everything' is not one of auto, trained, ema"):
+        load_exported(tmp_path / "run", ["serve.weights=everything"])
 
     cfg = make_cfg("trainer.max_steps=2", "checkpoint.every_steps=2")
     run(cfg, tmp_path / "plain")
-    res = subprocess.run([*cmd[:3], str(tmp_path / "plain"), str(tmp_path / "x.safetensors"), "--ema"], cwd=REPO,
+    plain = load_file(str(tmp_path / "plain" / "checkpoints" / "step_00000002" / "model.safetensors"))
+    state, which = served(tmp_path / "plain")  # auto: the trained weights, there being no average
+    assert which == "trained" and all(torch.equal(state[k], plain[k]) for k in state)
+    with pytest.raises(ValueError, match=r"step_00000002 holds no moving average \(ema.safetensors\)"):
+        load_exported(tmp_path / "plain", ["serve.weights=ema"])
+    res = subprocess.run([*export[:3], str(tmp_path / "plain"), str(tmp_path / "x.safetensors"), "--ema"], cwd=REPO,
                          capture_output=True, text=True)
     assert res.returncode == 2 and "holds no moving average" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run([*export, str(tmp_path / "y.safetensors"), "--ema", "--weights", "trained"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "contradict" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("weights", ["auto", "trained"])
+def test_the_periodic_closed_loop_evaluates_the_average_and_training_goes_on_untouched(make_cfg, tmp_path, weights):
+    """trainer.rollout_every_steps with trainer.ema_decay: the closed loop is handed the policy holding the
+    moving average of that step (serve.weights=auto), or its trained weights (trained); either way the
+    run's weights afterwards are bit for bit those of the same run without closed loops."""
+    seen = []
+
+    def closed_loop(policy, cfg, step, run_dir, rank, world_size, weights):
+        seen.append((step, weights, {k: v.detach().clone() for k, v in policy.state_dict().items()}))
+        return None
+
+    common = ("trainer.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep=10", f"trainer.ema_decay={DECAY}",
+              "optim.lr=1e-2")
+    trainer = Trainer(make_cfg(*common, "trainer.rollout_every_steps=2", f"serve.weights={weights}"),
+                      tmp_path / "loop", closed_loop=closed_loop)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    run(make_cfg(*common), tmp_path / "none")
+    which = "trained" if weights == "trained" else "ema"
+    assert [(s, w) for s, w, _ in seen] == [(2, which), (4, which)]
+    for step, _, state in seen:
+        ckpt = tmp_path / "loop" / "checkpoints" / f"step_{step:08d}"
+        want = load_file(str(ckpt / ("model.safetensors" if weights == "trained" else "ema.safetensors")))
+        assert all(torch.equal(state[k], want[k]) for k in want), step
+    for step in (2, 4):
+        a, b = (load_file(str(tmp_path / r / "checkpoints" / f"step_{step:08d}" / "model.safetensors"))
+                for r in ("loop", "none"))
+        assert _equal(a, b), step
+
+    with pytest.raises(ValueError, match=r"serve.weights=ema evaluates the moving average of the weights, which "
+                                         r"this run does not keep \(trainer.ema_decay=null\)"):
+        make_cfg("trainer.rollout_every_steps=2", "serve.weights=ema")
 
 
 def test_a_decay_outside_zero_one_is_refused(make_cfg):
