@@ -152,3 +152,41 @@ def test_rollout_settings_name_the_embodiment_and_its_task():
     with pytest.raises(ValueError, match=r"rollout.task='assembly-v2' is not a Meta-World v3 task; choose one of "
                                          r"\['assembly-v3', 'basketball-v3'"):
         MetaWorld("assembly-v2")
+
+
+def test_the_auxiliary_position_policy_acts_on_the_image_and_the_robot_alone():
+    """benchmarks/metaworld_aux_policy.py: the environment's 39 numbers behind the robot's 9 are targets of the
+    auxiliary head, never an input of an action; the targets are the positions' dims, normalized."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from slurmvla.policy.flow_vla.config import FlowVLAConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from metaworld_aux_policy import POSITIONS, ROBOT, AuxKeypointFlowPolicy
+
+    torch.manual_seed(0)
+    cfg = FlowVLAConfig(num_cameras=1, num_obs_history=2, state_dim=ROBOT + 39, action_dim=4, action_horizon=4,
+                        image_size=32)
+    stats = {"state_offset": torch.randn(48), "state_scale": torch.rand(48) + 0.5, "action_offset": torch.zeros(4),
+             "action_scale": torch.ones(4)}
+    policy = AuxKeypointFlowPolicy(cfg, stats).eval()
+    batch = {"images": torch.randint(0, 256, (3, 2, 32, 32, 3), dtype=torch.uint8),
+             "image_mask": torch.ones(3, 2, dtype=torch.bool), "state": torch.randn(3, 2, 48)}
+    noise = torch.randn(3, 4, 4)
+    acts = policy.sample_actions(batch, noise=noise)
+    env = batch["state"].clone()
+    env[..., ROBOT:] += 100 * torch.randn_like(env[..., ROBOT:])
+    assert torch.equal(policy.sample_actions({**batch, "state": env}, noise=noise), acts)
+    robot = batch["state"].clone()
+    robot[..., :ROBOT] += 1.0
+    assert (policy.sample_actions({**batch, "state": robot}, noise=noise) - acts).abs().max() > 1e-3
+    dims = [ROBOT + d for d in POSITIONS]
+    want = (batch["state"][:, -1, dims] - stats["state_offset"][dims]) / stats["state_scale"][dims]
+    assert torch.allclose(policy.aux_target(batch), want)
+    train = {**batch, "actions": torch.randn(3, 4, 4), "action_mask": torch.ones(3, 4, dtype=torch.bool),
+             "noise": noise, "time_u": torch.rand(3)}
+    out = policy.train()(train)
+    assert out["loss"].isfinite() and out["components"]["aux"][0].min() > 0
