@@ -97,7 +97,8 @@ def evaluate(loaded: Loaded, split: str = "val", seed: int = 0, batch_size: int 
                  mixture.names, mixture.control_modes, list(mixture.weights))
     names = _dim_names(mixture)
     metrics = {
-        "source": loaded.source, "step": loaded.step, "split": split, "seed": seed, "batch_size": batch_size,
+        "source": loaded.source, "step": loaded.step, "weights": loaded.weights, "split": split, "seed": seed,
+        "batch_size": batch_size,
         "num_samples": int(len(v["pred"])), "datasets": mixture.names, "action_dims": names,
         "num_inference_steps": getattr(cfg.policy, "num_inference_steps", None),
         **_errors(v, np.ones(len(v["pred"]), bool), scale, names),
