@@ -270,9 +270,13 @@ def test_strategy_matches_single_process(engine, policy, single_references, stra
     assert rel_l2(ema["straight"], single_reference["fp32 ema"]) < 1e-6
     assert rel_l2(ema["straight"], w["straight"]) > 1e-4, "the average must lag the weights"
     assert all(torch.equal(ema["straight"][k], ema["resumed"][k]) for k in ref), "the average resumes bitwise"
-    # The strategy's checkpoint exports (one process, no process group) to the same weights.
-    exported = load_file(str(export(out / f"{policy}.{engine}.straight", tmp_path / "export.safetensors")))
+    # The strategy's checkpoint exports (one process, no process group) to the same weights, and by default
+    # (serve.weights=auto) to its moving average.
+    run = out / f"{policy}.{engine}.straight"
+    exported = load_file(str(export(run, tmp_path / "trained.safetensors", ema=False)))
     assert all(torch.equal(exported[k], w["straight"][k]) for k in ref)
+    exported = load_file(str(export(run, tmp_path / "default.safetensors")))
+    assert all(torch.equal(exported[k], ema["straight"][k]) for k in ref)
     if "accum" in w:  # global batch 8 as 2 ranks x 2 accumulation steps x 2 == 2 ranks x 4 (recomputing, see cell_runs)
         assert rel_l2(w["accum"], w["straight"]) < 1e-6
     if "bf16" in w:  # fp32 parameters and state in the optimizer that steps, weights near the fp32 run

@@ -129,8 +129,8 @@ class TrainerConfig:
     compile: bool = False
     # An exponential moving average of the fp32 master weights (openpi's ema_decay; 0.99 in its DROID
     # fine-tuning), updated after every optimizer step, held as the optimizer state is held (sharded
-    # where the engine shards it), saved in each checkpoint (ema.safetensors) and resumed bitwise;
-    # python -m slurmvla.export --ema writes it. null: none.
+    # where the engine shards it), saved in each checkpoint (ema.safetensors) and resumed bitwise; what
+    # the run is served, rolled out, evaluated and exported with (serve.weights=auto). null: none.
     ema_decay: float | None = None
 
     def __post_init__(self) -> None:
