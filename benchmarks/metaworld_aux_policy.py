@@ -11,11 +11,18 @@ added to the flow loss with weight ``aux_weight``. A plug-in through the policy 
     PYTHONPATH=benchmarks python -m slurmvla.train experiment=metaworld rollout.task=disassemble-v3 \\
         'data.state_keys=[observation.state,observation.environment_state]' policy.state_dim=48 \\
         'serve.state=[observation/state,observation/env_state]' policy.target=metaworld_aux_policy.AuxKeypointFlowPolicy
+    python benchmarks/metaworld_aux_policy.py RUN DATA_ROOT     # how well its keypoints locate the objects, in cm
+
+The second command reads every frame of a recorded dataset (the training demonstrations, or new ones:
+``python -m slurmvla.sim.record --env metaworld --task T --episodes 10 --first-seed 50000 --out DIR``) and prints,
+per position, the auxiliary head's mean absolute error beside the positions' spread.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -68,3 +75,33 @@ class AuxKeypointFlowPolicy(KeypointFlowPolicy):
         out["loss"] = out["loss"] + self.aux_weight * err.mean()
         out["components"]["aux"] = (err.detach(), torch.ones_like(err))
         return out
+
+
+def locate(run: str, root: str) -> None:
+    from slurmvla.data.loader import build_validation_loader
+    from slurmvla.data.mixture import Mixture
+    from slurmvla.inference.load import load_exported
+
+    loaded = load_exported(run, [f"data.root={root}", "policy.target=metaworld_aux_policy.AuxKeypointFlowPolicy"])
+    policy, cfg = loaded.policy.eval(), loaded.cfg
+    mixture = Mixture(cfg.data, type(policy).sample_spec(cfg.policy), cfg.trainer.seed)
+    errors, targets = [], []
+    with torch.no_grad():
+        for batch in build_validation_loader(mixture, cfg.data, 64, split="all"):
+            found = policy.aux_head(policy.features(batch)[:, :policy.keypoint_dim])
+            errors.append((found - policy.aux_target(batch)) * policy.aux_scale)
+            targets.append(policy.aux_target(batch) * policy.aux_scale)
+    error, target = torch.cat(errors), torch.cat(targets)
+    names = [f"{what} {axis}" for what in ("first object", "second object", "goal") for axis in "xyz"]
+    for i, name in enumerate(names):
+        if policy.aux_valid[i]:
+            print(f"{name}: mean |error| {100 * error[:, i].abs().mean():.2f} cm, "
+                  f"spread (std) {100 * target[:, i].std():.2f} cm")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.modules.setdefault("metaworld_aux_policy", sys.modules["__main__"])
+    if len(sys.argv) != 3:
+        sys.exit(f"usage: python {sys.argv[0]} RUN DATA_ROOT")
+    locate(sys.argv[1], sys.argv[2])
