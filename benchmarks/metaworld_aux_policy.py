@@ -89,8 +89,9 @@ def locate(run: str, root: str) -> None:
     with torch.no_grad():
         for batch in build_validation_loader(mixture, cfg.data, 64, split="all"):
             found = policy.aux_head(policy.features(batch)[:, :policy.keypoint_dim])
-            errors.append((found - policy.aux_target(batch)) * policy.aux_scale)
-            targets.append(policy.aux_target(batch) * policy.aux_scale)
+            target = policy.aux_target(batch)
+            errors.append((found - target) * policy.aux_scale)
+            targets.append(target * policy.aux_scale)
     error, target = torch.cat(errors), torch.cat(targets)
     names = [f"{what} {axis}" for what in ("first object", "second object", "goal") for axis in "xyz"]
     for i, name in enumerate(names):

@@ -27,12 +27,12 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from slurmvla.checkpoint import EMA_FILE, LORA_BASE, META_FILE, load_model_file, resolve_checkpoint
+from slurmvla.checkpoint import LORA_BASE, META_FILE, load_model_file, resolve_checkpoint
 from slurmvla.cli import ArgumentParser, program
 from slurmvla.config.serve import SERVED_WEIGHTS
 from slurmvla.errors import boundary
 from slurmvla.inference.lerobot_checkpoint import lerobot_type, not_lerobot_reason
-from slurmvla.inference.load import CONFIG_FILE, Loaded, load_exported, read_config
+from slurmvla.inference.load import CONFIG_FILE, Loaded, load_exported, read_config, wants_average
 
 
 def export(source: str | Path, out: str | Path, overrides: list[str] | tuple[str, ...] = (), ema: bool | None = None,
@@ -59,7 +59,7 @@ def export(source: str | Path, out: str | Path, overrides: list[str] | tuple[str
         raise ValueError(reason)
     checkpoint = resolve_checkpoint(source)
     if ema is None:
-        ema = (checkpoint / EMA_FILE).is_file()
+        ema = wants_average("auto", checkpoint)
     meta = json.loads((checkpoint / META_FILE).read_text())
     metadata = {"step": str(meta["step"]), "engine": meta["engine"], "source": str(checkpoint.resolve()),
                 "weights": "moving average" if ema else "trained"}

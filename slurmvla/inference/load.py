@@ -87,7 +87,7 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
         cfg = read_config(config.read_text(), list(overrides), str(config))
         meta = json.loads((checkpoint / META_FILE).read_text())
         step, base = int(meta["step"]), meta.get(LORA_BASE)
-        average = wants_average(cfg, checkpoint) if ema is None else ema
+        average = wants_average(cfg.serve.weights, checkpoint) if ema is None else ema
         weights = "ema" if average else "trained"
         origin, state = str(checkpoint), load_model_file(checkpoint, ema=average)
     else:
@@ -110,10 +110,11 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
     return Loaded(policy.to(device).eval(), cfg, step, origin, weights)
 
 
-def wants_average(cfg: Config, checkpoint: Path) -> bool:
-    """Whether ``serve.weights`` picks the moving average of ``checkpoint``'s weights: ema (its file must be
-    there: :func:`slurmvla.checkpoint.load_model_file` says so), or auto where the checkpoint holds one."""
-    return cfg.serve.weights == "ema" or (cfg.serve.weights == "auto" and (checkpoint / EMA_FILE).is_file())
+def wants_average(weights: str, checkpoint: Path) -> bool:
+    """Whether ``weights`` (``serve.weights``, export's ``--weights``) picks the moving average of
+    ``checkpoint``'s weights: ema (its file must be there: :func:`slurmvla.checkpoint.load_model_file` says
+    so), or auto where the checkpoint holds one."""
+    return weights == "ema" or (weights == "auto" and (checkpoint / EMA_FILE).is_file())
 
 
 def _one_set_of_weights(cfg: Config, path: Path, what: str) -> None:

@@ -82,13 +82,13 @@ def test_export_and_serving_take_the_average_where_the_run_keeps_one(make_cfg, t
     assert which == "trained" and _equal(state, trained)
 
     export = [sys.executable, "-m", "slurmvla.export", str(tmp_path / "run")]
-    for flags, name, want, label in [((), "auto", average, "moving average"), (("--ema",), "ema", average, None),
+    for flags, name, want, label in [((), "auto", average, "moving average"), (("--ema",), "ema", average, "moving average"),
                                      (("--weights", "trained"), "trained", trained, "trained")]:
         subprocess.run([*export, str(tmp_path / f"{name}.safetensors"), *flags], check=True, cwd=REPO,
                        capture_output=True)
         assert _equal(load_file(str(tmp_path / f"{name}.safetensors")), want), name
         with safe_open(str(tmp_path / f"{name}.safetensors"), "pt") as f:
-            assert label is None or f.metadata()["weights"] == label
+            assert f.metadata()["weights"] == label
     assert served(tmp_path / "auto.safetensors")[1] == "ema"
     assert served(tmp_path / "trained.safetensors")[1] == "trained"
     assert _equal(served(tmp_path / "auto.safetensors", "serve.weights=ema")[0], average)
