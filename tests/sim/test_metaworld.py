@@ -190,3 +190,74 @@ def test_the_auxiliary_position_policy_acts_on_the_image_and_the_robot_alone():
              "noise": noise, "time_u": torch.rand(3)}
     out = policy.train()(train)
     assert out["loss"].isfinite() and out["components"]["aux"][0].min() > 0
+
+
+def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it():
+    """benchmarks/metaworld_crop_policy.py: its camera is the one the environment renders, its projection puts a
+    visible part where MuJoCo's segmentation render shows it, and its crop is the image's pixels around a point."""
+    import sys
+    from pathlib import Path
+
+    import mujoco
+    import torch
+
+    from slurmvla.policy.flow_vla.config import FlowVLAConfig
+    from slurmvla.sim.metaworld import CAMERA
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from metaworld_crop_policy import (
+        CAMERA_FOVY,
+        CAMERA_POSITION,
+        CAMERA_ROTATION,
+        HandCropFlowPolicy,
+        crop_around,
+        project,
+    )
+
+    env = MetaWorld("disassemble-v3", height=128, width=128)
+    try:
+        env.reset(3)
+        model, data = env.env.model, env.env.data
+        cam = model.camera(CAMERA).id
+        np.testing.assert_allclose(data.cam_xpos[cam], CAMERA_POSITION, atol=1e-9)
+        np.testing.assert_allclose(data.cam_xmat[cam].reshape(3, 3), CAMERA_ROTATION, atol=1e-9)
+        assert model.cam_fovy[cam] == CAMERA_FOVY
+        renderer = mujoco.Renderer(model, 128, 128)
+        renderer.enable_segmentation_rendering()
+        renderer.update_scene(data, camera=CAMERA)
+        seg = renderer.render()[..., 0]  # each pixel's geom
+        renderer.close()
+        visible = [g for g in range(model.ngeom) if (seg == g).any()]
+        uv = project(torch.tensor(data.geom_xpos[visible]), 128).numpy()
+        inside = [(g, u, v) for g, (u, v) in zip(visible, uv, strict=True) if 0 <= u < 128 and 0 <= v < 128]
+        on_itself = sum(seg[int(v), int(u)] == g for g, u, v in inside)
+        # A geom's centre may be hidden behind another or lie outside a mesh; most are where they show. (Upside down,
+        # or with another field of view, none of 14 is.)
+        assert len(inside) >= 8 and on_itself >= len(inside) / 3, (on_itself, len(inside))
+    finally:
+        env.close()
+
+    # The crop of a pixel square at its own resolution is that square of the image, outside it zeros.
+    image = torch.arange(2 * 3 * 32 * 32, dtype=torch.float32).view(2, 3, 32, 32)
+    out = crop_around(image, torch.tensor([[10.0, 20.0], [0.0, 16.0]]), 4, 4)
+    assert torch.equal(out[0], image[0, :, 18:22, 8:12])
+    assert torch.equal(out[1, :, :, 2:], image[1, :, 14:18, 0:2]) and not out[1, :, :, :2].any()
+
+    # The crop follows the fingertips: moving them in the state moves an action; each frame is its own step's crop.
+    torch.manual_seed(0)
+    cfg = FlowVLAConfig(num_cameras=1, num_obs_history=2, state_dim=9, action_dim=4, action_horizon=4,
+                        image_size=64)
+    policy = HandCropFlowPolicy(cfg, None, crop=48, crop_size=32, global_size=48, spatial_norm=True).eval()
+    state = torch.tensor(data.geom_xpos[:1], dtype=torch.float32).repeat(3, 2, 3)  # fingertips on a visible part
+    batch = {"images": torch.randint(0, 256, (3, 2, 64, 64, 3), dtype=torch.uint8),
+             "image_mask": torch.ones(3, 2, dtype=torch.bool), "state": state}
+    noise = torch.randn(3, 4, 4)
+    acts = policy.sample_actions(batch, noise=noise)
+    whole = policy.features(batch)[:, :2 * 2 * 16]
+    moved = state.clone()
+    moved[..., 3:9] += 0.05
+    assert torch.equal(policy.features({**batch, "state": moved})[:, :2 * 2 * 16], whole)  # the whole image's
+    assert (policy.features({**batch, "state": moved}) - policy.features(batch)).abs().max() > 1e-3
+    train = {**batch, "actions": torch.randn(3, 4, 4), "action_mask": torch.ones(3, 4, dtype=torch.bool),
+             "noise": noise, "time_u": torch.rand(3)}
+    assert policy.train()(train)["loss"].isfinite() and acts.shape == (3, 4, 4)

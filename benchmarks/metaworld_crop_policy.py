@@ -1,0 +1,131 @@
+"""A Meta-World experiment's policy: the keypoint flow policy with a second view of each frame, a crop of the
+camera's image centred where the fingertips are (docs/benchmarks.md#meta-world).
+
+The corner2 camera is fixed and calibrated (its pose and field of view are in Meta-World's scene), and the robot
+knows its fingertips' positions (the state's 9 numbers), so the pixel between the fingertips is known in every
+frame: :func:`project` maps a point of the world into the image by the camera's pinhole model. The crop around
+that pixel, resampled and encoded by its own convolutions and spatial softmax, gives keypoints in the hand's own
+frame: where the object is relative to the fingers, the quantity the scripted expert acts on, and the same
+function of the crop wherever on the table the scene is (the whole image's keypoints must instead learn the
+scene's absolute place from ten demonstrations). The policy reads images and the robot's 9 numbers, nothing of
+the environment's own state. A plug-in through the policy contract, as a user's own class:
+
+    PYTHONPATH=benchmarks python -m slurmvla.train experiment=metaworld rollout.task=disassemble-v3 \\
+        policy.image_size=128 policy.target=metaworld_crop_policy.HandCropFlowPolicy policy.kwargs.spatial_norm=true
+
+``policy.image_size=128``: the camera's own resolution, so the crop is cut from the full frame; the whole-image
+branch reads it resized to ``global_size`` (96, the table's recipe).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slurmvla.sim.policies import KeypointFlowPolicy, KeypointPolicy, SpatialSoftmax, keypoint_backbone
+
+# The corner2 camera as slurmvla.sim.metaworld sets it: Meta-World's xyz_base.xml (euler 3.9 2.3 0.6, fovy 60),
+# moved to DP3's position. Its rotation (columns: the camera's x, y, z axes in the world; it looks along -z) as
+# MuJoCo computes it; tests/sim/test_metaworld.py checks these against MuJoCo's own camera.
+CAMERA_POSITION = (0.6, 0.295, 0.8)
+CAMERA_ROTATION = ((-0.5499013297225573, 0.3762077406192429, 0.7457052121767203),
+                   (-0.8331827568227445, -0.30954914217001317, -0.45824210011200406),
+                   (0.058438183601257465, -0.8732966646449378, 0.48367128736096404))
+CAMERA_FOVY = 60.0
+
+
+def project(points: torch.Tensor, size: int) -> torch.Tensor:
+    """World points ``[..., 3]`` -> their continuous pixel coordinates ``[..., 2]`` (u right, v down, (0, 0) the
+    top-left corner of the top-left pixel) in the corner2 camera's ``size`` x ``size`` image, as MuJoCo renders
+    it: the pinhole model with the vertical field of view ``CAMERA_FOVY``."""
+    rot = torch.tensor(CAMERA_ROTATION, dtype=points.dtype, device=points.device)
+    pos = torch.tensor(CAMERA_POSITION, dtype=points.dtype, device=points.device)
+    cam = (points - pos) @ rot  # the point in the camera's axes
+    focal = (size / 2) / np.tan(np.deg2rad(CAMERA_FOVY) / 2)
+    depth = (-cam[..., 2]).clamp_min(1e-3)
+    return torch.stack([focal * cam[..., 0] / depth + size / 2, -focal * cam[..., 1] / depth + size / 2], dim=-1)
+
+
+def crop_around(images: torch.Tensor, centre: torch.Tensor, crop: int, out: int) -> torch.Tensor:
+    """``images`` ``[N, C, S, S]`` -> ``[N, C, out, out]``: the ``crop`` x ``crop`` pixel square centred on
+    ``centre`` ``[N, 2]`` (pixel coordinates, :func:`project`), bilinearly resampled; outside the image, zeros."""
+    n, _, s, _ = images.shape
+    lin = (torch.arange(out, device=images.device, dtype=images.dtype) + 0.5) / out - 0.5  # -0.5 .. 0.5
+    offsets = lin * crop
+    # grid_sample's coordinates (align_corners=False): -1 is the left edge of the first pixel, 1 the right of the last.
+    xs = (centre[:, 0, None] + offsets[None]) / s * 2 - 1
+    ys = (centre[:, 1, None] + offsets[None]) / s * 2 - 1
+    grid = torch.stack([xs[:, None, :].expand(n, out, out), ys[:, :, None].expand(n, out, out)], dim=-1)
+    return F.grid_sample(images, grid.to(images.dtype), mode="bilinear", padding_mode="zeros", align_corners=False)
+
+
+class HandCrop:
+    """What the hand-crop policies add to a keypoint policy (:class:`~slurmvla.sim.policies.KeypointEncoding`):
+    its whole-image branch reads the frame resized to ``global_size``, and per frame a ``crop`` px square (in
+    the 128 px camera's pixels) of the full frame, centred on the fingertips' midpoint and resampled to
+    ``crop_size``, is read by its own backbone and spatial softmax (``keypoints`` more keypoints a frame). The
+    head's first layer is rebuilt for the longer features."""
+
+    def add_crop(self, cfg, crop: int, crop_size: int, global_size: int, keypoints: int,  # noqa: ANN001
+                 spatial_norm: bool, encoder: str, width: int) -> None:
+        if cfg.state_dim < 9:
+            raise ValueError(f"policy.state_dim={cfg.state_dim}: a hand-crop policy reads the fingertips from the "
+                             "state (Meta-World's 9 numbers: hand, right and left fingertip)")
+        self.crop, self.crop_size, self.global_size = crop, crop_size, global_size
+        frames = cfg.num_obs_history * cfg.num_cameras
+        self.crop_encoders = nn.ModuleList(nn.Sequential(
+            *keypoint_backbone(encoder, keypoints, width), SpatialSoftmax(keypoints if spatial_norm else None))
+            for _ in range(frames))
+        self.feature_dim += frames * 2 * keypoints
+
+    def features(self, batch: dict) -> torch.Tensor:
+        images = batch["images"]  # [B, frames, S, S, 3] uint8, frames = history x cameras (history first)
+        b, frames, s = images.shape[:3]
+        x = images.permute(0, 1, 4, 2, 3).float() / 127.5 - 1.0
+        state = batch["state"].float().reshape(b, -1, batch["state"].shape[-1])  # [B, history, D]
+        fingers = (state[..., 3:6] + state[..., 6:9]) / 2
+        history = state.shape[1]
+        whole = x.flatten(0, 1)
+        if s != self.global_size:
+            whole = F.interpolate(whole, size=(self.global_size,) * 2, mode="bilinear", antialias=True,
+                                  align_corners=False)
+        whole = whole.view(b, frames, 3, self.global_size, self.global_size)
+        centres = project(fingers, s).repeat_interleave(frames // history, dim=1)  # each frame its own step's hand
+        crops = crop_around(x.flatten(0, 1), centres.flatten(0, 1), self.crop * s // 128, self.crop_size)
+        crops = crops.view(b, frames, 3, self.crop_size, self.crop_size)
+        mask = batch["image_mask"]
+        points = [enc(whole[:, f]) * mask[:, f, None] for f, enc in enumerate(self.encoders)]
+        points += [enc(crops[:, f]) * mask[:, f, None] for f, enc in enumerate(self.crop_encoders)]
+        norm_state = ((batch["state"].float() - self.state_offset) / self.state_scale).reshape(b, -1)
+        return torch.cat([*points, norm_state], dim=1)
+
+    def wrap_units(self) -> list[nn.Module]:
+        return [*self.encoders, *self.crop_encoders, self.head]
+
+
+class HandCropFlowPolicy(HandCrop, KeypointFlowPolicy):
+    """:class:`~slurmvla.sim.policies.KeypointFlowPolicy` with the fingertips' crop (:class:`HandCrop`)."""
+
+    def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, crop: int = 48,  # noqa: ANN001
+                 crop_size: int = 64, global_size: int = 96, keypoints: int = 16, hidden: int = 256,
+                 blocks: int = 3, spatial_norm: bool = False, encoder: str = "conv", width: int = 64, **kwargs):
+        super().__init__(cfg, stats, keypoints=keypoints, hidden=hidden, blocks=blocks, spatial_norm=spatial_norm,
+                         encoder=encoder, width=width, **kwargs)
+        self.add_crop(cfg, crop, crop_size, global_size, keypoints, spatial_norm, encoder, width)
+        first = self.head.condition[0]
+        self.head.condition[0] = nn.Linear(self.feature_dim + self.head.time_dim, first.out_features)
+
+
+class HandCropPolicy(HandCrop, KeypointPolicy):
+    """:class:`~slurmvla.sim.policies.KeypointPolicy` (the chunk regressed) with the fingertips' crop
+    (:class:`HandCrop`)."""
+
+    def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, crop: int = 48,  # noqa: ANN001
+                 crop_size: int = 64, global_size: int = 96, keypoints: int = 16, hidden: int = 256,
+                 spatial_norm: bool = False, encoder: str = "conv", width: int = 64):
+        super().__init__(cfg, stats, keypoints=keypoints, hidden=hidden, spatial_norm=spatial_norm, encoder=encoder,
+                         width=width)
+        self.add_crop(cfg, crop, crop_size, global_size, keypoints, spatial_norm, encoder, width)
+        self.head[0] = nn.Linear(self.feature_dim, self.head[0].out_features)
