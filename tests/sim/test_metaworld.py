@@ -210,6 +210,7 @@ def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it():
         CAMERA_POSITION,
         CAMERA_ROTATION,
         HandCropFlowPolicy,
+        HandCropPolicy,
         crop_around,
         project,
     )
@@ -261,3 +262,5 @@ def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it():
     train = {**batch, "actions": torch.randn(3, 4, 4), "action_mask": torch.ones(3, 4, dtype=torch.bool),
              "noise": noise, "time_u": torch.rand(3)}
     assert policy.train()(train)["loss"].isfinite() and acts.shape == (3, 4, 4)
+    regression = HandCropPolicy(cfg, None, crop=48, crop_size=32, global_size=48, spatial_norm=True).eval()
+    assert regression.sample_actions(batch).shape == (3, 4, 4) and regression.train()(train)["loss"].isfinite()
