@@ -66,10 +66,11 @@ class HandCrop:
     its whole-image branch reads the frame resized to ``global_size``, and per frame a ``crop`` px square (in
     the 128 px camera's pixels) of the full frame, centred on the fingertips' midpoint and resampled to
     ``crop_size``, is read by its own backbone and spatial softmax (``keypoints`` more keypoints a frame). The
-    head's first layer is rebuilt for the longer features."""
+    head's first layer is rebuilt for the longer features. ``robot_state=False``: the head reads the keypoints
+    alone (the state still places the crop), so what the arm does must be read off the images."""
 
     def add_crop(self, cfg, crop: int, crop_size: int, global_size: int, keypoints: int,  # noqa: ANN001
-                 spatial_norm: bool, encoder: str, width: int) -> None:
+                 spatial_norm: bool, encoder: str, width: int, robot_state: bool = True) -> None:
         if cfg.state_dim < 9:
             raise ValueError(f"policy.state_dim={cfg.state_dim}: a hand-crop policy reads the fingertips from the "
                              "state (Meta-World's 9 numbers: hand, right and left fingertip)")
@@ -79,6 +80,9 @@ class HandCrop:
             *keypoint_backbone(encoder, keypoints, width), SpatialSoftmax(keypoints if spatial_norm else None))
             for _ in range(frames))
         self.feature_dim += frames * 2 * keypoints
+        self.robot_state = robot_state
+        if not robot_state:
+            self.feature_dim -= cfg.num_obs_history * cfg.state_dim
 
     def features(self, batch: dict) -> torch.Tensor:
         images = batch["images"]  # [B, frames, S, S, 3] uint8, frames = history x cameras (history first)
@@ -98,6 +102,8 @@ class HandCrop:
         mask = batch["image_mask"]
         points = [enc(whole[:, f]) * mask[:, f, None] for f, enc in enumerate(self.encoders)]
         points += [enc(crops[:, f]) * mask[:, f, None] for f, enc in enumerate(self.crop_encoders)]
+        if not self.robot_state:
+            return torch.cat(points, dim=1)
         norm_state = ((batch["state"].float() - self.state_offset) / self.state_scale).reshape(b, -1)
         return torch.cat([*points, norm_state], dim=1)
 
@@ -110,10 +116,11 @@ class HandCropFlowPolicy(HandCrop, KeypointFlowPolicy):
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, crop: int = 48,  # noqa: ANN001
                  crop_size: int = 64, global_size: int = 96, keypoints: int = 16, hidden: int = 256,
-                 blocks: int = 3, spatial_norm: bool = False, encoder: str = "conv", width: int = 64, **kwargs):
+                 blocks: int = 3, spatial_norm: bool = False, encoder: str = "conv", width: int = 64,
+                 robot_state: bool = True, **kwargs):
         super().__init__(cfg, stats, keypoints=keypoints, hidden=hidden, blocks=blocks, spatial_norm=spatial_norm,
                          encoder=encoder, width=width, **kwargs)
-        self.add_crop(cfg, crop, crop_size, global_size, keypoints, spatial_norm, encoder, width)
+        self.add_crop(cfg, crop, crop_size, global_size, keypoints, spatial_norm, encoder, width, robot_state)
         first = self.head.condition[0]
         self.head.condition[0] = nn.Linear(self.feature_dim + self.head.time_dim, first.out_features)
 
@@ -124,8 +131,8 @@ class HandCropPolicy(HandCrop, KeypointPolicy):
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, crop: int = 48,  # noqa: ANN001
                  crop_size: int = 64, global_size: int = 96, keypoints: int = 16, hidden: int = 256,
-                 spatial_norm: bool = False, encoder: str = "conv", width: int = 64):
+                 spatial_norm: bool = False, encoder: str = "conv", width: int = 64, robot_state: bool = True):
         super().__init__(cfg, stats, keypoints=keypoints, hidden=hidden, spatial_norm=spatial_norm, encoder=encoder,
                          width=width)
-        self.add_crop(cfg, crop, crop_size, global_size, keypoints, spatial_norm, encoder, width)
+        self.add_crop(cfg, crop, crop_size, global_size, keypoints, spatial_norm, encoder, width, robot_state)
         self.head[0] = nn.Linear(self.feature_dim, self.head[0].out_features)

@@ -264,3 +264,9 @@ def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it():
     assert policy.train()(train)["loss"].isfinite() and acts.shape == (3, 4, 4)
     regression = HandCropPolicy(cfg, None, crop=48, crop_size=32, global_size=48, spatial_norm=True).eval()
     assert regression.sample_actions(batch).shape == (3, 4, 4) and regression.train()(train)["loss"].isfinite()
+    # Without the robot's numbers in the features, only the images (and where the crop is cut) move an action.
+    blind = HandCropFlowPolicy(cfg, None, crop=48, crop_size=32, global_size=48, robot_state=False).eval()
+    assert blind.features(batch).shape == (3, blind.feature_dim) == (3, 2 * 2 * 2 * 16)
+    hand = state.clone()
+    hand[..., :3] += 1.0  # the hand, not the fingertips: the crop stays where it was
+    assert torch.equal(blind.sample_actions({**batch, "state": hand}, noise=noise), blind.sample_actions(batch, noise=noise))
