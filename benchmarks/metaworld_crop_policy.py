@@ -1,5 +1,5 @@
-"""A Meta-World experiment's policy: the keypoint flow policy with a second view of each frame, a crop of the
-camera's image centred where the fingertips are (docs/benchmarks.md#meta-world).
+"""Meta-World experiments' policies: the keypoint policies (flow head and regression head) with a second view of
+each frame, a crop of the camera's image centred where the fingertips are (docs/benchmarks.md#meta-world).
 
 The corner2 camera is fixed and calibrated (its pose and field of view are in Meta-World's scene), and the robot
 knows its fingertips' positions (the state's 9 numbers), so the pixel between the fingertips is known in every
@@ -12,6 +12,7 @@ the environment's own state. A plug-in through the policy contract, as a user's 
 
     PYTHONPATH=benchmarks python -m slurmvla.train experiment=metaworld rollout.task=disassemble-v3 \\
         policy.image_size=128 policy.target=metaworld_crop_policy.HandCropFlowPolicy policy.kwargs.spatial_norm=true
+    # the regression head: policy=keypoints ... policy.target=metaworld_crop_policy.HandCropPolicy
 
 ``policy.image_size=128``: the camera's own resolution, so the crop is cut from the full frame; the whole-image
 branch reads it resized to ``global_size`` (96, the table's recipe).
