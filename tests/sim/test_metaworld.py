@@ -218,6 +218,7 @@ def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it():
     env = MetaWorld("disassemble-v3", height=128, width=128)
     try:
         env.reset(3)
+        robot = env.state()  # the hand and its fingertips, in view
         model, data = env.env.model, env.env.data
         cam = model.camera(CAMERA).id
         np.testing.assert_allclose(data.cam_xpos[cam], CAMERA_POSITION, atol=1e-9)
@@ -244,12 +245,12 @@ def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it():
     assert torch.equal(out[0], image[0, :, 18:22, 8:12])
     assert torch.equal(out[1, :, :, 2:], image[1, :, 14:18, 0:2]) and not out[1, :, :, :2].any()
 
-    # The crop follows the fingertips: moving them in the state moves an action; each frame is its own step's crop.
+    # The crop follows the fingertips, each frame its own step's; the whole image's keypoints do not move.
     torch.manual_seed(0)
     cfg = FlowVLAConfig(num_cameras=1, num_obs_history=2, state_dim=9, action_dim=4, action_horizon=4,
                         image_size=64)
     policy = HandCropFlowPolicy(cfg, None, crop=48, crop_size=32, global_size=48, spatial_norm=True).eval()
-    state = torch.tensor(data.geom_xpos[:1], dtype=torch.float32).repeat(3, 2, 3)  # fingertips on a visible part
+    state = torch.tensor(robot).repeat(3, 2, 1)
     batch = {"images": torch.randint(0, 256, (3, 2, 64, 64, 3), dtype=torch.uint8),
              "image_mask": torch.ones(3, 2, dtype=torch.bool), "state": state}
     noise = torch.randn(3, 4, 4)
@@ -259,6 +260,11 @@ def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it():
     moved[..., 3:9] += 0.05
     assert torch.equal(policy.features({**batch, "state": moved})[:, :2 * 2 * 16], whole)  # the whole image's
     assert (policy.features({**batch, "state": moved}) - policy.features(batch)).abs().max() > 1e-3
+    later = state.clone()
+    later[:, 1, 3:9] += 0.05  # the second frame's fingertips only: its crop moves, the first frame's stays
+    crops = policy.features(batch)[:, 64:128].view(3, 2, 32)
+    crops_later = policy.features({**batch, "state": later})[:, 64:128].view(3, 2, 32)
+    assert torch.equal(crops_later[:, 0], crops[:, 0]) and (crops_later[:, 1] - crops[:, 1]).abs().max() > 1e-3
     train = {**batch, "actions": torch.randn(3, 4, 4), "action_mask": torch.ones(3, 4, dtype=torch.bool),
              "noise": noise, "time_u": torch.rand(3)}
     assert policy.train()(train)["loss"].isfinite() and acts.shape == (3, 4, 4)
