@@ -15,7 +15,6 @@ A plug-in policy is found as the run found it (``PYTHONPATH=benchmarks`` for the
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 from pathlib import Path
 
@@ -27,19 +26,19 @@ from slurmvla.sim.metaworld import ENV_STATE_KEY, IMAGE_KEY, STATE_KEY, MetaWorl
 
 
 def decoded_frames(runner, seed: int) -> np.ndarray:  # noqa: ANN001
-    """The recorded episode of ``seed`` in the run's dataset, decoded: what training read."""
-    import av
+    """The recorded episode of ``seed`` in the run's dataset, decoded by the data layer's reader at the camera's
+    own size: what training read (before its resize)."""
+    from slurmvla.data.lerobot_format import LeRobotMetadata
+    from slurmvla.data.video import decode_range
 
     root = Path(runner.cfg.data.root).expanduser()
     seeds = json.loads((root / "metaworld.json").read_text())["seeds"]
     if seed not in seeds:
         raise SystemExit(f"--frames decoded: seed {seed} is not one of {root}'s demonstrations {seeds}")
-    index = seeds.index(seed)
-    steps = []
-    for path in sorted(glob.glob(str(root / "videos" / "*" / "*" / "*.mp4"))):
-        with av.open(path) as container:
-            steps += [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    return np.stack(steps[200 * index:200 * (index + 1)])
+    meta = LeRobotMetadata(root)
+    where = meta.video_location(runner.cfg.data.cameras[0])
+    pos = list(meta.episodes["episode_index"]).index(seeds.index(seed))
+    return decode_range(where.paths[pos], where.from_ts[pos], where.to_ts[pos], meta.fps, None)
 
 
 def main() -> None:
