@@ -3,9 +3,9 @@
     python benchmarks/metaworld_follow.py RUN --seed 1                  # closed loop beside the expert's episode
     python benchmarks/metaworld_follow.py RUN --seed 1 --open --draws 4 # open loop along the expert's own path
 
-Closed loop: the policy drives the arm (``rollout.replan_steps`` actions of each chunk, in-process, as the rollout
-executes them synchronously) while the expert's episode of the same seed is replayed beside it; every ``--every``
-steps the line shows the hand and the first object for both, and both commands. Open loop: at every ``--every``-th
+Closed loop: the policy drives the arm in-process through the rollout's own executor (the run's
+``rollout.execution``, ``replan_steps`` and delay) while the expert's episode of the same seed is replayed beside
+it; every ``--every`` steps the line shows the hand and the first object for both, and both commands. Open loop: at every ``--every``-th
 step of the expert's own episode, the policy's first action for the expert's observation, under ``--draws``
 different noise seeds (``serve.seed``). ``--frames decoded``: the observations' images are those of the recorded
 dataset (``RUN``'s ``data.root``, the seed's episode decoded from its video) instead of fresh renders.
@@ -22,6 +22,8 @@ import numpy as np
 
 import slurmvla.sim  # noqa: F401 - chooses MuJoCo's offscreen backend before metaworld loads MuJoCo
 from slurmvla.inference.build import build_runner
+from slurmvla.inference.closed_loop import replan_of
+from slurmvla.inference.executor import Executor
 from slurmvla.sim.metaworld import ENV_STATE_KEY, IMAGE_KEY, STATE_KEY, MetaWorld, expert_episode, instruction
 
 
@@ -67,15 +69,16 @@ def main() -> None:
             print(f"step {t:3d} expert {expert['action'][t]}  policy " + " | ".join(str(a) for a in acts))
         print(f"mean |policy - expert| per dim {np.mean(errors, 0)} over {len(errors)} steps")
         return
-    runner, replan = runners[0], cfg.rollout.replan_steps
+    # The rollout's own executor: its execution mode, replanning and delay, as slurmvla.rollout runs the run.
+    rollout = cfg.rollout
+    executor = Executor(runners[0], rollout.execution, replan_of(rollout, cfg.policy.action_horizon),
+                        "measured" if rollout.delay == "measured" else rollout.delay_steps, control_hz=env.fps)
     env.reset(args.seed)
-    chunk, used, success = None, 0, False
-    for t in range(cfg.rollout.max_steps):
+    executor.reset(rest=env.rest_action())
+    success = False
+    for t in range(rollout.max_steps):
         obs = env.observe()
-        if chunk is None or used >= replan:
-            chunk, used = runner.infer({**obs, "prompt": instruction(task)})["actions"], 0
-        action = chunk[used]
-        used += 1
+        action = executor.step(lambda obs=obs: {**obs, "prompt": instruction(task)}).action
         if t % args.every == 0 and t < args.steps:
             print(f"step {t:3d} hand {obs[STATE_KEY][:3]} (expert {expert['state'][t][:3]}) object "
                   f"{obs[ENV_STATE_KEY][4:7]} (expert {expert['env_state'][t][4:7]}) action {action} (expert "
