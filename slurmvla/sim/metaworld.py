@@ -32,10 +32,21 @@ from slurmvla.sim.env import Step
 CAMERA = "corner2"
 # DP3's corner2 (metaworld_wrapper.py: cam_pos[2] = [0.6, 0.295, 0.8]).
 CAMERA_POSITION = (0.6, 0.295, 0.8)
+# Its orientation and vertical field of view, Meta-World's own (xyz_base.xml: euler 3.9 2.3 0.6, fovy 60): the
+# rotation's columns are the camera's x, y and z axes in the world (it looks along -z), as MuJoCo computes them.
+# tests/sim/test_metaworld.py checks all three against the rendering model's camera.
+CAMERA_ROTATION = ((-0.5499013297225573, 0.3762077406192429, 0.7457052121767203),
+                   (-0.8331827568227445, -0.30954914217001317, -0.45824210011200406),
+                   (0.058438183601257465, -0.8732966646449378, 0.48367128736096404))
+CAMERA_FOVY = 60.0
+# The camera's frame (rollout.height x rollout.width in experiment=metaworld), DP3's 128 x 128.
+IMAGE_SIZE = 128
 IMAGE_KEY = "observation/image"
 STATE_KEY = "observation/state"
 ENV_STATE_KEY = "observation/env_state"
 STATE_DIM = 9
+# Where the state's fingertips are (MetaWorld.state): the right one's x, y, z, then the left one's.
+FINGERTIPS = (slice(3, 6), slice(6, 9))
 ACTION_DIM = 4
 EPISODE_STEPS = 200
 # Meta-World's control rate: 5 physics steps of 2.5 ms an action (MetaWorld.fps reads it off the model).
@@ -83,7 +94,8 @@ class MetaWorld:
     action_space = "4 numbers in [-1, 1]: the end effector's x, y, z displacement and the gripper's effort"
     video_keys = (IMAGE_KEY,)
 
-    def __init__(self, task: str, height: int = 128, width: int = 128, max_steps: int = EPISODE_STEPS):
+    def __init__(self, task: str, height: int = IMAGE_SIZE, width: int = IMAGE_SIZE,
+                 max_steps: int = EPISODE_STEPS):
         from metaworld.env_dict import ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE
 
         self.task = check_task(task)

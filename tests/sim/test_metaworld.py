@@ -192,28 +192,17 @@ def test_the_auxiliary_position_policy_acts_on_the_image_and_the_robot_alone():
     assert out["loss"].isfinite() and out["components"]["aux"][0].min() > 0
 
 
-def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it():
-    """benchmarks/metaworld_crop_policy.py: its camera is the one the environment renders, its projection puts a
-    visible part where MuJoCo's segmentation render shows it, and its crop is the image's pixels around a point."""
-    import sys
-    from pathlib import Path
-
+def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it(make_cfg):
+    """slurmvla/sim/hand_crop.py: its camera is the one the environment renders, its projection puts a visible
+    part where MuJoCo's segmentation render shows it, its crop is the image's pixels around a point, and
+    ``policy=keypoints_flow_crop`` builds it from the camera's full frame or says why not."""
     import mujoco
     import torch
 
+    from slurmvla.policy import build_policy
     from slurmvla.policy.flow_vla.config import FlowVLAConfig
-    from slurmvla.sim.metaworld import CAMERA
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from metaworld_crop_policy import (
-        CAMERA_FOVY,
-        CAMERA_POSITION,
-        CAMERA_ROTATION,
-        HandCropFlowPolicy,
-        HandCropPolicy,
-        crop_around,
-        project,
-    )
+    from slurmvla.sim.hand_crop import HandCropFlowPolicy, HandCropPolicy, crop_around, project
+    from slurmvla.sim.metaworld import CAMERA, CAMERA_FOVY, CAMERA_POSITION, CAMERA_ROTATION
 
     env = MetaWorld("disassemble-v3", height=128, width=128)
     try:
@@ -248,10 +237,10 @@ def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it():
     # The crop follows the fingertips, each frame its own step's; the whole image's keypoints do not move.
     torch.manual_seed(0)
     cfg = FlowVLAConfig(num_cameras=1, num_obs_history=2, state_dim=9, action_dim=4, action_horizon=4,
-                        image_size=64)
+                        image_size=128)
     policy = HandCropFlowPolicy(cfg, None, crop=48, crop_size=32, global_size=48, spatial_norm=True).eval()
     state = torch.tensor(robot).repeat(3, 2, 1)
-    batch = {"images": torch.randint(0, 256, (3, 2, 64, 64, 3), dtype=torch.uint8),
+    batch = {"images": torch.randint(0, 256, (3, 2, 128, 128, 3), dtype=torch.uint8),
              "image_mask": torch.ones(3, 2, dtype=torch.bool), "state": state}
     noise = torch.randn(3, 4, 4)
     acts = policy.sample_actions(batch, noise=noise)
@@ -276,3 +265,10 @@ def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it():
     hand = state.clone()
     hand[..., :3] += 1.0  # the hand, not the fingertips: the crop stays where it was
     assert torch.equal(blind.sample_actions({**batch, "state": hand}, noise=noise), blind.sample_actions(batch, noise=noise))
+
+    # The shipped config: the experiment's 96 px frames are refused by name, the camera's own 128 build the table's
+    # policy (a 24 px crop beside the whole image at 96).
+    with pytest.raises(ValueError, match=r"policy.image_size=96: .* set policy.image_size=128"):
+        build_policy(make_cfg("experiment=metaworld", "policy=keypoints_flow_crop").policy)
+    built = build_policy(make_cfg("experiment=metaworld", "policy=keypoints_flow_crop", "policy.image_size=128").policy)
+    assert isinstance(built, HandCropFlowPolicy) and (built.crop, built.crop_size, built.global_size) == (24, 64, 96)

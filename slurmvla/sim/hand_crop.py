@@ -1,21 +1,22 @@
-"""Meta-World experiments' policies: the keypoint policies (flow head and regression head) with a second view of
-each frame, a crop of the camera's image centred where the fingertips are (docs/benchmarks.md#meta-world).
+"""Meta-World's keypoint policies with a second view of each frame: a crop of the camera's image centred where the
+fingertips are (``policy=keypoints_flow_crop``; docs/benchmarks.md#meta-world, what it changes, measured).
 
-The corner2 camera is fixed and calibrated (its pose and field of view are in Meta-World's scene), and the robot
-knows its fingertips' positions (the state's 9 numbers), so the pixel between the fingertips is known in every
-frame: :func:`project` maps a point of the world into the image by the camera's pinhole model. The crop around
-that pixel, resampled and encoded by its own convolutions and spatial softmax, gives keypoints in the hand's own
-frame: where the object is relative to the fingers, the quantity the scripted expert acts on, and the same
-function of the crop wherever on the table the scene is (the whole image's keypoints must instead learn the
-scene's absolute place from ten demonstrations). The policy reads images and the robot's 9 numbers, nothing of
-the environment's own state. A plug-in through the policy contract, as a user's own class:
+The corner2 camera is fixed and calibrated (its pose and field of view are the embodiment's facts,
+:mod:`slurmvla.sim.metaworld`), and the robot knows its fingertips' positions (the state's 9 numbers), so the
+pixel between the fingertips is known in every frame: :func:`project` maps a point of the world into the image
+by the camera's pinhole model. The crop around that pixel, resampled and encoded by its own convolutions and
+spatial softmax, gives keypoints in the hand's own frame: where the object is relative to the fingers, the
+quantity the scripted expert acts on, and the same function of the crop wherever on the table the scene is (the
+whole image's keypoints must instead learn the scene's absolute place from ten demonstrations). The policy reads
+images and the robot's 9 numbers, nothing of the environment's own state:
 
-    PYTHONPATH=benchmarks python -m slurmvla.train experiment=metaworld rollout.task=disassemble-v3 \\
-        policy.image_size=128 policy.target=metaworld_crop_policy.HandCropFlowPolicy policy.kwargs.spatial_norm=true
-    # the regression head: policy=keypoints ... policy.target=metaworld_crop_policy.HandCropPolicy
+    python -m slurmvla.train experiment=metaworld policy=keypoints_flow_crop policy.image_size=128 \\
+        rollout.task=hammer-v3
+    # the regression head: policy=keypoints policy.target=slurmvla.sim.hand_crop.HandCropPolicy ...
 
-``policy.image_size=128``: the camera's own resolution, so the crop is cut from the full frame; the whole-image
-branch reads it resized to ``global_size`` (96, the table's recipe).
+``policy.image_size=128``: the camera's own frame, so the crop is cut at full resolution (``experiment=metaworld``
+reads 96 otherwise, and the policy says so); the whole-image branch reads it resized to ``global_size`` (96, the
+keypoint policies' size there).
 """
 
 from __future__ import annotations
@@ -25,16 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slurmvla.sim.metaworld import (
+    CAMERA_FOVY,
+    CAMERA_POSITION,
+    CAMERA_ROTATION,
+    FINGERTIPS,
+    IMAGE_SIZE,
+    STATE_DIM,
+)
 from slurmvla.sim.policies import KeypointFlowPolicy, KeypointPolicy, SpatialSoftmax, keypoint_backbone
-
-# The corner2 camera as slurmvla.sim.metaworld sets it: Meta-World's xyz_base.xml (euler 3.9 2.3 0.6, fovy 60),
-# moved to DP3's position. Its rotation (columns: the camera's x, y, z axes in the world; it looks along -z) as
-# MuJoCo computes it; tests/sim/test_metaworld.py checks these against MuJoCo's own camera.
-CAMERA_POSITION = (0.6, 0.295, 0.8)
-CAMERA_ROTATION = ((-0.5499013297225573, 0.3762077406192429, 0.7457052121767203),
-                   (-0.8331827568227445, -0.30954914217001317, -0.45824210011200406),
-                   (0.058438183601257465, -0.8732966646449378, 0.48367128736096404))
-CAMERA_FOVY = 60.0
 
 
 def project(points: torch.Tensor, size: int) -> torch.Tensor:
@@ -64,17 +64,22 @@ def crop_around(images: torch.Tensor, centre: torch.Tensor, crop: int, out: int)
 
 class HandCrop:
     """What the hand-crop policies add to a keypoint policy (:class:`~slurmvla.sim.policies.KeypointEncoding`):
-    its whole-image branch reads the frame resized to ``global_size``, and per frame a ``crop`` px square (in
-    the 128 px camera's pixels) of the full frame, centred on the fingertips' midpoint and resampled to
-    ``crop_size``, is read by its own backbone and spatial softmax (``keypoints`` more keypoints a frame). The
-    head's first layer is rebuilt for the longer features. ``robot_state=False``: the head reads the keypoints
-    alone (the state still places the crop), so what the arm does must be read off the images."""
+    its whole-image branch reads the frame resized to ``global_size``, and per frame a ``crop`` px square of the
+    camera's frame, centred on the fingertips' midpoint and resampled to ``crop_size``, is read by its own backbone
+    and spatial softmax (``keypoints`` more keypoints a frame). The head's first layer is rebuilt for the longer
+    features. ``robot_state=False``: the head reads the keypoints alone (the state still places the crop), so what
+    the arm does must be read off the images."""
 
     def add_crop(self, cfg, crop: int, crop_size: int, global_size: int, keypoints: int,  # noqa: ANN001
                  spatial_norm: bool, encoder: str, width: int, robot_state: bool = True) -> None:
-        if cfg.state_dim < 9:
+        if cfg.state_dim < STATE_DIM:
             raise ValueError(f"policy.state_dim={cfg.state_dim}: a hand-crop policy reads the fingertips from the "
-                             "state (Meta-World's 9 numbers: hand, right and left fingertip)")
+                             f"state (Meta-World's {STATE_DIM} numbers: hand, right and left fingertip)")
+        if cfg.image_size != IMAGE_SIZE:
+            raise ValueError(f"policy.image_size={cfg.image_size}: a hand-crop policy cuts its crop from the "
+                             f"camera's own {IMAGE_SIZE} x {IMAGE_SIZE} frame; set policy.image_size={IMAGE_SIZE}")
+        if not 0 < crop <= IMAGE_SIZE:
+            raise ValueError(f"policy.kwargs.crop={crop}: the crop's side in the frame's pixels, 1 to {IMAGE_SIZE}")
         self.crop, self.crop_size, self.global_size = crop, crop_size, global_size
         frames = cfg.num_obs_history * cfg.num_cameras
         self.crop_encoders = nn.ModuleList(nn.Sequential(
@@ -90,7 +95,8 @@ class HandCrop:
         b, frames, s = images.shape[:3]
         x = images.permute(0, 1, 4, 2, 3).float() / 127.5 - 1.0
         state = batch["state"].float().reshape(b, -1, batch["state"].shape[-1])  # [B, history, D]
-        fingers = (state[..., 3:6] + state[..., 6:9]) / 2
+        right, left = FINGERTIPS
+        fingers = (state[..., right] + state[..., left]) / 2
         history = state.shape[1]
         whole = x.flatten(0, 1)
         if s != self.global_size:
@@ -98,7 +104,7 @@ class HandCrop:
                                   align_corners=False)
         whole = whole.view(b, frames, 3, self.global_size, self.global_size)
         centres = project(fingers, s).repeat_interleave(frames // history, dim=1)  # each frame its own step's hand
-        crops = crop_around(x.flatten(0, 1), centres.flatten(0, 1), self.crop * s // 128, self.crop_size)
+        crops = crop_around(x.flatten(0, 1), centres.flatten(0, 1), self.crop * s // IMAGE_SIZE, self.crop_size)
         crops = crops.view(b, frames, 3, self.crop_size, self.crop_size)
         mask = batch["image_mask"]
         points = [enc(whole[:, f]) * mask[:, f, None] for f, enc in enumerate(self.encoders)]
@@ -115,9 +121,9 @@ class HandCrop:
 class HandCropFlowPolicy(HandCrop, KeypointFlowPolicy):
     """:class:`~slurmvla.sim.policies.KeypointFlowPolicy` with the fingertips' crop (:class:`HandCrop`)."""
 
-    def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, crop: int = 48,  # noqa: ANN001
+    def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, crop: int = 24,  # noqa: ANN001
                  crop_size: int = 64, global_size: int = 96, keypoints: int = 16, hidden: int = 256,
-                 blocks: int = 3, spatial_norm: bool = False, encoder: str = "conv", width: int = 64,
+                 blocks: int = 3, spatial_norm: bool = True, encoder: str = "conv", width: int = 64,
                  robot_state: bool = True, **kwargs):
         super().__init__(cfg, stats, keypoints=keypoints, hidden=hidden, blocks=blocks, spatial_norm=spatial_norm,
                          encoder=encoder, width=width, **kwargs)
@@ -130,9 +136,9 @@ class HandCropPolicy(HandCrop, KeypointPolicy):
     """:class:`~slurmvla.sim.policies.KeypointPolicy` (the chunk regressed) with the fingertips' crop
     (:class:`HandCrop`)."""
 
-    def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, crop: int = 48,  # noqa: ANN001
+    def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, crop: int = 24,  # noqa: ANN001
                  crop_size: int = 64, global_size: int = 96, keypoints: int = 16, hidden: int = 256,
-                 spatial_norm: bool = False, encoder: str = "conv", width: int = 64, robot_state: bool = True):
+                 spatial_norm: bool = True, encoder: str = "conv", width: int = 64, robot_state: bool = True):
         super().__init__(cfg, stats, keypoints=keypoints, hidden=hidden, spatial_norm=spatial_norm, encoder=encoder,
                          width=width)
         self.add_crop(cfg, crop, crop_size, global_size, keypoints, spatial_norm, encoder, width, robot_state)
