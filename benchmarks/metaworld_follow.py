@@ -22,8 +22,7 @@ import numpy as np
 
 import slurmvla.sim  # noqa: F401 - chooses MuJoCo's offscreen backend before metaworld loads MuJoCo
 from slurmvla.inference.build import build_runner
-from slurmvla.inference.closed_loop import replan_of
-from slurmvla.inference.executor import Executor
+from slurmvla.inference.closed_loop import executor_of, replan_of
 from slurmvla.sim.metaworld import ENV_STATE_KEY, IMAGE_KEY, STATE_KEY, MetaWorld, expert_episode, instruction
 
 
@@ -71,8 +70,7 @@ def main() -> None:
         return
     # The rollout's own executor: its execution mode, replanning and delay, as slurmvla.rollout runs the run.
     rollout = cfg.rollout
-    executor = Executor(runners[0], rollout.execution, replan_of(rollout, cfg.policy.action_horizon),
-                        "measured" if rollout.delay == "measured" else rollout.delay_steps, control_hz=env.fps)
+    executor = executor_of(runners[0], rollout, replan_of(rollout, cfg.policy.action_horizon), env.fps)
     env.reset(args.seed)
     executor.reset(rest=env.rest_action())
     success = False

@@ -110,13 +110,19 @@ def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: P
             raise ValueError(f"rollout.execution=rtc: the server does not offer real-time chunking (its execution_modes: "
                              f"{modes}); serve a policy that supports it, or use rollout.execution=async")
         video_keys = [k for k in env.video_keys if k in env.client_cameras]
-        executor = Executor(_Checked(client, env), cfg.execution, replan,
-                            "measured" if cfg.delay == "measured" else cfg.delay_steps, control_hz=env.fps)
+        executor = executor_of(_Checked(client, env), cfg, replan, env.fps)
         return [_episode(env, executor, cfg, seed, wanted, state_keys, prompt_key, video_keys,
                          video_dir if video_dir is not None and i < cfg.videos else None, encode_video)
                 for i, seed in enumerate(seeds)]
     finally:
         env.close()
+
+
+def executor_of(client: Any, cfg: RolloutConfig, replan: int, control_hz: float) -> Executor:
+    """The executor ``rollout.execution`` names, asking ``client`` every ``replan`` actions, with the delay
+    ``rollout.delay`` says (measured, or ``rollout.delay_steps``), at the environment's ``control_hz``."""
+    return Executor(client, cfg.execution, replan, "measured" if cfg.delay == "measured" else cfg.delay_steps,
+                    control_hz=control_hz)
 
 
 def replan_of(cfg: RolloutConfig, horizon: int | None) -> int:
