@@ -36,6 +36,11 @@ class ServeConfig:
     # server, and consecutive observations in closed loop draw unrelated noise. null: fresh noise per
     # request (openpi's server), not reproducible.
     seed: int | None = 0
+    # Control steps between one connection's requests: a client that asks for a chunk every k steps (running k of
+    # its actions) sends every k-th frame, so a policy with observation history, trained on frames
+    # data.history_interval steps apart, reads the request data.history_interval / k back (it must divide). 1: each
+    # request is the next frame. python -m slurmvla.rollout sends one every rollout.replan_steps.
+    request_interval: int = 1
     # Which weights: ema, the moving average a run with trainer.ema_decay keeps (what openpi serves and
     # Diffusion Policy evaluates); trained, the optimizer's own; auto, the average where the checkpoint holds
     # one (ema.safetensors), else the trained weights. The trainer's periodic closed loop follows it too.
@@ -95,6 +100,9 @@ class ServeConfig:
     rtc_guided_dims: list[int] | None = None
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.request_interval, int) and self.request_interval >= 1):
+            raise ValueError(f"serve.request_interval={self.request_interval!r} must be a whole number of control "
+                             "steps >= 1 (1: each request is the next frame)")
         if not 0 <= self.rtc_max_guidance < float("inf"):
             raise ValueError(f"serve.rtc_max_guidance={self.rtc_max_guidance} must be a number >= 0 (the paper's "
                              "5.0; 0 turns guidance off, the delay's actions still come from prev_actions)")

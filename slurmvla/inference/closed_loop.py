@@ -249,11 +249,28 @@ def _retry_after(value: str | None) -> float:
         return 1.0
 
 
+def history_warning(run_cfg: Any, replan_steps: int) -> str | None:
+    """What is wrong with the history a served policy reads in a rollout that requests every ``replan_steps``
+    steps, or None: the server takes its requests as ``serve.request_interval`` steps apart, and a policy with
+    observation history then reads frames other than the ones it was trained on."""
+    n, interval, every = run_cfg.policy.num_obs_history, run_cfg.data.history_interval, run_cfg.serve.request_interval
+    if n <= 1 or every == replan_steps:
+        return None
+    apart = interval // every * replan_steps
+    return (f"the policy reads {n} frames data.history_interval={interval} steps apart, but this rollout requests "
+            f"every {replan_steps} steps (rollout.replan_steps) and the server takes its requests as "
+            f"serve.request_interval={every} apart: it reads frames {apart} steps apart. Train with "
+            f"data.history_interval={replan_steps} serve.request_interval={replan_steps}, or roll out with "
+            f"rollout.replan_steps={every}")
+
+
 def run_served(server: Any, cfg: RolloutConfig, seeds: list[int], video_dir: Path | None) -> list[dict]:
     """Episodes against a :class:`slurmvla.inference.server.PolicyServer` run in this process (on 127.0.0.1),
     through openpi's client as against any other server."""
     from slurmvla.inference.harness import serving_in_thread
 
+    if (warning := history_warning(server.policy.loaded.cfg, cfg.replan_steps)) is not None:
+        log.warning(warning)
     with serving_in_thread(server) as port:
         client = connect("127.0.0.1", port)
         try:

@@ -238,12 +238,15 @@ def test_bad_sources_and_overrides_fail_at_start_with_one_line(trained_run, caps
     assert expected in err, err
 
 
-def test_history_frames_follow_training_layout(sample_root):
+@pytest.mark.parametrize("request_interval", [1, 2])
+def test_history_frames_follow_training_layout(sample_root, request_interval):
     """With observation history, each connection keeps its own past: the first request repeats its
     frame masked (as training masks frames before the episode start), later ones take the frames
-    history_interval requests apart."""
+    history_interval steps apart: history_interval requests back when each request is the next frame, fewer when
+    requests come serve.request_interval steps apart."""
     cfg = compose([f"data.root={sample_root}", "policy.num_obs_history=2", "data.num_obs_history=2",
-                   "data.history_interval=2"])
+                   "data.history_interval=2", f"serve.request_interval={request_interval}"])
+    back = 2 // request_interval  # requests between the two frames
     runner = PolicyRunner(Loaded(build_policy(cfg.policy).eval(), cfg, 0, "memory"))
     past: collections.deque = collections.deque(maxlen=runner.processor.history)
     size = cfg.policy.image_size
@@ -254,12 +257,33 @@ def test_history_frames_follow_training_layout(sample_root):
         frames.append(prepare_image(obs["observation/exterior_image_1_left"], size))
         batch = runner.processor.batch(past)
         assert batch["images"].shape == (1, 6, size, size, 3)
-        older = i - 2 if i >= 2 else 0
+        older = i - back if i >= back else 0
         assert torch.equal(batch["images"][0, 0], torch.from_numpy(frames[older]))
         assert torch.equal(batch["images"][0, 3], torch.from_numpy(frames[i]))
-        assert batch["image_mask"][0].tolist() == [i >= 2, False, i >= 2, True, False, True]
+        assert batch["image_mask"][0].tolist() == [i >= back, False, i >= back, True, False, True]
         assert batch["state"].shape == (1, 2, 8)
     assert runner.policy.sample_actions(batch).shape == (1, cfg.policy.action_horizon, cfg.policy.action_dim)
+
+
+def test_history_a_client_never_sends_is_refused_and_a_rollout_says_what_it_reads(sample_root):
+    """A client requesting every 3 steps never sends the frames 2 steps back a policy was trained on: the server
+    refuses the setting by name; a rollout whose requests are spaced otherwise than the server counts them says
+    which frames the policy then reads."""
+    from slurmvla.inference.closed_loop import history_warning
+
+    with pytest.raises(ValueError, match=r"serve.request_interval=3: .* data.history_interval=2 steps apart"):
+        cfg = compose([f"data.root={sample_root}", "policy.num_obs_history=2", "data.num_obs_history=2",
+                       "data.history_interval=2", "serve.request_interval=3"])
+        PolicyRunner(Loaded(build_policy(cfg.policy).eval(), cfg, 0, "memory"))
+    with pytest.raises(ValueError, match="serve.request_interval=0"):
+        compose([f"data.root={sample_root}", "serve.request_interval=0"])
+    cfg = compose([f"data.root={sample_root}", "policy.num_obs_history=2", "data.num_obs_history=2"])
+    assert "it reads frames 3 steps apart" in history_warning(cfg, 3)  # trained 1 apart, requested every 3
+    assert history_warning(cfg, 1) is None
+    matched = compose([f"data.root={sample_root}", "policy.num_obs_history=2", "data.num_obs_history=2",
+                       "data.history_interval=3", "serve.request_interval=3"])
+    assert history_warning(matched, 3) is None and "frames 6 steps apart" in history_warning(matched, 6)
+    assert history_warning(compose([f"data.root={sample_root}"]), 3) is None  # no history: nothing to read wrong
 
 
 def test_a_plug_in_policy_is_served_through_the_same_contract(sample_root, example_policy):
