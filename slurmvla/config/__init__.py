@@ -254,6 +254,13 @@ class Config:
                 f"policy.num_obs_history={self.policy.num_obs_history} does not match data.num_obs_history="
                 f"{self.data.num_obs_history}: the policy would read the wrong frames; set both to the same value"
             )
+        every = self.serve.request_interval
+        if self.data.num_obs_history > 1 and self.data.history_interval % every:
+            raise ValueError(
+                f"serve.request_interval={every}: the policy reads {self.data.num_obs_history} frames "
+                f"data.history_interval={self.data.history_interval} steps apart, and a client requesting every {every} "
+                f"steps never sends those frames; train with a data.history_interval that is a multiple of {every}, "
+                "or request every step (serve.request_interval=1)")
         check_delta_actions(self.data.delta_actions, self.policy.action_dim, self.policy.state_dim,
                             "policy.action_dim", "policy.state_dim")
         guided = self.serve.rtc_guided_dims

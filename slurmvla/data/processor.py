@@ -59,16 +59,9 @@ class Processor:
         self.delta_flags = list(data.delta_actions) if data.delta_actions else []
         self.image_resize = data.image_resize
         self.history_interval = data.history_interval
-        # Requests between two history frames: a connection's requests come serve.request_interval steps apart.
-        self.request_stride = data.history_interval
-        if serve is not None and spec.num_obs_history > 1:
-            if data.history_interval % serve.request_interval:
-                raise ValueError(
-                    f"serve.request_interval={serve.request_interval}: the policy reads {spec.num_obs_history} frames "
-                    f"data.history_interval={data.history_interval} steps apart, and a client requesting every "
-                    f"{serve.request_interval} steps never sends those frames; train with a data.history_interval "
-                    f"that is a multiple of {serve.request_interval}, or request every step (serve.request_interval=1)")
-            self.request_stride = data.history_interval // serve.request_interval
+        # Requests between two history frames: a connection's requests come serve.request_interval steps apart
+        # (a divisor of data.history_interval where there is history: the config checks it at start-up).
+        self.request_stride = max(data.history_interval // (serve.request_interval if serve else 1), 1)
         # How many past observations (this one included) the batch reads.
         self.history = self.request_stride * (spec.num_obs_history - 1) + 1
         self.serve, self.state_dim, self.image_size = serve, state_dim, image_size
