@@ -43,12 +43,15 @@ from slurmvla.inference.closed_loop import (
     close_client,
     connect,
     execution_of,
+    history_warning,
     require_sim,
     run_episodes,
     run_served,
     shard_seeds,
     summarize,
 )
+
+log = logging.getLogger("slurmvla.rollout")
 
 
 def _parse_shard(text: str) -> tuple[int, int]:
@@ -113,6 +116,8 @@ def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None,
         loaded = server.policy.loaded
         cfg = loaded.cfg.rollout
         step, where, weights = loaded.step, loaded.source, loaded.weights
+        if (warning := history_warning(loaded.cfg.data, loaded.cfg.serve, cfg.replan_steps)) is not None:
+            log.warning(warning)
         out = Path(cfg.out) if cfg.out else _unused_default(_default_out(Path(source), step), name)
         seeds = shard_seeds(cfg, shard)
         start = time.perf_counter()

@@ -249,11 +249,12 @@ def _retry_after(value: str | None) -> float:
         return 1.0
 
 
-def history_warning(run_cfg: Any, replan_steps: int) -> str | None:
+def history_warning(data: Any, serve: Any, replan_steps: int) -> str | None:
     """What is wrong with the history a served policy reads in a rollout that requests every ``replan_steps``
-    steps, or None: the server takes its requests as ``serve.request_interval`` steps apart, and a policy with
-    observation history then reads frames other than the ones it was trained on."""
-    n, interval, every = run_cfg.policy.num_obs_history, run_cfg.data.history_interval, run_cfg.serve.request_interval
+    steps, or None. ``data`` / ``serve``: the served run's options. The server takes its requests as
+    ``serve.request_interval`` steps apart, and a policy with observation history then reads frames other than
+    the ones it was trained on."""
+    n, interval, every = data.num_obs_history, data.history_interval, serve.request_interval
     if n <= 1 or every == replan_steps:
         return None
     apart = interval // every * replan_steps
@@ -269,8 +270,6 @@ def run_served(server: Any, cfg: RolloutConfig, seeds: list[int], video_dir: Pat
     through openpi's client as against any other server."""
     from slurmvla.inference.harness import serving_in_thread
 
-    if (warning := history_warning(server.policy.loaded.cfg, cfg.replan_steps)) is not None:
-        log.warning(warning)
     with serving_in_thread(server) as port:
         client = connect("127.0.0.1", port)
         try:
@@ -294,6 +293,8 @@ def in_training(policy: Any, cfg: Any, step: int, run_dir: Path, rank: int, worl
     out = Path(rcfg.out) / f"step_{step:08d}" if rcfg.out else Path(run_dir) / "rollout" / f"step_{step:08d}"
     start = time.perf_counter()
     server = PolicyServer(PolicyRunner(Loaded(policy, cfg, step, str(run_dir), weights)), "127.0.0.1", 0)
+    if rank == 0 and (warning := history_warning(cfg.data, cfg.serve, rcfg.replan_steps)) is not None:
+        log.warning(warning)
     mine = run_served(server, rcfg, shard_seeds(rcfg, (rank, world_size)), out if rank == 0 else None)
     everyone = gather_objects(mine)
     if rank != 0:

@@ -278,12 +278,14 @@ def test_history_a_client_never_sends_is_refused_and_a_rollout_says_what_it_read
     with pytest.raises(ValueError, match="serve.request_interval=0"):
         compose([f"data.root={sample_root}", "serve.request_interval=0"])
     cfg = compose([f"data.root={sample_root}", "policy.num_obs_history=2", "data.num_obs_history=2"])
-    assert "it reads frames 3 steps apart" in history_warning(cfg, 3)  # trained 1 apart, requested every 3
-    assert history_warning(cfg, 1) is None
+    assert "it reads frames 3 steps apart" in history_warning(cfg.data, cfg.serve, 3)  # trained 1 apart, asked every 3
+    assert history_warning(cfg.data, cfg.serve, 1) is None
     matched = compose([f"data.root={sample_root}", "policy.num_obs_history=2", "data.num_obs_history=2",
                        "data.history_interval=3", "serve.request_interval=3"])
-    assert history_warning(matched, 3) is None and "frames 6 steps apart" in history_warning(matched, 6)
-    assert history_warning(compose([f"data.root={sample_root}"]), 3) is None  # no history: nothing to read wrong
+    assert history_warning(matched.data, matched.serve, 3) is None
+    assert "frames 6 steps apart" in history_warning(matched.data, matched.serve, 6)
+    plain = compose([f"data.root={sample_root}"])
+    assert history_warning(plain.data, plain.serve, 3) is None  # no history: nothing to read wrong
 
 
 def test_a_plug_in_policy_is_served_through_the_same_contract(sample_root, example_policy):
