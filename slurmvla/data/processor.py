@@ -58,10 +58,9 @@ class Processor:
         self.spec = spec
         self.delta_flags = list(data.delta_actions) if data.delta_actions else []
         self.image_resize = data.image_resize
-        self.history_interval = data.history_interval
         # Requests between two history frames: a connection's requests come serve.request_interval steps apart
         # (a divisor of data.history_interval where there is history: the config checks it at start-up).
-        self.request_stride = max(data.history_interval // (serve.request_interval if serve else 1), 1)
+        self.request_stride = data.history_interval // (serve.request_interval if serve else 1)
         # How many past observations (this one included) the batch reads.
         self.history = self.request_stride * (spec.num_obs_history - 1) + 1
         self.serve, self.state_dim, self.image_size = serve, state_dim, image_size

@@ -266,15 +266,14 @@ def test_history_frames_follow_training_layout(sample_root, request_interval):
 
 
 def test_history_a_client_never_sends_is_refused_and_a_rollout_says_what_it_reads(sample_root):
-    """A client requesting every 3 steps never sends the frames 2 steps back a policy was trained on: the server
-    refuses the setting by name; a rollout whose requests are spaced otherwise than the server counts them says
-    which frames the policy then reads."""
+    """A client requesting every 3 steps never sends the frames 2 steps back a policy was trained on: the config
+    refuses the setting by name at start-up; a rollout whose requests are spaced otherwise than the server counts
+    them says which frames the policy then reads."""
     from slurmvla.inference.closed_loop import history_warning
 
     with pytest.raises(ValueError, match=r"serve.request_interval=3: .* data.history_interval=2 steps apart"):
-        cfg = compose([f"data.root={sample_root}", "policy.num_obs_history=2", "data.num_obs_history=2",
-                       "data.history_interval=2", "serve.request_interval=3"])
-        PolicyRunner(Loaded(build_policy(cfg.policy).eval(), cfg, 0, "memory"))
+        compose([f"data.root={sample_root}", "policy.num_obs_history=2", "data.num_obs_history=2",
+                 "data.history_interval=2", "serve.request_interval=3"])
     with pytest.raises(ValueError, match="serve.request_interval=0"):
         compose([f"data.root={sample_root}", "serve.request_interval=0"])
     cfg = compose([f"data.root={sample_root}", "policy.num_obs_history=2", "data.num_obs_history=2"])
