@@ -28,12 +28,15 @@ import torch
 from torch import nn
 
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
+from slurmvla.sim.hand_crop import HandCropFlowPolicy, project
 from slurmvla.sim.policies import KeypointFlowPolicy
 
 ROBOT = 9  # DP3's agent_pos: the hand and both fingertips
 # Meta-World's observation: hand 0:3, gripper 3, first object 4:7 (+ quaternion 7:11), second object 11:14
 # (+ 14:18), the previous frame's 18 numbers 18:36, goal 36:39. The positions are the targets.
 POSITIONS = (4, 5, 6, 11, 12, 13, 36, 37, 38)
+# The same three points as slices of the 39: the pixel policy ties whole-image keypoint i to point i.
+POINTS = ((4, 7), (11, 14), (36, 39))
 
 
 class AuxKeypointFlowPolicy(KeypointFlowPolicy):
@@ -77,6 +80,124 @@ class AuxKeypointFlowPolicy(KeypointFlowPolicy):
         return out
 
 
+def stats_of_robot(stats: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    """The data's statistics with the state's cut to the robot's 9 numbers (what the policies act on)."""
+    return None if stats is None else {**stats, "state_offset": stats["state_offset"].reshape(-1)[:ROBOT],
+                                       "state_scale": stats["state_scale"].reshape(-1)[:ROBOT]}
+
+
+def softmax_coordinates(uv: torch.Tensor, size: int) -> torch.Tensor:
+    """Continuous pixel coordinates ``[..., 2]`` (u, v) on a ``size`` x ``size`` feature map -> where the spatial
+    softmax (:class:`slurmvla.sim.policies.SpatialSoftmax`) puts a keypoint peaked there, ``[..., 2]`` (y, x): -1
+    at the first cell's centre, 1 at the last's."""
+    return ((uv - 0.5) / (size - 1) * 2 - 1).flip(-1)
+
+
+class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
+    """The fingertip-crop flow policy (``policy=keypoints_flow_crop``) whose whole-image keypoints 0, 1 and 2 are
+    trained to sit where the first object, the second object (when the task has one) and the goal project into the
+    camera's frame (:func:`slurmvla.sim.hand_crop.project`, the calibrated corner2), a squared error in the spatial
+    softmax's own coordinates added to the flow loss with weight ``aux_weight``: the keypoints themselves are the
+    positions, where :class:`AuxKeypointFlowPolicy` regresses them through a head. The policy acts on the images and
+    the robot's 9 numbers alone (the 39 behind them only train it).
+
+    ``oracle=True`` is a diagnostic, not an image policy: the three points' true pixels join the features, read
+    from the 39 numbers at every request too (what perfect 2-D localization would hand the head)."""
+
+    def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, aux_weight: float = 10.0,  # noqa: ANN001
+                 oracle: bool = False, **kwargs):
+        super().__init__(dataclasses.replace(cfg, state_dim=ROBOT), stats_of_robot(stats), **kwargs)
+        if kwargs.get("encoder", "conv") != "conv":
+            raise ValueError("PixelAuxCropFlowPolicy ties keypoints to pixels on the conv encoder's maps only")
+        self.aux_weight, self.oracle, self.history = aux_weight, oracle, cfg.num_obs_history
+        # The conv encoder's maps: two stride-2 convolutions (96 px -> 24, 128 -> 32).
+        self.map_size = (self.global_size + 3) // 4
+        if oracle:
+            self.feature_dim += cfg.num_obs_history * 2 * len(POINTS)
+            first = self.head.condition[0]
+            self.head.condition[0] = nn.Linear(self.feature_dim + self.head.time_dim, first.out_features)
+        self._whole: list[torch.Tensor] = []
+
+    def keypoints(self, batch: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        out = super().keypoints(batch)
+        self._whole = out[0]
+        return out
+
+    def points(self, env: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The three points of the 39 numbers ``[..., 39]`` -> their places in the spatial softmax's coordinates
+        ``[..., 3, 2]`` (y, x: -1 at the first map cell's centre, 1 at the last's) and whether the task has each
+        ``[..., 3]`` (an absent second object is all zeros)."""
+        world = torch.stack([env[..., lo:hi] for lo, hi in POINTS], dim=-2)
+        return softmax_coordinates(project(world, self.map_size), self.map_size), world.abs().sum(-1) > 0
+
+    def features(self, batch: dict) -> torch.Tensor:
+        feats = super().features({**batch, "state": batch["state"][..., :ROBOT]})
+        if not self.oracle:
+            return feats
+        b = feats.shape[0]
+        cells, valid = self.points(batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:])
+        return torch.cat([feats, (cells * valid[..., None]).flatten(1)], dim=1)
+
+    def aux_error(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sample the squared distance summed over the frames' present points, and how many points it sums."""
+        b = batch["state"].shape[0]
+        cells, valid = self.points(batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:])
+        per_frame = len(self._whole) // self.history
+        err, count = torch.zeros(b, device=cells.device), torch.zeros(b, device=cells.device)
+        for f, keypoints in enumerate(self._whole):
+            k = keypoints.shape[1] // 2
+            step = f // per_frame
+            found = torch.stack([keypoints[:, :len(POINTS)], keypoints[:, k:k + len(POINTS)]], dim=-1)  # (y, x)
+            ok = valid[:, step] & batch["image_mask"][:, f, None]
+            err = err + ((found - cells[:, step]).square().sum(-1) * ok).sum(-1)
+            count = count + ok.sum(-1)
+        return err, count
+
+    def forward(self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None) -> dict:
+        out = super().forward(batch, noise, t)
+        err, count = self.aux_error(batch)
+        out["loss"] = out["loss"] + self.aux_weight * err.sum() / count.sum().clamp_min(1)
+        out["components"]["aux"] = (err.detach(), count.detach())
+        return out
+
+
+def locate_pixels(run: str, seeds: list[int]) -> None:
+    """The pixel policy's keypoints against the points' true pixels on each seed's first frame, in the camera's
+    pixels: the demonstrations' own seeds, then ``seeds``."""
+    import json
+
+    import numpy as np
+
+    from slurmvla.inference.load import load_exported
+    from slurmvla.sim.metaworld import ENV_STATE_KEY, IMAGE_KEY, IMAGE_SIZE, STATE_KEY, MetaWorld
+
+    loaded = load_exported(run, [])
+    policy, cfg = loaded.policy.eval(), loaded.cfg
+    env = MetaWorld(cfg.rollout.task)
+    demos = json.loads((Path(cfg.data.root) / "metaworld.json").read_text())["seeds"]
+    scale = IMAGE_SIZE / policy.map_size
+    for name, group in (("the demonstrations' seeds", demos), (f"seeds {seeds[0]}-{seeds[-1]}", seeds)):
+        errors = []
+        for seed in group:
+            env.reset(seed)
+            obs = env.observe([IMAGE_KEY, STATE_KEY, ENV_STATE_KEY])
+            image = torch.from_numpy(np.ascontiguousarray(obs[IMAGE_KEY]))[None, None].repeat(1, policy.history, 1, 1, 1)
+            state = torch.from_numpy(np.concatenate([obs[STATE_KEY], obs[ENV_STATE_KEY]])).float()
+            batch = {"images": image, "image_mask": torch.ones(1, policy.history, dtype=torch.bool),
+                     "state": state[None, None].repeat(1, policy.history, 1)}
+            with torch.no_grad():
+                policy.features(batch)
+                cells, valid = policy.points(batch["state"][:, -1, ROBOT:])
+            k = policy._whole[-1].shape[1] // 2
+            found = torch.stack([policy._whole[-1][:, :len(POINTS)], policy._whole[-1][:, k:k + len(POINTS)]], -1)
+            dist = ((found - cells) / 2 * (policy.map_size - 1)).norm(dim=-1)[0] * scale
+            errors.append(torch.where(valid[0], dist, torch.nan))
+        mean = torch.stack(errors).nanmean(0)
+        print(f"{cfg.rollout.task}, {name}: mean distance, keypoint to true pixel (first object, second object, "
+              f"goal): {', '.join('-' if m.isnan() else f'{m:.1f} px' for m in mean)}")
+    env.close()
+
+
 def locate(run: str, root: str) -> None:
     from slurmvla.data.loader import build_validation_loader
     from slurmvla.data.mixture import Mixture
@@ -103,6 +224,9 @@ def locate(run: str, root: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.modules.setdefault("metaworld_aux_policy", sys.modules["__main__"])
-    if len(sys.argv) != 3:
-        sys.exit(f"usage: python {sys.argv[0]} RUN DATA_ROOT")
-    locate(sys.argv[1], sys.argv[2])
+    if len(sys.argv) == 5 and sys.argv[2] == "--pixels":
+        locate_pixels(sys.argv[1], list(range(int(sys.argv[3]), int(sys.argv[4]))))
+    elif len(sys.argv) == 3:
+        locate(sys.argv[1], sys.argv[2])
+    else:
+        sys.exit(f"usage: python {sys.argv[0]} RUN DATA_ROOT, or python {sys.argv[0]} RUN --pixels FIRST_SEED END_SEED")

@@ -90,7 +90,9 @@ class HandCrop:
         if not robot_state:
             self.feature_dim -= cfg.num_obs_history * cfg.state_dim
 
-    def features(self, batch: dict) -> torch.Tensor:
+    def keypoints(self, batch: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """Per frame the whole image's keypoints and the crop's (each ``[B, 2 * keypoints]``, a masked frame's
+        zeros), and the pixel each frame's crop is centred on ``[B, frames, 2]`` (u, v in the camera's frame)."""
         images = batch["images"]  # [B, frames, S, S, 3] uint8, frames = history x cameras (history first)
         b, frames, s = images.shape[:3]
         x = images.permute(0, 1, 4, 2, 3).float() / 127.5 - 1.0
@@ -107,12 +109,17 @@ class HandCrop:
         crops = crop_around(x.flatten(0, 1), centres.flatten(0, 1), self.crop * s // IMAGE_SIZE, self.crop_size)
         crops = crops.view(b, frames, 3, self.crop_size, self.crop_size)
         mask = batch["image_mask"]
-        points = [enc(whole[:, f]) * mask[:, f, None] for f, enc in enumerate(self.encoders)]
-        points += [enc(crops[:, f]) * mask[:, f, None] for f, enc in enumerate(self.crop_encoders)]
+        whole_points = [enc(whole[:, f]) * mask[:, f, None] for f, enc in enumerate(self.encoders)]
+        crop_points = [enc(crops[:, f]) * mask[:, f, None] for f, enc in enumerate(self.crop_encoders)]
+        return whole_points, crop_points, centres
+
+    def features(self, batch: dict) -> torch.Tensor:
+        whole_points, crop_points, _ = self.keypoints(batch)
         if not self.robot_state:
-            return torch.cat(points, dim=1)
+            return torch.cat([*whole_points, *crop_points], dim=1)
+        b = batch["images"].shape[0]
         norm_state = ((batch["state"].float() - self.state_offset) / self.state_scale).reshape(b, -1)
-        return torch.cat([*points, norm_state], dim=1)
+        return torch.cat([*whole_points, *crop_points, norm_state], dim=1)
 
     def wrap_units(self) -> list[nn.Module]:
         return [*self.encoders, *self.crop_encoders, self.head]

@@ -192,6 +192,70 @@ def test_the_auxiliary_position_policy_acts_on_the_image_and_the_robot_alone():
     assert out["loss"].isfinite() and out["components"]["aux"][0].min() > 0
 
 
+def test_the_pixel_auxiliary_policy_ties_keypoints_to_the_points_pixels_and_acts_on_the_image_and_robot_alone():
+    """benchmarks/metaworld_aux_policy.py's PixelAuxCropFlowPolicy: the 39 numbers behind the robot's 9 never move
+    an action (with ``oracle`` they do: a diagnostic); its targets are where the spatial softmax puts a keypoint
+    peaked at the point's pixel, on the encoder's own map; a keypoint on its target costs nothing, and an absent
+    second object counts for nothing."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from slurmvla.policy.flow_vla.config import FlowVLAConfig
+    from slurmvla.sim.policies import SpatialSoftmax
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from metaworld_aux_policy import ROBOT, PixelAuxCropFlowPolicy, softmax_coordinates
+
+    # The coordinate convention against the spatial softmax itself: a map peaked at cell (row 5, column 2).
+    peaked = torch.full((1, 1, 8, 8), -1e4)
+    peaked[0, 0, 5, 2] = 0.0
+    assert torch.allclose(SpatialSoftmax()(peaked).view(2), softmax_coordinates(torch.tensor([2.5, 5.5]), 8))
+    torch.manual_seed(0)
+    cfg = FlowVLAConfig(num_cameras=1, num_obs_history=2, state_dim=ROBOT + 39, action_dim=4, action_horizon=4,
+                        image_size=128)
+    stats = {"state_offset": torch.randn(48) * 0.01, "state_scale": torch.rand(48) + 0.5,
+             "action_offset": torch.zeros(4), "action_scale": torch.ones(4)}
+    policy = PixelAuxCropFlowPolicy(cfg, stats, global_size=96).eval()
+    maps = policy.encoders[0][:-1](torch.zeros(1, 3, 96, 96))
+    assert maps.shape[-2:] == (policy.map_size, policy.map_size) == (24, 24)
+    state = torch.zeros(3, 2, 48)
+    state[..., :ROBOT] = torch.tensor([0.0, 0.6, 0.15, 0.01, 0.6, 0.15, -0.01, 0.6, 0.15])
+    state[..., ROBOT + 4:ROBOT + 7] = torch.tensor([0.1, 0.65, 0.02])  # the object; no second object
+    state[..., ROBOT + 36:] = torch.tensor([-0.1, 0.7, 0.1])  # the goal
+    batch = {"images": torch.randint(0, 256, (3, 2, 128, 128, 3), dtype=torch.uint8),
+             "image_mask": torch.ones(3, 2, dtype=torch.bool), "state": state}
+    noise = torch.randn(3, 4, 4)
+    acts = policy.sample_actions(batch, noise=noise)
+    env = state.clone()
+    env[..., ROBOT:] += torch.randn_like(env[..., ROBOT:])
+    assert torch.equal(policy.sample_actions({**batch, "state": env}, noise=noise), acts)
+    robot = state.clone()
+    robot[..., :3] += 0.05
+    assert (policy.sample_actions({**batch, "state": robot}, noise=noise) - acts).abs().max() > 1e-4
+    oracle = PixelAuxCropFlowPolicy(cfg, stats, oracle=True).eval()
+    assert (oracle.sample_actions({**batch, "state": env}, noise=noise)
+            - oracle.sample_actions(batch, noise=noise)).abs().max() > 1e-4
+    # The loss: zero with every keypoint on its target, the absent second object never counted.
+    cells, valid = policy.points(state[..., ROBOT:])
+    assert valid[0, 0].tolist() == [True, False, True]
+    from slurmvla.sim.hand_crop import project
+    uv = project(torch.tensor([0.1, 0.65, 0.02]), policy.map_size)
+    assert torch.allclose(cells[0, 0, 0], softmax_coordinates(uv, policy.map_size))
+    policy.features(batch)
+    err, count = policy.aux_error(batch)
+    assert err.min() > 0 and count.tolist() == [4, 4, 4]  # two points in each of two frames
+    for f, keypoints in enumerate(policy._whole):
+        keypoints = keypoints.clone()
+        k = keypoints.shape[1] // 2
+        keypoints[:, [0, 2]], keypoints[:, [k, k + 2]] = cells[:, f, [0, 2], 0], cells[:, f, [0, 2], 1]
+        keypoints[:, 1], keypoints[:, k + 1] = 0.7, -0.3  # the absent object's keypoint: anywhere
+        policy._whole[f] = keypoints
+    err, _ = policy.aux_error(batch)
+    assert err.abs().max() < 1e-10
+
+
 def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it(make_cfg):
     """slurmvla/sim/hand_crop.py: its camera is the one the environment renders, its projection puts a visible
     part where MuJoCo's segmentation render shows it, its crop is the image's pixels around a point, and
