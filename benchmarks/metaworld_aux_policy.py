@@ -101,26 +101,34 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
     positions, where :class:`AuxKeypointFlowPolicy` regresses them through a head. The policy acts on the images and
     the robot's 9 numbers alone (the 39 behind them only train it).
 
+    ``relative=True``: every whole-image keypoint also enters the features as its offset from the fingertips' pixel
+    (where the object is relative to the hand, the quantity the scripted expert acts on, read off the image).
+
     ``oracle=True`` is a diagnostic, not an image policy: the three points' true pixels join the features, read
     from the 39 numbers at every request too (what perfect 2-D localization would hand the head)."""
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, aux_weight: float = 10.0,  # noqa: ANN001
-                 oracle: bool = False, **kwargs):
+                 relative: bool = False, oracle: bool = False, **kwargs):
         super().__init__(dataclasses.replace(cfg, state_dim=ROBOT), stats_of_robot(stats), **kwargs)
         if kwargs.get("encoder", "conv") != "conv":
             raise ValueError("PixelAuxCropFlowPolicy ties keypoints to pixels on the conv encoder's maps only")
-        self.aux_weight, self.oracle, self.history = aux_weight, oracle, cfg.num_obs_history
+        self.aux_weight, self.history = aux_weight, cfg.num_obs_history
+        self.relative, self.oracle = relative, oracle
         # The conv encoder's maps: two stride-2 convolutions (96 px -> 24, 128 -> 32).
         self.map_size = (self.global_size + 3) // 4
+        if relative:
+            self.feature_dim += len(self.encoders) * 2 * kwargs.get("keypoints", 16)
         if oracle:
             self.feature_dim += cfg.num_obs_history * 2 * len(POINTS)
+        if relative or oracle:
             first = self.head.condition[0]
             self.head.condition[0] = nn.Linear(self.feature_dim + self.head.time_dim, first.out_features)
         self._whole: list[torch.Tensor] = []
+        self._centres = torch.zeros(0)
 
     def keypoints(self, batch: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         out = super().keypoints(batch)
-        self._whole = out[0]
+        self._whole, self._centres = out[0], out[2]
         return out
 
     def points(self, env: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,12 +139,18 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
         return softmax_coordinates(project(world, self.map_size), self.map_size), world.abs().sum(-1) > 0
 
     def features(self, batch: dict) -> torch.Tensor:
-        feats = super().features({**batch, "state": batch["state"][..., :ROBOT]})
-        if not self.oracle:
-            return feats
-        b = feats.shape[0]
-        cells, valid = self.points(batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:])
-        return torch.cat([feats, (cells * valid[..., None]).flatten(1)], dim=1)
+        feats = [super().features({**batch, "state": batch["state"][..., :ROBOT]})]
+        b = feats[0].shape[0]
+        if self.relative:  # the fingertips' pixel on the map, in the keypoints' coordinates (y, x)
+            hand = softmax_coordinates(self._centres * self.map_size / batch["images"].shape[2], self.map_size)
+            for f, keypoints in enumerate(self._whole):
+                k = keypoints.shape[1] // 2
+                offset = torch.cat([keypoints[:, :k] - hand[:, f, :1], keypoints[:, k:] - hand[:, f, 1:]], dim=1)
+                feats.append(offset * batch["image_mask"][:, f, None])
+        if self.oracle:
+            cells, valid = self.points(batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:])
+            feats.append((cells * valid[..., None]).flatten(1))
+        return torch.cat(feats, dim=1)
 
     def aux_error(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Per sample the squared distance summed over the frames' present points, and how many points it sums."""

@@ -192,7 +192,9 @@ def test_the_auxiliary_position_policy_acts_on_the_image_and_the_robot_alone():
     assert out["loss"].isfinite() and out["components"]["aux"][0].min() > 0
 
 
-def test_the_pixel_auxiliary_policy_ties_keypoints_to_the_points_pixels_and_acts_on_the_image_and_robot_alone():
+@pytest.mark.parametrize("relative", [False, True])
+def test_the_pixel_auxiliary_policy_ties_keypoints_to_the_points_pixels_and_acts_on_the_image_and_robot_alone(
+        relative):
     """benchmarks/metaworld_aux_policy.py's PixelAuxCropFlowPolicy: the 39 numbers behind the robot's 9 never move
     an action (with ``oracle`` they do: a diagnostic); its targets are where the spatial softmax puts a keypoint
     peaked at the point's pixel, on the encoder's own map; a keypoint on its target costs nothing, and an absent
@@ -217,7 +219,7 @@ def test_the_pixel_auxiliary_policy_ties_keypoints_to_the_points_pixels_and_acts
                         image_size=128)
     stats = {"state_offset": torch.randn(48) * 0.01, "state_scale": torch.rand(48) + 0.5,
              "action_offset": torch.zeros(4), "action_scale": torch.ones(4)}
-    policy = PixelAuxCropFlowPolicy(cfg, stats, global_size=96).eval()
+    policy = PixelAuxCropFlowPolicy(cfg, stats, global_size=96, relative=relative).eval()
     maps = policy.encoders[0][:-1](torch.zeros(1, 3, 96, 96))
     assert maps.shape[-2:] == (policy.map_size, policy.map_size) == (24, 24)
     state = torch.zeros(3, 2, 48)
