@@ -105,22 +105,32 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
     (where the object is relative to the hand, the quantity the scripted expert acts on, read off the image).
 
     ``oracle=True`` is a diagnostic, not an image policy: the three points' true pixels join the features, read
-    from the 39 numbers at every request too (what perfect 2-D localization would hand the head)."""
+    from the 39 numbers at every request too (what perfect 2-D localization would hand the head).
+    ``oracle_world=True``, the same diagnostic with the points' positions in the world (normalized by the data's
+    statistics) in place of their pixels."""
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, aux_weight: float = 10.0,  # noqa: ANN001
-                 relative: bool = False, oracle: bool = False, **kwargs):
+                 relative: bool = False, oracle: bool = False, oracle_world: bool = False, **kwargs):
         super().__init__(dataclasses.replace(cfg, state_dim=ROBOT), stats_of_robot(stats), **kwargs)
         if kwargs.get("encoder", "conv") != "conv":
             raise ValueError("PixelAuxCropFlowPolicy ties keypoints to pixels on the conv encoder's maps only")
         self.aux_weight, self.history = aux_weight, cfg.num_obs_history
-        self.relative, self.oracle = relative, oracle
+        self.relative, self.oracle, self.oracle_world = relative, oracle, oracle_world
+        if oracle_world:  # the positions' statistics (buffers only here: the other options' weights are unchanged)
+            dims = [ROBOT + d for d in POSITIONS]
+            offset = torch.zeros(cfg.state_dim) if stats is None else stats["state_offset"].float().reshape(-1)
+            scale = torch.ones(cfg.state_dim) if stats is None else stats["state_scale"].float().reshape(-1)
+            self.register_buffer("world_offset", offset[dims].clone())
+            self.register_buffer("world_scale", scale[dims].clamp_min(1e-2).clone())
         # The conv encoder's maps: two stride-2 convolutions (96 px -> 24, 128 -> 32).
         self.map_size = (self.global_size + 3) // 4
         if relative:
             self.feature_dim += len(self.encoders) * 2 * kwargs.get("keypoints", 16)
         if oracle:
             self.feature_dim += cfg.num_obs_history * 2 * len(POINTS)
-        if relative or oracle:
+        if oracle_world:
+            self.feature_dim += cfg.num_obs_history * len(POSITIONS)
+        if relative or oracle or oracle_world:
             first = self.head.condition[0]
             self.head.condition[0] = nn.Linear(self.feature_dim + self.head.time_dim, first.out_features)
         self._whole: list[torch.Tensor] = []
@@ -150,6 +160,9 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
         if self.oracle:
             cells, valid = self.points(batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:])
             feats.append((cells * valid[..., None]).flatten(1))
+        if self.oracle_world:
+            env = batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:]
+            feats.append(((env[..., list(POSITIONS)] - self.world_offset) / self.world_scale).flatten(1))
         return torch.cat(feats, dim=1)
 
     def aux_error(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -236,9 +236,10 @@ def test_the_pixel_auxiliary_policy_ties_keypoints_to_the_points_pixels_and_acts
     robot = state.clone()
     robot[..., :3] += 0.05
     assert (policy.sample_actions({**batch, "state": robot}, noise=noise) - acts).abs().max() > 1e-4
-    oracle = PixelAuxCropFlowPolicy(cfg, stats, oracle=True).eval()
-    assert (oracle.sample_actions({**batch, "state": env}, noise=noise)
-            - oracle.sample_actions(batch, noise=noise)).abs().max() > 1e-4
+    for option in ("oracle", "oracle_world"):
+        oracle = PixelAuxCropFlowPolicy(cfg, stats, **{option: True}).eval()
+        assert (oracle.sample_actions({**batch, "state": env}, noise=noise)
+                - oracle.sample_actions(batch, noise=noise)).abs().max() > 1e-4
     # The loss: zero with every keypoint on its target, the absent second object never counted.
     cells, valid = policy.points(state[..., ROBOT:])
     assert valid[0, 0].tolist() == [True, False, True]
