@@ -251,9 +251,17 @@ def locate(run: str, root: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.modules.setdefault("metaworld_aux_policy", sys.modules["__main__"])
-    if len(sys.argv) == 5 and sys.argv[2] == "--pixels":
-        locate_pixels(sys.argv[1], list(range(int(sys.argv[3]), int(sys.argv[4]))))
-    elif len(sys.argv) == 3:
-        locate(sys.argv[1], sys.argv[2])
+    import argparse
+
+    parser = argparse.ArgumentParser(description="How well an auxiliary policy's keypoints locate the objects.")
+    parser.add_argument("run", help="a run or checkpoint of AuxKeypointFlowPolicy or PixelAuxCropFlowPolicy")
+    parser.add_argument("data_root", nargs="?", help="AuxKeypointFlowPolicy: a recorded dataset to read")
+    parser.add_argument("--pixels", nargs=2, type=int, metavar=("FIRST_SEED", "END_SEED"),
+                        help="PixelAuxCropFlowPolicy: its keypoints against the true pixels on these seeds' first frames")
+    args = parser.parse_args()
+    if (args.pixels is None) == (args.data_root is None):
+        parser.error("give DATA_ROOT (AuxKeypointFlowPolicy) or --pixels FIRST_SEED END_SEED (PixelAuxCropFlowPolicy)")
+    if args.pixels:
+        locate_pixels(args.run, list(range(*args.pixels)))
     else:
-        sys.exit(f"usage: python {sys.argv[0]} RUN DATA_ROOT, or python {sys.argv[0]} RUN --pixels FIRST_SEED END_SEED")
+        locate(args.run, args.data_root)
