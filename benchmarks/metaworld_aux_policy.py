@@ -107,17 +107,19 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
     ``oracle=True`` is a diagnostic, not an image policy: the three points' true pixels join the features, read
     from the 39 numbers at every request too (what perfect 2-D localization would hand the head).
     ``oracle_world=True``, the same diagnostic with the points' positions in the world (normalized by the data's
-    statistics) in place of their pixels."""
+    statistics) in place of their pixels; ``oracle_dims`` (indices into the 39), with any other of the 39."""
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, aux_weight: float = 10.0,  # noqa: ANN001
-                 relative: bool = False, oracle: bool = False, oracle_world: bool = False, **kwargs):
+                 relative: bool = False, oracle: bool = False, oracle_world: bool = False,
+                 oracle_dims: list[int] | None = None, **kwargs):
         super().__init__(dataclasses.replace(cfg, state_dim=ROBOT), stats_of_robot(stats), **kwargs)
         if kwargs.get("encoder", "conv") != "conv":
             raise ValueError("PixelAuxCropFlowPolicy ties keypoints to pixels on the conv encoder's maps only")
         self.aux_weight, self.history = aux_weight, cfg.num_obs_history
-        self.relative, self.oracle, self.oracle_world = relative, oracle, oracle_world
-        if oracle_world:  # the positions' statistics (buffers only here: the other options' weights are unchanged)
-            dims = [ROBOT + d for d in POSITIONS]
+        self.relative, self.oracle = relative, oracle
+        self.oracle_dims = list(POSITIONS) if oracle_world else [int(d) for d in oracle_dims or []]
+        if self.oracle_dims:  # their statistics (buffers only here: the other options' weights are unchanged)
+            dims = [ROBOT + d for d in self.oracle_dims]
             offset = torch.zeros(cfg.state_dim) if stats is None else stats["state_offset"].float().reshape(-1)
             scale = torch.ones(cfg.state_dim) if stats is None else stats["state_scale"].float().reshape(-1)
             self.register_buffer("world_offset", offset[dims].clone())
@@ -128,9 +130,8 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
             self.feature_dim += len(self.encoders) * 2 * kwargs.get("keypoints", 16)
         if oracle:
             self.feature_dim += cfg.num_obs_history * 2 * len(POINTS)
-        if oracle_world:
-            self.feature_dim += cfg.num_obs_history * len(POSITIONS)
-        if relative or oracle or oracle_world:
+        self.feature_dim += cfg.num_obs_history * len(self.oracle_dims)
+        if relative or oracle or self.oracle_dims:
             first = self.head.condition[0]
             self.head.condition[0] = nn.Linear(self.feature_dim + self.head.time_dim, first.out_features)
         self._whole: list[torch.Tensor] = []
@@ -160,9 +161,9 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
         if self.oracle:
             cells, valid = self.points(batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:])
             feats.append((cells * valid[..., None]).flatten(1))
-        if self.oracle_world:
+        if self.oracle_dims:
             env = batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:]
-            feats.append(((env[..., list(POSITIONS)] - self.world_offset) / self.world_scale).flatten(1))
+            feats.append(((env[..., self.oracle_dims] - self.world_offset) / self.world_scale).flatten(1))
         return torch.cat(feats, dim=1)
 
     def aux_error(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
