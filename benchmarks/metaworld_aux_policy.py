@@ -16,6 +16,12 @@ added to the flow loss with weight ``aux_weight``. A plug-in through the policy 
 The second command reads every frame of a recorded dataset (the training demonstrations, or new ones:
 ``python -m slurmvla.sim.record --env metaworld --task T --episodes 10 --first-seed 50000 --out DIR``) and prints,
 per position, the auxiliary head's mean absolute error beside the positions' spread.
+
+:class:`PixelAuxCropFlowPolicy` trains the keypoints themselves onto the points' pixels, on the fingertip-crop
+policy (``policy=keypoints_flow_crop policy.image_size=128 policy.target=metaworld_aux_policy.PixelAuxCropFlowPolicy``,
+the same state options); ``python benchmarks/metaworld_aux_policy.py RUN --pixels 300000 300050`` prints how far its
+keypoints sit from the true pixels on those seeds' first frames (docs/benchmarks.md, "Keypoints trained onto the
+objects' pixels").
 """
 
 from __future__ import annotations
