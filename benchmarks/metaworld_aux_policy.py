@@ -45,21 +45,31 @@ POSITIONS = (4, 5, 6, 11, 12, 13, 36, 37, 38)
 POINTS = ((4, 7), (11, 14), (36, 39))
 
 
+def stats_of_robot(stats: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    """The data's statistics with the state's cut to the robot's 9 numbers (what the policies act on)."""
+    return None if stats is None else {**stats, "state_offset": stats["state_offset"].reshape(-1)[:ROBOT],
+                                       "state_scale": stats["state_scale"].reshape(-1)[:ROBOT]}
+
+
+def state_stats(stats: dict[str, torch.Tensor] | None, state_dim: int, dims: list[int]) -> tuple[torch.Tensor, ...]:
+    """The state's normalization ``(offset, scale)`` at ``dims`` (identity without statistics)."""
+    offset = torch.zeros(state_dim) if stats is None else stats["state_offset"].float().reshape(-1)
+    scale = torch.ones(state_dim) if stats is None else stats["state_scale"].float().reshape(-1)
+    return offset[dims].clone(), scale[dims].clone()
+
+
 class AuxKeypointFlowPolicy(KeypointFlowPolicy):
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, aux_weight: float = 1.0,  # noqa: ANN001
                  **kwargs):
-        sub = None if stats is None else {**stats, "state_offset": stats["state_offset"].reshape(-1)[:ROBOT],
-                                          "state_scale": stats["state_scale"].reshape(-1)[:ROBOT]}
-        super().__init__(dataclasses.replace(cfg, state_dim=ROBOT), sub, **kwargs)
+        super().__init__(dataclasses.replace(cfg, state_dim=ROBOT), stats_of_robot(stats), **kwargs)
         self.aux_weight = aux_weight
         dims = [ROBOT + d for d in POSITIONS]
-        offset = torch.zeros(cfg.state_dim) if stats is None else stats["state_offset"].float().reshape(-1)
-        scale = torch.ones(cfg.state_dim) if stats is None else stats["state_scale"].float().reshape(-1)
+        offset, scale = state_stats(stats, cfg.state_dim, dims)
         self.register_buffer("aux_index", torch.tensor(dims))
-        self.register_buffer("aux_offset", offset[dims].clone())
-        self.register_buffer("aux_scale", scale[dims].clamp_min(1e-4).clone())
+        self.register_buffer("aux_offset", offset)
+        self.register_buffer("aux_scale", scale.clamp_min(1e-4))
         # A position that never varies in the data (assembly's nut) is no target.
-        self.register_buffer("aux_valid", (scale[dims] > 1e-3).float())
+        self.register_buffer("aux_valid", (scale > 1e-3).float())
         self.keypoint_dim = self.feature_dim - cfg.num_obs_history * ROBOT
         self.aux_head = nn.Sequential(nn.Linear(self.keypoint_dim, 256), nn.ReLU(), nn.Linear(256, len(dims)))
 
@@ -84,12 +94,6 @@ class AuxKeypointFlowPolicy(KeypointFlowPolicy):
         out["loss"] = out["loss"] + self.aux_weight * err.mean()
         out["components"]["aux"] = (err.detach(), torch.ones_like(err))
         return out
-
-
-def stats_of_robot(stats: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
-    """The data's statistics with the state's cut to the robot's 9 numbers (what the policies act on)."""
-    return None if stats is None else {**stats, "state_offset": stats["state_offset"].reshape(-1)[:ROBOT],
-                                       "state_scale": stats["state_scale"].reshape(-1)[:ROBOT]}
 
 
 def softmax_coordinates(uv: torch.Tensor, size: int) -> torch.Tensor:
@@ -125,11 +129,9 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
         self.relative, self.oracle = relative, oracle
         self.oracle_dims = list(POSITIONS) if oracle_world else [int(d) for d in oracle_dims or []]
         if self.oracle_dims:  # their statistics (buffers only here: the other options' weights are unchanged)
-            dims = [ROBOT + d for d in self.oracle_dims]
-            offset = torch.zeros(cfg.state_dim) if stats is None else stats["state_offset"].float().reshape(-1)
-            scale = torch.ones(cfg.state_dim) if stats is None else stats["state_scale"].float().reshape(-1)
-            self.register_buffer("world_offset", offset[dims].clone())
-            self.register_buffer("world_scale", scale[dims].clamp_min(1e-2).clone())
+            offset, scale = state_stats(stats, cfg.state_dim, [ROBOT + d for d in self.oracle_dims])
+            self.register_buffer("world_offset", offset)
+            self.register_buffer("world_scale", scale.clamp_min(1e-2))
         # The conv encoder's maps: two stride-2 convolutions (96 px -> 24, 128 -> 32).
         self.map_size = (self.global_size + 3) // 4
         if relative:
