@@ -103,6 +103,29 @@ def softmax_coordinates(uv: torch.Tensor, size: int) -> torch.Tensor:
     return ((uv - 0.5) / (size - 1) * 2 - 1).flip(-1)
 
 
+class RunningStandardize(nn.Module):
+    """Features ``[B, F]`` -> ``(x - mean) / std`` by running statistics of the training batches (each training
+    call first moves them ``momentum`` of the way towards the batch's, then applies them; at evaluation they are
+    fixed): a keypoint whose place varies by a few pixels over the data reaches the head at unit spread, as the
+    robot's normalized state does. Not differentiated through the statistics."""
+
+    def __init__(self, features: int, momentum: float = 0.01, eps: float = 1e-4):
+        super().__init__()
+        self.momentum, self.eps = momentum, eps
+        self.register_buffer("mean", torch.zeros(features))
+        self.register_buffer("var", torch.ones(features))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                rate = max(self.momentum, 1.0 / float(self.seen + 1))  # the first batches: their plain average
+                self.mean.lerp_(x.detach().float().mean(0), rate)
+                self.var.lerp_(x.detach().float().var(0, unbiased=False), rate)
+                self.seen += 1
+        return (x - self.mean) / (self.var + self.eps).sqrt()
+
+
 class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
     """The fingertip-crop flow policy (``policy=keypoints_flow_crop``) whose whole-image keypoints 0, 1 and 2 are
     trained to sit where the first object, the second object (when the task has one) and the goal project into the
@@ -117,11 +140,15 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
     ``oracle=True`` is a diagnostic, not an image policy: the three points' true pixels join the features, read
     from the 39 numbers at every request too (what perfect 2-D localization would hand the head).
     ``oracle_world=True``, the same diagnostic with the points' positions in the world (normalized by the data's
-    statistics) in place of their pixels; ``oracle_dims`` (indices into the 39), with any other of the 39."""
+    statistics) in place of their pixels; ``oracle_dims`` (indices into the 39), with any other of the 39.
+
+    ``standardize=True``: the whole-image keypoints (with their offsets and the oracle's pixels, when asked for)
+    reach the head through :class:`RunningStandardize`, at unit spread over the data instead of the few hundredths
+    of the map's width an object's keypoint moves between scenes."""
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, aux_weight: float = 10.0,  # noqa: ANN001
                  relative: bool = False, oracle: bool = False, oracle_world: bool = False,
-                 oracle_dims: list[int] | None = None, **kwargs):
+                 oracle_dims: list[int] | None = None, standardize: bool = False, **kwargs):
         super().__init__(dataclasses.replace(cfg, state_dim=ROBOT), stats_of_robot(stats), **kwargs)
         if kwargs.get("encoder", "conv") != "conv":
             raise ValueError("PixelAuxCropFlowPolicy ties keypoints to pixels on the conv encoder's maps only")
@@ -139,6 +166,10 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
         if oracle:
             self.feature_dim += cfg.num_obs_history * 2 * len(POINTS)
         self.feature_dim += cfg.num_obs_history * len(self.oracle_dims)
+        # The features standardize covers: the whole image's keypoints, their offsets, the oracle's pixels.
+        scaled = len(self.encoders) * 2 * kwargs.get("keypoints", 16) * (2 if relative else 1)
+        scaled += cfg.num_obs_history * 2 * len(POINTS) if oracle else 0
+        self.standardize = RunningStandardize(scaled) if standardize else None
         if relative or oracle or self.oracle_dims:
             first = self.head.condition[0]
             self.head.condition[0] = nn.Linear(self.feature_dim + self.head.time_dim, first.out_features)
@@ -158,21 +189,33 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
         return softmax_coordinates(project(world, self.map_size), self.map_size), world.abs().sum(-1) > 0
 
     def features(self, batch: dict) -> torch.Tensor:
-        feats = [super().features({**batch, "state": batch["state"][..., :ROBOT]})]
-        b = feats[0].shape[0]
+        """The crop policy's features (whole-image keypoints, crop keypoints, the robot's state), then the
+        keypoints' offsets and the oracles' numbers, as asked for (the layout the runs' checkpoints hold)."""
+        robot = {**batch, "state": batch["state"][..., :ROBOT]}
+        whole, crop, _ = self.keypoints(robot)
+        b = batch["images"].shape[0]
+        state = [((robot["state"].float() - self.state_offset) / self.state_scale).reshape(b, -1)]
+        extra = []
         if self.relative:  # the fingertips' pixel on the map, in the keypoints' coordinates (y, x)
             hand = softmax_coordinates(self._centres * self.map_size / batch["images"].shape[2], self.map_size)
-            for f, keypoints in enumerate(self._whole):
+            for f, keypoints in enumerate(whole):
                 k = keypoints.shape[1] // 2
                 offset = torch.cat([keypoints[:, :k] - hand[:, f, :1], keypoints[:, k:] - hand[:, f, 1:]], dim=1)
-                feats.append(offset * batch["image_mask"][:, f, None])
+                extra.append(offset * batch["image_mask"][:, f, None])
         if self.oracle:
             cells, valid = self.points(batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:])
-            feats.append((cells * valid[..., None]).flatten(1))
+            extra.append((cells * valid[..., None]).flatten(1))
+        if self.standardize is not None:  # a masked frame's keypoints stay zeros
+            masks = [batch["image_mask"][:, f, None] for f in range(len(whole))]
+            masks = masks * (2 if self.relative else 1) + [torch.ones_like(masks[0])] * self.oracle
+            sizes = [t.shape[1] for t in (*whole, *extra)]
+            scaled = self.standardize(torch.cat([*whole, *extra], dim=1)).split(sizes, dim=1)
+            scaled = [t * m for t, m in zip(scaled, masks, strict=True)]
+            whole, extra = scaled[:len(whole)], scaled[len(whole):]
         if self.oracle_dims:
             env = batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:]
-            feats.append(((env[..., self.oracle_dims] - self.world_offset) / self.world_scale).flatten(1))
-        return torch.cat(feats, dim=1)
+            extra.append(((env[..., self.oracle_dims] - self.world_offset) / self.world_scale).flatten(1))
+        return torch.cat([*whole, *crop, *(state if self.robot_state else []), *extra], dim=1)
 
     def aux_error(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Per sample the squared distance summed over the frames' present points, and how many points it sums."""

@@ -259,6 +259,59 @@ def test_the_pixel_auxiliary_policy_ties_keypoints_to_the_points_pixels_and_acts
     assert err.abs().max() < 1e-10
 
 
+def test_the_pixel_policys_standardized_keypoints_are_its_plain_keypoints_at_the_datas_spread():
+    """benchmarks/metaworld_aux_policy.py's ``standardize=True``: the running statistics converge to the plain
+    mean and spread of what training showed them (and stay put at evaluation); the policy's features are the same
+    policy's unstandardized ones with the whole image's keypoints (and their offsets) standardized, a masked
+    frame's still zeros, the crop's keypoints and the robot's state untouched."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from slurmvla.policy.flow_vla.config import FlowVLAConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from metaworld_aux_policy import ROBOT, PixelAuxCropFlowPolicy, RunningStandardize
+
+    torch.manual_seed(0)
+    norm = RunningStandardize(3, momentum=0.05)
+    data = torch.randn(400, 64, 3) * torch.tensor([0.02, 1.0, 5.0]) + torch.tensor([0.5, -1.0, 2.0])
+    for x in data:
+        norm.train()(x)
+    spread = data.reshape(-1, 3).std(0)  # within a tenth of each feature's own spread, whatever its scale
+    assert ((norm.mean - data.reshape(-1, 3).mean(0)).abs() < 0.1 * spread).all()
+    assert ((norm.var.sqrt() / spread - 1).abs() < 0.1).all()
+    mean = norm.mean.clone()
+    out = norm.eval()(data[0])
+    assert torch.equal(norm.mean, mean)
+    assert torch.allclose(out, (data[0] - mean) / (norm.var + norm.eps).sqrt())
+    cfg = FlowVLAConfig(num_cameras=1, num_obs_history=2, state_dim=ROBOT + 39, action_dim=4, action_horizon=4,
+                        image_size=128)
+    for relative in (False, True):
+        plain = PixelAuxCropFlowPolicy(cfg, None, global_size=96, relative=relative).eval()
+        scaled = PixelAuxCropFlowPolicy(cfg, None, global_size=96, relative=relative, standardize=True)
+        scaled.load_state_dict({**plain.state_dict(), **{k: v for k, v in scaled.state_dict().items()
+                                                         if k.startswith("standardize.")}})
+        state = torch.zeros(3, 2, 48)
+        state[..., :ROBOT] = torch.tensor([0.0, 0.6, 0.15, 0.01, 0.6, 0.15, -0.01, 0.6, 0.15])
+        batch = {"images": torch.randint(0, 256, (3, 2, 128, 128, 3), dtype=torch.uint8),
+                 "image_mask": torch.tensor([[False, True], [True, True], [True, True]]), "state": state}
+        with torch.no_grad():
+            scaled.train().features(batch)  # statistics from one batch
+            got, want = scaled.eval().features(batch), plain.features(batch)
+        n = scaled.standardize.mean.numel() // (2 if relative else 1)  # the whole image's keypoints
+        std = (scaled.standardize.var + scaled.standardize.eps).sqrt()
+        mask = batch["image_mask"].repeat_interleave(n // 2, dim=1).float()
+        rest = slice(n, want.shape[1] - (n if relative else 0))  # crop keypoints and robot state
+        assert torch.allclose(got[:, :n], (want[:, :n] - scaled.standardize.mean[:n]) / std[:n] * mask, atol=1e-5)
+        assert torch.equal(got[:, rest], want[:, rest])
+        assert (got[0, :n // 2] == 0).all() and (got[:, :n].abs().max() > 0.5)
+        if relative:
+            assert torch.allclose(got[:, -n:], (want[:, -n:] - scaled.standardize.mean[n:]) / std[n:] * mask,
+                                  atol=1e-5)
+
+
 def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it(make_cfg):
     """slurmvla/sim/hand_crop.py: its camera is the one the environment renders, its projection puts a visible
     part where MuJoCo's segmentation render shows it, its crop is the image's pixels around a point, and
