@@ -53,6 +53,19 @@ def test_episodes_are_drawn_from_their_seed_and_observed_as_dp3_observes_them():
         env.close()
 
 
+def test_the_first_frame_shows_its_own_episodes_scene():
+    """assembly-v3 places its peg by the model's body position at reset, 5 cm below the goal its observation
+    gives: the world the first frame is rendered from must already hold it there, whatever seed came before."""
+    env = MetaWorld("assembly-v3", height=64, width=64)
+    try:
+        for seed in (3, 4):
+            env.reset(seed)
+            goal = env.observe()[ENV_STATE_KEY][36:39]
+            np.testing.assert_allclose(env.env.data.body("peg").xpos, goal - [0.0, 0.0, 0.05], atol=1e-9)
+    finally:
+        env.close()
+
+
 def test_demonstrations_read_back_through_the_data_layer_replay_the_episode(tmp_path, make_cfg):
     """A recorded episode, read as training reads it, is the episode: its states and actions replayed in a fresh
     environment from the same seed give the same states, and its frames decode to what the camera rendered
