@@ -191,10 +191,8 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
     def features(self, batch: dict) -> torch.Tensor:
         """The crop policy's features (whole-image keypoints, crop keypoints, the robot's state), then the
         keypoints' offsets and the oracles' numbers, as asked for (the layout the runs' checkpoints hold)."""
-        robot = {**batch, "state": batch["state"][..., :ROBOT]}
-        whole, crop, _ = self.keypoints(robot)
+        whole, crop, state = self.feature_parts({**batch, "state": batch["state"][..., :ROBOT]})
         b = batch["images"].shape[0]
-        state = [((robot["state"].float() - self.state_offset) / self.state_scale).reshape(b, -1)]
         extra = []
         if self.relative:  # the fingertips' pixel on the map, in the keypoints' coordinates (y, x)
             hand = softmax_coordinates(self._centres * self.map_size / batch["images"].shape[2], self.map_size)
@@ -215,7 +213,7 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
         if self.oracle_dims:
             env = batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:]
             extra.append(((env[..., self.oracle_dims] - self.world_offset) / self.world_scale).flatten(1))
-        return torch.cat([*whole, *crop, *(state if self.robot_state else []), *extra], dim=1)
+        return torch.cat([*whole, *crop, *state, *extra], dim=1)
 
     def aux_error(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Per sample the squared distance summed over the frames' present points, and how many points it sums."""

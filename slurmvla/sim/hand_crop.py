@@ -113,13 +113,18 @@ class HandCrop:
         crop_points = [enc(crops[:, f]) * mask[:, f, None] for f, enc in enumerate(self.crop_encoders)]
         return whole_points, crop_points, centres
 
-    def features(self, batch: dict) -> torch.Tensor:
+    def feature_parts(self, batch: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """What :meth:`features` concatenates, in its order: the whole image's keypoints and the crop's (per frame),
+        and the normalized state ``[B, history * D]`` (none with ``robot_state=False``)."""
         whole_points, crop_points, _ = self.keypoints(batch)
         if not self.robot_state:
-            return torch.cat([*whole_points, *crop_points], dim=1)
+            return whole_points, crop_points, []
         b = batch["images"].shape[0]
-        norm_state = ((batch["state"].float() - self.state_offset) / self.state_scale).reshape(b, -1)
-        return torch.cat([*whole_points, *crop_points, norm_state], dim=1)
+        return whole_points, crop_points, [((batch["state"].float() - self.state_offset) / self.state_scale).reshape(b, -1)]
+
+    def features(self, batch: dict) -> torch.Tensor:
+        whole_points, crop_points, state = self.feature_parts(batch)
+        return torch.cat([*whole_points, *crop_points, *state], dim=1)
 
     def wrap_units(self) -> list[nn.Module]:
         return [*self.encoders, *self.crop_encoders, self.head]

@@ -117,8 +117,8 @@ class MetaWorld:
     def reset(self, seed: int) -> None:
         self.env.seed(int(seed))
         self._obs, _ = self.env.reset()
-        # Some tasks move a body by its model's position at reset (assembly's peg, the goal of others) and leave
-        # the world's kinematics to the next step: without this the first frame shows the last episode's scene.
+        # Some tasks move a body by its model's position at reset (assembly's and peg-insert-side's) and leave the
+        # world's kinematics to the next step: without this the first frame shows it elsewhere (assembly: 9 cm).
         mujoco.mj_forward(self.env.model, self.env.data)
         self.steps = 0
 
