@@ -119,8 +119,7 @@ class HandCrop:
         whole_points, crop_points, _ = self.keypoints(batch)
         if not self.robot_state:
             return whole_points, crop_points, []
-        b = batch["images"].shape[0]
-        return whole_points, crop_points, [((batch["state"].float() - self.state_offset) / self.state_scale).reshape(b, -1)]
+        return whole_points, crop_points, [self.normalized_state(batch)]
 
     def features(self, batch: dict) -> torch.Tensor:
         whole_points, crop_points, state = self.feature_parts(batch)

@@ -203,12 +203,14 @@ class KeypointEncoding(nn.Module):
 
     def features(self, batch: dict) -> torch.Tensor:
         images = batch["images"]  # [B, frames, H, W, 3] uint8
-        b = images.shape[0]
         x = images.permute(0, 1, 4, 2, 3).float() / 127.5 - 1.0
         # A masked (missing) camera contributes zeros.
         points = [enc(x[:, f]) * batch["image_mask"][:, f, None] for f, enc in enumerate(self.encoders)]
-        state = ((batch["state"].float() - self.state_offset) / self.state_scale).reshape(b, -1)
-        return torch.cat([*points, state], dim=1)
+        return torch.cat([*points, self.normalized_state(batch)], dim=1)
+
+    def normalized_state(self, batch: dict) -> torch.Tensor:
+        """The batch's state by the data's statistics, its history frames side by side: ``[B, history * D]``."""
+        return ((batch["state"].float() - self.state_offset) / self.state_scale).reshape(batch["state"].shape[0], -1)
 
     def wrap_units(self) -> list[nn.Module]:
         return [*self.encoders, self.head]
