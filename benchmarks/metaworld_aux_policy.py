@@ -137,8 +137,8 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
     ``relative=True``: every whole-image keypoint also enters the features as its offset from the fingertips' pixel
     (where the object is relative to the hand, the quantity the scripted expert acts on, read off the image).
 
-    ``oracle=True`` is a diagnostic, not an image policy: the three points' true pixels join the features, read
-    from the 39 numbers at every request too (what perfect 2-D localization would hand the head).
+    ``oracle=True`` is a diagnostic, not an image policy: the three points' true pixels (those the frame shows)
+    join the features, read from the 39 numbers at every request too (what perfect 2-D localization would hand the head).
     ``oracle_world=True``, the same diagnostic with the points' positions in the world (normalized by the data's
     statistics) in place of their pixels; ``oracle_dims`` (indices into the 39), with any other of the 39.
 
@@ -183,10 +183,13 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
 
     def points(self, env: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The three points of the 39 numbers ``[..., 39]`` -> their places in the spatial softmax's coordinates
-        ``[..., 3, 2]`` (y, x: -1 at the first map cell's centre, 1 at the last's) and whether the task has each
-        ``[..., 3]`` (an absent second object is all zeros)."""
+        ``[..., 3, 2]`` (y, x: -1 at the first map cell's centre, 1 at the last's) and whether the image shows each
+        ``[..., 3]``: the task has it (an absent second object is all zeros) and it projects inside the frame
+        (stick-push's goal lies above the frame's top edge in every scene: a keypoint cannot be trained onto it)."""
         world = torch.stack([env[..., lo:hi] for lo, hi in POINTS], dim=-2)
-        return softmax_coordinates(project(world, self.map_size), self.map_size), world.abs().sum(-1) > 0
+        uv = project(world, self.map_size)
+        inside = ((uv >= 0) & (uv <= self.map_size)).all(-1)
+        return softmax_coordinates(uv, self.map_size), (world.abs().sum(-1) > 0) & inside
 
     def features(self, batch: dict) -> torch.Tensor:
         """The crop policy's features (whole-image keypoints, crop keypoints, the robot's state), then the
@@ -216,7 +219,8 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
         return torch.cat([*whole, *crop, *state, *extra], dim=1)
 
     def aux_error(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per sample the squared distance summed over the frames' present points, and how many points it sums."""
+        """Per sample the squared distance summed over the points each frame shows (:meth:`points`), and how many
+        points it sums."""
         b = batch["state"].shape[0]
         cells, valid = self.points(batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:])
         per_frame = len(self._whole) // self.history

@@ -270,6 +270,16 @@ def test_the_pixel_auxiliary_policy_ties_keypoints_to_the_points_pixels_and_acts
         policy._whole[f] = keypoints
     err, _ = policy.aux_error(batch)
     assert err.abs().max() < 1e-10
+    # A point the frame does not show (stick-push's goal, 14 px above the top edge of its 128 px frame) trains no
+    # keypoint: the second sample's goal moves there, and only its object is counted.
+    above = torch.tensor([0.4, 0.575, 0.132])
+    assert project(above, 128)[1] < -10 and 0 < project(above, 128)[0] < 128
+    state[1, :, ROBOT + 36:] = above
+    cells, valid = policy.points(state[..., ROBOT:])
+    assert valid[:, 0].tolist() == [[True, False, True], [True, False, False], [True, False, True]]
+    policy.features(batch)
+    _, count = policy.aux_error(batch)
+    assert count.tolist() == [4, 2, 4]
 
 
 def test_the_pixel_policys_standardized_keypoints_are_its_plain_keypoints_at_the_datas_spread():
