@@ -18,8 +18,9 @@ The second command reads every frame of a recorded dataset (the training demonst
 per position, the auxiliary head's mean absolute error beside the positions' spread.
 
 :class:`PixelAuxCropFlowPolicy` trains the keypoints themselves onto the points' pixels, on the fingertip-crop
-policy (``policy=keypoints_flow_crop policy.image_size=128 policy.target=metaworld_aux_policy.PixelAuxCropFlowPolicy``,
-the same state options); ``python benchmarks/metaworld_aux_policy.py RUN --pixels 300000 300050`` prints how far its
+policy (``policy=keypoints_flow_crop policy.image_size=128 policy.target=metaworld_aux_policy.PixelAuxCropFlowPolicy
+'data.label_keys=[observation.environment_state]'``: the 39 numbers as training labels, the state the robot's 9);
+``python benchmarks/metaworld_aux_policy.py RUN --pixels 300000 300050`` prints how far its
 keypoints sit from the true pixels on those seeds' first frames (docs/benchmarks.md, "Keypoints trained onto the
 objects' pixels").
 """
@@ -132,7 +133,11 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
     camera's frame (:func:`slurmvla.sim.hand_crop.project`, the calibrated corner2), a squared error in the spatial
     softmax's own coordinates added to the flow loss with weight ``aux_weight``: the keypoints themselves are the
     positions, where :class:`AuxKeypointFlowPolicy` regresses them through a head. The policy acts on the images and
-    the robot's 9 numbers alone (the 39 behind them only train it).
+    the robot's 9 numbers alone; Meta-World's 39 numbers only train it, read from the batch's training labels
+    (``data.label_keys=[observation.environment_state]``: the state is the robot's 9, all a client sends) or from the
+    state after the robot's 9 (``data.state_keys=[observation.state,observation.environment_state]
+    policy.state_dim=48 serve.state=[observation/state,observation/env_state]``, as the runs before the labels
+    trained, identically: tests/sim/test_metaworld.py).
 
     ``relative=True``: every whole-image keypoint also enters the features as its offset from the fingertips' pixel
     (where the object is relative to the hand, the quantity the scripted expert acts on, read off the image).
@@ -150,6 +155,10 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
                  relative: bool = False, oracle: bool = False, oracle_world: bool = False,
                  oracle_dims: list[int] | None = None, standardize: bool = False, **kwargs):
         super().__init__(dataclasses.replace(cfg, state_dim=ROBOT), stats_of_robot(stats), **kwargs)
+        if (oracle or oracle_world or oracle_dims) and cfg.state_dim != ROBOT + 39:
+            raise ValueError(f"policy.state_dim={cfg.state_dim}: the oracle diagnostics read Meta-World's 39 numbers "
+                             "at every request, so the state must carry them: data.state_keys=[observation.state,"
+                             "observation.environment_state] policy.state_dim=48")
         if kwargs.get("encoder", "conv") != "conv":
             raise ValueError("PixelAuxCropFlowPolicy ties keypoints to pixels on the conv encoder's maps only")
         self.aux_weight, self.history = aux_weight, cfg.num_obs_history
@@ -181,6 +190,20 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
         self._whole, self._centres = out[0], out[2]
         return out
 
+    def environment(self, batch: dict) -> torch.Tensor:
+        """Meta-World's 39 numbers per frame ``[B, history, 39]``: the batch's training labels
+        (``data.label_keys=[observation.environment_state]``), or the state's numbers after the robot's 9 (the
+        runs that trained with them in ``data.state_keys``)."""
+        b = batch["state"].shape[0]
+        if "labels" in batch:
+            return batch["labels"].float().reshape(b, self.history, -1)
+        state = batch["state"].float().reshape(b, self.history, -1)
+        if state.shape[-1] != ROBOT + 39:
+            raise ValueError(f"PixelAuxCropFlowPolicy trains its keypoints on Meta-World's 39 numbers, and this batch "
+                             f"has neither labels nor them in its state ({state.shape[-1]} numbers): set "
+                             "data.label_keys=[observation.environment_state]")
+        return state[..., ROBOT:]
+
     def points(self, env: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The three points of the 39 numbers ``[..., 39]`` -> their places in the spatial softmax's coordinates
         ``[..., 3, 2]`` (y, x: -1 at the first map cell's centre, 1 at the last's) and whether the image shows each
@@ -204,7 +227,7 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
                 offset = torch.cat([keypoints[:, :k] - hand[:, f, :1], keypoints[:, k:] - hand[:, f, 1:]], dim=1)
                 extra.append(offset * batch["image_mask"][:, f, None])
         if self.oracle:
-            cells, valid = self.points(batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:])
+            cells, valid = self.points(batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:])  # not labels
             extra.append((cells * valid[..., None]).flatten(1))
         if self.standardize is not None:  # a masked frame's keypoints stay zeros
             masks = [batch["image_mask"][:, f, None] for f in range(len(whole))]
@@ -222,7 +245,7 @@ class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
         """Per sample the squared distance summed over the points each frame shows (:meth:`points`), and how many
         points it sums."""
         b = batch["state"].shape[0]
-        cells, valid = self.points(batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:])
+        cells, valid = self.points(self.environment(batch))
         per_frame = len(self._whole) // self.history
         err, count = torch.zeros(b, device=cells.device), torch.zeros(b, device=cells.device)
         for f, keypoints in enumerate(self._whole):

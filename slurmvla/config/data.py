@@ -100,6 +100,11 @@ class DataConfig:
     state_keys: list[str] = field(default_factory=lambda: ["observation.state"])
     action_keys: list[str] = field(default_factory=lambda: ["action"])
     instruction_keys: list[str] = field(default_factory=lambda: list(DROID_INSTRUCTION_KEYS))
+    # Training-time labels: features read frame for frame beside the state (the observation history's frames),
+    # concatenated in order into the batch's "labels" ([B, history, D], raw), for a policy's auxiliary loss (a
+    # simulator's object positions, e.g. Meta-World's observation.environment_state). Never part of the state:
+    # a client does not send them and serving never reads them. Empty: none.
+    label_keys: list[str] = field(default_factory=list)
     # From the dataset's stats: mean_std, min_max (to [-1, 1]), quantile (q01/q99 to [-1, 1]), identity.
     state_normalization: str = "mean_std"
     action_normalization: str = "mean_std"

@@ -61,10 +61,11 @@ class Mixture:
             raise ValueError(f"the datasets of one mixture record frames of different sizes ({sizes}) and this policy "
                              "resizes frames itself from their recorded size, so a batch needs one size; mix datasets "
                              "recorded at one size")
-        dims = {(s.state_dim, s.action_dim) for s in self.sources}
+        dims = {(s.state_dim, s.action_dim, s.label_dim) for s in self.sources}
         if len(dims) > 1:
-            raise ValueError("the datasets of one mixture must share state and action dims (one policy reads them); "
-                             + ", ".join(f"{s.name}: state {s.state_dim}, action {s.action_dim}" for s in self.sources))
+            raise ValueError("the datasets of one mixture must share state, action and label dims (one policy reads "
+                             "them); " + ", ".join(f"{s.name}: state {s.state_dim}, action {s.action_dim}, label "
+                                                   f"{s.label_dim}" for s in self.sources))
         w = np.asarray([s.spec.weight for s in self.sources], dtype=np.float64)
         self.weights = w / w.sum()
         sizes = np.asarray([s.train_index.num_samples for s in self.sources])

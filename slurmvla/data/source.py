@@ -86,6 +86,7 @@ class Episode:
     frames: np.ndarray  # [n, num_cams, H, W, 3] uint8, frames first_frame .. first_frame + n
     first_frame: int
     present: np.ndarray  # [num_cams] bool: camera exists in the dataset
+    labels: np.ndarray | None = None  # [T, label_dim] float32: data.label_keys, or None without them
 
     def images(self, frames: np.ndarray) -> np.ndarray:
         """``[len(frames), num_cams, H, W, 3]`` uint8: the cameras' images at these frame indices."""
@@ -106,8 +107,9 @@ class EpisodeWindow(Episode):
     BLOCK = 4
 
     def __init__(self, pos: int, state: np.ndarray, action: np.ndarray, instructions: list[list[str]],
-                 present: np.ndarray, readers: list, first_frame: int, num_frames: int, frame_shape: tuple):
-        super().__init__(pos, state, action, instructions, np.zeros((0,), np.uint8), first_frame, present)
+                 present: np.ndarray, readers: list, first_frame: int, num_frames: int, frame_shape: tuple,
+                 labels: np.ndarray | None = None):
+        super().__init__(pos, state, action, instructions, np.zeros((0,), np.uint8), first_frame, present, labels)
         self.frame_shape = (len(present), *frame_shape)  # [cams, H, W, 3] of one frame
         self.readers = readers  # per camera: a FrameReader, or None for an absent camera (black, masked)
         self.end = first_frame + num_frames
@@ -169,8 +171,8 @@ class LeRobotSource:
         self.processor = Processor(cfg, sample_spec)
         self.seed, self.dataset_index = seed, dataset_index
         self.meta = meta = LeRobotMetadata(spec.root)
-        needed = "the policy (data.state_keys, data.action_keys)"
-        meta.require_features([*cfg.state_keys, *cfg.action_keys], needed_by=needed)
+        needed = "the policy (data.state_keys, data.action_keys, data.label_keys)"
+        meta.require_features([*cfg.state_keys, *cfg.action_keys, *cfg.label_keys], needed_by=needed)
         self.cameras = [c for c in cfg.cameras if c in meta.features]
         missing = [c for c in cfg.cameras if c not in meta.features]
         if missing and cfg.missing_cameras == "fail":
@@ -197,6 +199,7 @@ class LeRobotSource:
                              f"{list(cfg.instruction_keys)} and no task table; features it has: {sorted(meta.features)}")
         self.state_dim = sum(meta.feature_dim(k) for k in cfg.state_keys)
         self.action_dim = sum(meta.feature_dim(k) for k in cfg.action_keys)
+        self.label_dim = sum(meta.feature_dim(k) for k in cfg.label_keys)
         check_delta_actions(cfg.delta_actions, self.action_dim, self.state_dim,
                             f"{list(cfg.action_keys)} of {str(meta.root)!r}", f"{list(cfg.state_keys)}")
         self.videos = {cam: meta.video_location(cam) for cam in self.cameras}
@@ -317,19 +320,23 @@ class LeRobotSource:
         return DataFeatures(str(self.meta.root), tuple(cfg.cameras), tuple(cfg.state_keys), self.state_dim,
                             tuple(cfg.action_keys), self.action_dim)
 
-    def _columns(self, pos: int) -> tuple[np.ndarray, np.ndarray, list[list[str]]]:
-        """State, action and per-frame instruction candidates of episode ``pos``."""
+    def _columns(self, pos: int) -> tuple[np.ndarray, np.ndarray, list[list[str]], np.ndarray | None]:
+        """State, action, per-frame instruction candidates and labels (``data.label_keys``; None without them)
+        of episode ``pos``."""
         meta, cfg = self.meta, self.cfg
         length = int(meta.episodes["length"][pos])
-        cols = meta.read_episode(pos, [*cfg.state_keys, *cfg.action_keys, *self.instruction_keys,
+        cols = meta.read_episode(pos, [*cfg.state_keys, *cfg.action_keys, *cfg.label_keys, *self.instruction_keys,
                                        *(["task_index"] if self.use_task else [])])
         state = np.concatenate([cols[k].reshape(length, -1) for k in cfg.state_keys], axis=1).astype(np.float32)
         action = np.concatenate([cols[k].reshape(length, -1) for k in cfg.action_keys], axis=1).astype(np.float32)
+        labels = None
+        if cfg.label_keys:
+            labels = np.concatenate([cols[k].reshape(length, -1) for k in cfg.label_keys], axis=1).astype(np.float32)
         if self.use_task:
             instructions = [[meta.tasks.get(int(i), "")] for i in cols["task_index"].reshape(-1)]
         else:
             instructions = [[s for s in row if s] for row in zip(*(cols[k].reshape(-1) for k in self.instruction_keys))]
-        return state, action, instructions
+        return state, action, instructions, labels
 
     def _frame_hw(self, size: int | None) -> tuple[int, int]:
         """``(H, W)`` of the frames samples carry: ``size`` x ``size``, or the videos' own size when the
@@ -354,7 +361,7 @@ class LeRobotSource:
         """Columns of episode ``pos`` and its frames for sample start frames ``first..last`` (inclusive),
         with the history they need, decoded forward in one pass per camera."""
         meta, cfg = self.meta, self.cfg
-        state, action, instructions = self._columns(pos)
+        state, action, instructions, labels = self._columns(pos)
         lo, hi = self._frame_range(pos, first, last)
         size = self.sample_spec.image_size
         frames = np.empty((hi - lo, len(cfg.cameras), *self.frame_hw, 3), dtype=np.uint8)
@@ -367,13 +374,13 @@ class LeRobotSource:
             # Decoded straight into this camera's slot: no second copy of the frames.
             decode_range(loc.paths[pos], t0, t0 + (hi - lo) / meta.fps, meta.fps, size, out=frames[:, c],
                          resize=cfg.image_resize)
-        return Episode(pos, state, action, instructions, frames, lo, self.present)
+        return Episode(pos, state, action, instructions, frames, lo, self.present, labels)
 
     def open_episode(self, pos: int, first: int | None = None, last: int | None = None) -> EpisodeWindow:
         """Like :meth:`load_episode`, but frames are decoded on demand and dropped when passed (see
         :class:`EpisodeWindow`): for readers that visit an episode's samples in frame order."""
         meta, cfg = self.meta, self.cfg
-        state, action, instructions = self._columns(pos)
+        state, action, instructions, labels = self._columns(pos)
         lo, hi = self._frame_range(pos, first, last)
         size = self.sample_spec.image_size
         readers = []
@@ -387,7 +394,8 @@ class LeRobotSource:
                 if r is not None:
                     r.close()
             raise
-        return EpisodeWindow(pos, state, action, instructions, self.present, readers, lo, hi - lo, (*self.frame_hw, 3))
+        return EpisodeWindow(pos, state, action, instructions, self.present, readers, lo, hi - lo, (*self.frame_hw, 3),
+                             labels)
 
     def _instruction(self, episode: Episode, t: int) -> str:
         options = episode.instructions[t]
@@ -436,6 +444,9 @@ class LeRobotSource:
             "dataset_name": self.name,
             "control_mode": self.spec.control_mode,
         }
+        if episode.labels is not None:  # training-time labels, frame for frame with the state
+            labels = episode.labels[hist]
+            out["labels"] = torch.from_numpy(labels[0] if len(labels) == 1 else labels)
         out.update(self.processor.tokens(instruction))
         if cfg.mode != SAMPLE_MODES[0]:
             mode = cfg.mode if cfg.mode != JOINT_MODE else SAMPLE_MODES[int(torch.randint(len(SAMPLE_MODES), (), generator=g))]

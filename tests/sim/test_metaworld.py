@@ -94,6 +94,21 @@ def test_demonstrations_read_back_through_the_data_layer_replay_the_episode(tmp_
     assert sample["instruction"] == "press the button"
     frames = sample["images"].numpy()  # [history x cameras, H, W, 3] at the policy's size
     assert np.abs(frames.astype(int) - again["frames"][9:11].astype(int)).mean() < 6
+    assert "labels" not in sample
+    # The environment's 39 numbers as training labels (data.label_keys): the same frames as the state's, raw; the
+    # state and everything else as without them. A dataset without the key fails by name.
+    labelled = make_cfg("experiment=metaworld", f"rollout.task={TASK}", f"data.root={tmp_path / 'demo'}",
+                        "data.num_workers=0", "policy.image_size=64", "data.label_keys=[observation.environment_state]")
+    source = Mixture(labelled.data, sample_spec(labelled.policy), labelled.trainer.seed).sources[0]
+    with_labels = source.sample(source.open_episode(0, 10, 10), 10, epoch=0)
+    np.testing.assert_allclose(with_labels["labels"].numpy(), again["env_state"][9:11], atol=1e-6)
+    assert with_labels["labels"].shape == (2, 39) and source.label_dim == 39
+    for key in ("state", "actions", "images", "noise", "time_u"):
+        assert np.array_equal(with_labels[key].numpy(), sample[key].numpy()), key
+    missing = make_cfg("experiment=metaworld", f"rollout.task={TASK}", f"data.root={tmp_path / 'demo'}",
+                       "data.num_workers=0", "policy.image_size=64", "data.label_keys=[observation.object_pose]")
+    with pytest.raises(ValueError, match="observation.object_pose.*data.label_keys"):
+        Mixture(missing.data, sample_spec(missing.policy), missing.trainer.seed)
 
 
 def test_the_scripted_expert_served_through_openpis_client_plays_its_own_episodes():
@@ -280,6 +295,26 @@ def test_the_pixel_auxiliary_policy_ties_keypoints_to_the_points_pixels_and_acts
     policy.features(batch)
     _, count = policy.aux_error(batch)
     assert count.tolist() == [4, 2, 4]
+    # The 39 numbers as training labels (data.label_keys) and the state the robot's 9: the same policy, the same
+    # loss and actions as with the 39 in the state; served without them it acts; training without them says why.
+    from metaworld_aux_policy import stats_of_robot
+    robot_cfg = FlowVLAConfig(num_cameras=1, num_obs_history=2, state_dim=ROBOT, action_dim=4, action_horizon=4,
+                              image_size=128)
+    labelled = PixelAuxCropFlowPolicy(robot_cfg, stats_of_robot(stats), global_size=96, relative=relative)
+    labelled.load_state_dict(policy.state_dict())
+    labelled.train(), policy.train()
+    split = {**batch, "state": state[..., :ROBOT], "labels": state[..., ROBOT:]}
+    actions, t = torch.randn(3, 4, 4), torch.rand(3)
+    ref = policy({**batch, "actions": actions, "action_mask": torch.ones(3, 4, dtype=torch.bool)}, noise, t)
+    got = labelled({**split, "actions": actions, "action_mask": torch.ones(3, 4, dtype=torch.bool)}, noise, t)
+    assert torch.equal(got["loss"], ref["loss"]) and got["components"]["aux"][1].tolist() == [4, 2, 4]
+    labelled.eval(), policy.eval()
+    served = {k: v for k, v in split.items() if k != "labels"}
+    assert torch.equal(labelled.sample_actions(served, noise=noise), policy.sample_actions(batch, noise=noise))
+    with pytest.raises(ValueError, match=r"data.label_keys=\[observation.environment_state\]"):
+        labelled.train()({**served, "actions": actions, "action_mask": torch.ones(3, 4, dtype=torch.bool)}, noise, t)
+    with pytest.raises(ValueError, match="policy.state_dim=9.*the state must carry them"):
+        PixelAuxCropFlowPolicy(robot_cfg, None, oracle=True)
 
 
 def test_the_pixel_policys_standardized_keypoints_are_its_plain_keypoints_at_the_datas_spread():
