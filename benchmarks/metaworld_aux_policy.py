@@ -17,10 +17,12 @@ The second command reads every frame of a recorded dataset (the training demonst
 ``python -m slurmvla.sim.record --env metaworld --task T --episodes 10 --first-seed 50000 --out DIR``) and prints,
 per position, the auxiliary head's mean absolute error beside the positions' spread.
 
-:class:`PixelAuxCropFlowPolicy` trains the keypoints themselves onto the points' pixels, on the fingertip-crop
-policy (``policy=keypoints_flow_crop policy.image_size=128 policy.target=metaworld_aux_policy.PixelAuxCropFlowPolicy
-'data.label_keys=[observation.environment_state]'``: the 39 numbers as training labels, the state the robot's 9);
-``python benchmarks/metaworld_aux_policy.py RUN --pixels 300000 300050`` prints how far its
+:class:`PixelAuxCropFlowPolicy` is slurmvla's labelled keypoints (``policy=keypoints_flow_labelled``,
+:mod:`slurmvla.sim.labelled_keypoints`: the keypoints themselves trained onto the points' pixels) as the benchmarks
+measured it, each option off unless named, with the oracle diagnostics
+(``policy=keypoints_flow_crop policy.image_size=128 policy.target=metaworld_aux_policy.PixelAuxCropFlowPolicy
+'data.label_keys=[observation.environment_state]'``, or the 39 numbers in the state as the runs before the labels);
+``python benchmarks/metaworld_aux_policy.py RUN --pixels 300000 300050`` prints how far its (or slurmvla's policy's)
 keypoints sit from the true pixels on those seeds' first frames (docs/benchmarks.md, "Keypoints trained onto the
 objects' pixels").
 """
@@ -35,15 +37,12 @@ import torch
 from torch import nn
 
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
-from slurmvla.sim.hand_crop import HandCropFlowPolicy, project
+from slurmvla.sim.labelled_keypoints import POINTS, LabelledKeypointFlowPolicy
 from slurmvla.sim.policies import KeypointFlowPolicy
 
 ROBOT = 9  # DP3's agent_pos: the hand and both fingertips
-# Meta-World's observation: hand 0:3, gripper 3, first object 4:7 (+ quaternion 7:11), second object 11:14
-# (+ 14:18), the previous frame's 18 numbers 18:36, goal 36:39. The positions are the targets.
+# Meta-World's observation (slurmvla.sim.labelled_keypoints.POINTS): the positions are the targets.
 POSITIONS = (4, 5, 6, 11, 12, 13, 36, 37, 38)
-# The same three points as slices of the 39: the pixel policy ties whole-image keypoint i to point i.
-POINTS = ((4, 7), (11, 14), (36, 39))
 
 
 def stats_of_robot(stats: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
@@ -97,172 +96,64 @@ class AuxKeypointFlowPolicy(KeypointFlowPolicy):
         return out
 
 
-def softmax_coordinates(uv: torch.Tensor, size: int) -> torch.Tensor:
-    """Continuous pixel coordinates ``[..., 2]`` (u, v) on a ``size`` x ``size`` feature map -> where the spatial
-    softmax (:class:`slurmvla.sim.policies.SpatialSoftmax`) puts a keypoint peaked there, ``[..., 2]`` (y, x): -1
-    at the first cell's centre, 1 at the last's."""
-    return ((uv - 0.5) / (size - 1) * 2 - 1).flip(-1)
-
-
-class RunningStandardize(nn.Module):
-    """Features ``[B, F]`` -> ``(x - mean) / std`` by running statistics of the training batches (each training
-    call first moves them ``momentum`` of the way towards the batch's, then applies them; at evaluation they are
-    fixed): a keypoint whose place varies by a few pixels over the data reaches the head at unit spread, as the
-    robot's normalized state does. Not differentiated through the statistics."""
-
-    def __init__(self, features: int, momentum: float = 0.01, eps: float = 1e-4):
-        super().__init__()
-        self.momentum, self.eps = momentum, eps
-        self.register_buffer("mean", torch.zeros(features))
-        self.register_buffer("var", torch.ones(features))
-        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            with torch.no_grad():
-                rate = max(self.momentum, 1.0 / float(self.seen + 1))  # the first batches: their plain average
-                self.mean.lerp_(x.detach().float().mean(0), rate)
-                self.var.lerp_(x.detach().float().var(0, unbiased=False), rate)
-                self.seen += 1
-        return (x - self.mean) / (self.var + self.eps).sqrt()
-
-
-class PixelAuxCropFlowPolicy(HandCropFlowPolicy):
-    """The fingertip-crop flow policy (``policy=keypoints_flow_crop``) whose whole-image keypoints 0, 1 and 2 are
-    trained to sit where the first object, the second object (when the task has one) and the goal project into the
-    camera's frame (:func:`slurmvla.sim.hand_crop.project`, the calibrated corner2), a squared error in the spatial
-    softmax's own coordinates added to the flow loss with weight ``aux_weight``: the keypoints themselves are the
-    positions, where :class:`AuxKeypointFlowPolicy` regresses them through a head. The policy acts on the images and
+class PixelAuxCropFlowPolicy(LabelledKeypointFlowPolicy):
+    """slurmvla's labelled keypoints (``policy=keypoints_flow_labelled``,
+    :class:`slurmvla.sim.labelled_keypoints.LabelledKeypointFlowPolicy`) as the benchmarks measured it: each option
+    off unless named (the selection's rows name them), and the diagnostics below. The policy acts on the images and
     the robot's 9 numbers alone; Meta-World's 39 numbers only train it, read from the batch's training labels
     (``data.label_keys=[observation.environment_state]``: the state is the robot's 9, all a client sends) or from the
     state after the robot's 9 (``data.state_keys=[observation.state,observation.environment_state]
     policy.state_dim=48 serve.state=[observation/state,observation/env_state]``, as the runs before the labels
     trained, identically: tests/sim/test_metaworld.py).
 
-    ``relative=True``: every whole-image keypoint also enters the features as its offset from the fingertips' pixel
-    (where the object is relative to the hand, the quantity the scripted expert acts on, read off the image).
-
     ``oracle=True`` is a diagnostic, not an image policy: the three points' true pixels (those the frame shows)
-    join the features, read from the 39 numbers at every request too (what perfect 2-D localization would hand the head).
-    ``oracle_world=True``, the same diagnostic with the points' positions in the world (normalized by the data's
-    statistics) in place of their pixels; ``oracle_dims`` (indices into the 39), with any other of the 39.
-
-    ``standardize=True``: the whole-image keypoints (with their offsets and the oracle's pixels, when asked for)
-    reach the head through :class:`RunningStandardize`, at unit spread over the data instead of the few hundredths
-    of the map's width an object's keypoint moves between scenes."""
+    join the features, read from the 39 numbers at every request too (what perfect 2-D localization would hand the
+    head), standardized with the keypoints under ``standardize``. ``oracle_world=True``, the same diagnostic with
+    the points' positions in the world (normalized by the data's statistics) in place of their pixels;
+    ``oracle_dims`` (indices into the 39), with any other of the 39. Both need the 39 in the state."""
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, aux_weight: float = 10.0,  # noqa: ANN001
                  relative: bool = False, oracle: bool = False, oracle_world: bool = False,
                  oracle_dims: list[int] | None = None, standardize: bool = False, **kwargs):
-        super().__init__(dataclasses.replace(cfg, state_dim=ROBOT), stats_of_robot(stats), **kwargs)
         if (oracle or oracle_world or oracle_dims) and cfg.state_dim != ROBOT + 39:
             raise ValueError(f"policy.state_dim={cfg.state_dim}: the oracle diagnostics read Meta-World's 39 numbers "
                              "at every request, so the state must carry them: data.state_keys=[observation.state,"
                              "observation.environment_state] policy.state_dim=48")
-        if kwargs.get("encoder", "conv") != "conv":
-            raise ValueError("PixelAuxCropFlowPolicy ties keypoints to pixels on the conv encoder's maps only")
-        self.aux_weight, self.history = aux_weight, cfg.num_obs_history
-        self.relative, self.oracle = relative, oracle
-        self.oracle_dims = list(POSITIONS) if oracle_world else [int(d) for d in oracle_dims or []]
-        if self.oracle_dims:  # their statistics (buffers only here: the other options' weights are unchanged)
-            offset, scale = state_stats(stats, cfg.state_dim, [ROBOT + d for d in self.oracle_dims])
+        dims = list(POSITIONS) if oracle_world else [int(d) for d in oracle_dims or []]
+        super().__init__(dataclasses.replace(cfg, state_dim=ROBOT), stats_of_robot(stats), aux_weight=aux_weight,
+                         relative=relative, standardize=standardize,
+                         scaled_extra=cfg.num_obs_history * 2 * len(POINTS) if oracle else 0,
+                         extra=cfg.num_obs_history * len(dims), **kwargs)
+        self.oracle, self.oracle_dims = oracle, dims
+        if dims:  # their statistics (buffers only: the other options' weights are unchanged)
+            offset, scale = state_stats(stats, cfg.state_dim, [ROBOT + d for d in dims])
             self.register_buffer("world_offset", offset)
             self.register_buffer("world_scale", scale.clamp_min(1e-2))
-        # The conv encoder's maps: two stride-2 convolutions (96 px -> 24, 128 -> 32).
-        self.map_size = (self.global_size + 3) // 4
-        if relative:
-            self.feature_dim += len(self.encoders) * 2 * kwargs.get("keypoints", 16)
-        if oracle:
-            self.feature_dim += cfg.num_obs_history * 2 * len(POINTS)
-        self.feature_dim += cfg.num_obs_history * len(self.oracle_dims)
-        # The features standardize covers: the whole image's keypoints, their offsets, the oracle's pixels.
-        scaled = len(self.encoders) * 2 * kwargs.get("keypoints", 16) * (2 if relative else 1)
-        scaled += cfg.num_obs_history * 2 * len(POINTS) if oracle else 0
-        self.standardize = RunningStandardize(scaled) if standardize else None
-        if relative or oracle or self.oracle_dims:
-            first = self.head.condition[0]
-            self.head.condition[0] = nn.Linear(self.feature_dim + self.head.time_dim, first.out_features)
-        self._whole: list[torch.Tensor] = []
-        self._centres = torch.zeros(0)
 
-    def keypoints(self, batch: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-        out = super().keypoints(batch)
-        self._whole, self._centres = out[0], out[2]
-        return out
+    def feature_parts(self, batch: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        return super().feature_parts({**batch, "state": batch["state"][..., :ROBOT]})
 
     def environment(self, batch: dict) -> torch.Tensor:
-        """Meta-World's 39 numbers per frame ``[B, history, 39]``: the batch's training labels
-        (``data.label_keys=[observation.environment_state]``), or the state's numbers after the robot's 9 (the
-        runs that trained with them in ``data.state_keys``)."""
-        b = batch["state"].shape[0]
+        """The labels when the batch has them, else the state's numbers after the robot's 9."""
         if "labels" in batch:
-            return batch["labels"].float().reshape(b, self.history, -1)
-        state = batch["state"].float().reshape(b, self.history, -1)
+            return super().environment(batch)
+        state = batch["state"].float().reshape(batch["state"].shape[0], self.history, -1)
         if state.shape[-1] != ROBOT + 39:
             raise ValueError(f"PixelAuxCropFlowPolicy trains its keypoints on Meta-World's 39 numbers, and this batch "
                              f"has neither labels nor them in its state ({state.shape[-1]} numbers): set "
                              "data.label_keys=[observation.environment_state]")
         return state[..., ROBOT:]
 
-    def points(self, env: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The three points of the 39 numbers ``[..., 39]`` -> their places in the spatial softmax's coordinates
-        ``[..., 3, 2]`` (y, x: -1 at the first map cell's centre, 1 at the last's) and whether the image shows each
-        ``[..., 3]``: the task has it (an absent second object is all zeros) and it projects inside the frame
-        (stick-push's goal lies above the frame's top edge in every scene: a keypoint cannot be trained onto it)."""
-        world = torch.stack([env[..., lo:hi] for lo, hi in POINTS], dim=-2)
-        uv = project(world, self.map_size)
-        inside = ((uv >= 0) & (uv <= self.map_size)).all(-1)
-        return softmax_coordinates(uv, self.map_size), (world.abs().sum(-1) > 0) & inside
-
-    def features(self, batch: dict) -> torch.Tensor:
-        """The crop policy's features (whole-image keypoints, crop keypoints, the robot's state), then the
-        keypoints' offsets and the oracles' numbers, as asked for (the layout the runs' checkpoints hold)."""
-        whole, crop, state = self.feature_parts({**batch, "state": batch["state"][..., :ROBOT]})
-        b = batch["images"].shape[0]
-        extra = []
-        if self.relative:  # the fingertips' pixel on the map, in the keypoints' coordinates (y, x)
-            hand = softmax_coordinates(self._centres * self.map_size / batch["images"].shape[2], self.map_size)
-            for f, keypoints in enumerate(whole):
-                k = keypoints.shape[1] // 2
-                offset = torch.cat([keypoints[:, :k] - hand[:, f, :1], keypoints[:, k:] - hand[:, f, 1:]], dim=1)
-                extra.append(offset * batch["image_mask"][:, f, None])
-        if self.oracle:
-            cells, valid = self.points(batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:])  # not labels
-            extra.append((cells * valid[..., None]).flatten(1))
-        if self.standardize is not None:  # a masked frame's keypoints stay zeros
-            masks = [batch["image_mask"][:, f, None] for f in range(len(whole))]
-            masks = masks * (2 if self.relative else 1) + [torch.ones_like(masks[0])] * self.oracle
-            sizes = [t.shape[1] for t in (*whole, *extra)]
-            scaled = self.standardize(torch.cat([*whole, *extra], dim=1)).split(sizes, dim=1)
-            scaled = [t * m for t, m in zip(scaled, masks, strict=True)]
-            whole, extra = scaled[:len(whole)], scaled[len(whole):]
-        if self.oracle_dims:
-            env = batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:]
-            extra.append(((env[..., self.oracle_dims] - self.world_offset) / self.world_scale).flatten(1))
-        return torch.cat([*whole, *crop, *state, *extra], dim=1)
-
-    def aux_error(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per sample the squared distance summed over the points each frame shows (:meth:`points`), and how many
-        points it sums."""
+    def extra_features(self, batch: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         b = batch["state"].shape[0]
-        cells, valid = self.points(self.environment(batch))
-        per_frame = len(self._whole) // self.history
-        err, count = torch.zeros(b, device=cells.device), torch.zeros(b, device=cells.device)
-        for f, keypoints in enumerate(self._whole):
-            k = keypoints.shape[1] // 2
-            step = f // per_frame
-            found = torch.stack([keypoints[:, :len(POINTS)], keypoints[:, k:k + len(POINTS)]], dim=-1)  # (y, x)
-            ok = valid[:, step] & batch["image_mask"][:, f, None]
-            err = err + ((found - cells[:, step]).square().sum(-1) * ok).sum(-1)
-            count = count + ok.sum(-1)
-        return err, count
-
-    def forward(self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None) -> dict:
-        out = super().forward(batch, noise, t)
-        err, count = self.aux_error(batch)
-        out["loss"] = out["loss"] + self.aux_weight * err.sum() / count.sum().clamp_min(1)
-        out["components"]["aux"] = (err.detach(), count.detach())
-        return out
+        env = batch["state"].float().reshape(b, self.history, -1)[..., ROBOT:]  # the state's, never the labels
+        scaled, extra = [], []
+        if self.oracle:
+            cells, valid = self.points(env)
+            scaled.append((cells * valid[..., None]).flatten(1))
+        if self.oracle_dims:
+            extra.append(((env[..., self.oracle_dims] - self.world_offset) / self.world_scale).flatten(1))
+        return scaled, extra
 
 
 def locate_pixels(run: str, seeds: list[int]) -> None:
@@ -286,12 +177,15 @@ def locate_pixels(run: str, seeds: list[int]) -> None:
             env.reset(seed)
             obs = env.observe([IMAGE_KEY, STATE_KEY, ENV_STATE_KEY])
             image = torch.from_numpy(np.ascontiguousarray(obs[IMAGE_KEY]))[None, None].repeat(1, policy.history, 1, 1, 1)
-            state = torch.from_numpy(np.concatenate([obs[STATE_KEY], obs[ENV_STATE_KEY]])).float()
-            batch = {"images": image, "image_mask": torch.ones(1, policy.history, dtype=torch.bool),
-                     "state": state[None, None].repeat(1, policy.history, 1)}
+            state, env_state = (torch.from_numpy(obs[key]).float()[None, None].repeat(1, policy.history, 1)
+                                for key in (STATE_KEY, ENV_STATE_KEY))
+            if getattr(policy, "oracle", False) or getattr(policy, "oracle_dims", []):  # they read the 39 in the state
+                state = torch.cat([state, env_state], dim=-1)
+            batch = {"images": image, "image_mask": torch.ones(1, policy.history, dtype=torch.bool), "state": state,
+                     "labels": env_state}
             with torch.no_grad():
                 policy.features(batch)
-                cells, valid = policy.points(batch["state"][:, -1, ROBOT:])
+                cells, valid = policy.points(env_state[:, -1])
             k = policy._whole[-1].shape[1] // 2
             found = torch.stack([policy._whole[-1][:, :len(POINTS)], policy._whole[-1][:, k:k + len(POINTS)]], -1)
             dist = ((found - cells) / 2 * (policy.map_size - 1)).norm(dim=-1)[0] * scale

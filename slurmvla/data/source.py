@@ -171,8 +171,9 @@ class LeRobotSource:
         self.processor = Processor(cfg, sample_spec)
         self.seed, self.dataset_index = seed, dataset_index
         self.meta = meta = LeRobotMetadata(spec.root)
-        needed = "the policy (data.state_keys, data.action_keys, data.label_keys)"
-        meta.require_features([*cfg.state_keys, *cfg.action_keys, *cfg.label_keys], needed_by=needed)
+        meta.require_features([*cfg.state_keys, *cfg.action_keys], needed_by="the policy (data.state_keys, data.action_keys)")
+        meta.require_features(cfg.label_keys, needed_by="data.label_keys, training labels; data.label_keys=[] if the "
+                              "policy trains on none")
         self.cameras = [c for c in cfg.cameras if c in meta.features]
         missing = [c for c in cfg.cameras if c not in meta.features]
         if missing and cfg.missing_cameras == "fail":

@@ -94,20 +94,21 @@ def test_demonstrations_read_back_through_the_data_layer_replay_the_episode(tmp_
     assert sample["instruction"] == "press the button"
     frames = sample["images"].numpy()  # [history x cameras, H, W, 3] at the policy's size
     assert np.abs(frames.astype(int) - again["frames"][9:11].astype(int)).mean() < 6
-    assert "labels" not in sample
-    # The environment's 39 numbers as training labels (data.label_keys): the same frames as the state's, raw; the
-    # state and everything else as without them. A dataset without the key fails by name.
-    labelled = make_cfg("experiment=metaworld", f"rollout.task={TASK}", f"data.root={tmp_path / 'demo'}",
-                        "data.num_workers=0", "policy.image_size=64", "data.label_keys=[observation.environment_state]")
-    source = Mixture(labelled.data, sample_spec(labelled.policy), labelled.trainer.seed).sources[0]
-    with_labels = source.sample(source.open_episode(0, 10, 10), 10, epoch=0)
-    np.testing.assert_allclose(with_labels["labels"].numpy(), again["env_state"][9:11], atol=1e-6)
-    assert with_labels["labels"].shape == (2, 39) and source.label_dim == 39
+    # The environment's 39 numbers as training labels (data.label_keys, which experiment=metaworld sets): the same
+    # frames as the state's, raw; the state and everything else as without them. A dataset without the key fails by
+    # name.
+    np.testing.assert_allclose(sample["labels"].numpy(), again["env_state"][9:11], atol=1e-6)
+    assert sample["labels"].shape == (2, 39) and source.label_dim == 39
+    plain = make_cfg("experiment=metaworld", f"rollout.task={TASK}", f"data.root={tmp_path / 'demo'}",
+                     "data.num_workers=0", "policy.image_size=64", "data.label_keys=[]")
+    source = Mixture(plain.data, sample_spec(plain.policy), plain.trainer.seed).sources[0]
+    without = source.sample(source.open_episode(0, 10, 10), 10, epoch=0)
+    assert "labels" not in without
     for key in ("state", "actions", "images", "noise", "time_u"):
-        assert np.array_equal(with_labels[key].numpy(), sample[key].numpy()), key
+        assert np.array_equal(without[key].numpy(), sample[key].numpy()), key
     missing = make_cfg("experiment=metaworld", f"rollout.task={TASK}", f"data.root={tmp_path / 'demo'}",
                        "data.num_workers=0", "policy.image_size=64", "data.label_keys=[observation.object_pose]")
-    with pytest.raises(ValueError, match="observation.object_pose.*data.label_keys"):
+    with pytest.raises(ValueError, match=r"observation.object_pose.*data.label_keys=\[\] if the policy trains on none"):
         Mixture(missing.data, sample_spec(missing.policy), missing.trainer.seed)
 
 
@@ -236,7 +237,9 @@ def test_the_pixel_auxiliary_policy_ties_keypoints_to_the_points_pixels_and_acts
     from slurmvla.sim.policies import SpatialSoftmax
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from metaworld_aux_policy import ROBOT, PixelAuxCropFlowPolicy, softmax_coordinates
+    from metaworld_aux_policy import ROBOT, PixelAuxCropFlowPolicy
+
+    from slurmvla.sim.labelled_keypoints import LabelledKeypointFlowPolicy, softmax_coordinates
 
     # The coordinate convention against the spatial softmax itself: a map peaked at cell (row 5, column 2).
     peaked = torch.full((1, 1, 8, 8), -1e4)
@@ -295,12 +298,14 @@ def test_the_pixel_auxiliary_policy_ties_keypoints_to_the_points_pixels_and_acts
     policy.features(batch)
     _, count = policy.aux_error(batch)
     assert count.tolist() == [4, 2, 4]
-    # The 39 numbers as training labels (data.label_keys) and the state the robot's 9: the same policy, the same
-    # loss and actions as with the 39 in the state; served without them it acts; training without them says why.
+    # slurmvla's policy=keypoints_flow_labelled: the 39 numbers as training labels (data.label_keys), the state the
+    # robot's 9; with the benchmark's weights the same loss and actions as the benchmark's policy with the 39 in the
+    # state (the runs before the labels); served without them it acts; training without them says why.
     from metaworld_aux_policy import stats_of_robot
     robot_cfg = FlowVLAConfig(num_cameras=1, num_obs_history=2, state_dim=ROBOT, action_dim=4, action_horizon=4,
                               image_size=128)
-    labelled = PixelAuxCropFlowPolicy(robot_cfg, stats_of_robot(stats), global_size=96, relative=relative)
+    labelled = LabelledKeypointFlowPolicy(robot_cfg, stats_of_robot(stats), global_size=96, relative=relative,
+                                          standardize=False)
     labelled.load_state_dict(policy.state_dict())
     labelled.train(), policy.train()
     split = {**batch, "state": state[..., :ROBOT], "labels": state[..., ROBOT:]}
@@ -330,7 +335,9 @@ def test_the_pixel_policys_standardized_keypoints_are_its_plain_keypoints_at_the
     from slurmvla.policy.flow_vla.config import FlowVLAConfig
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from metaworld_aux_policy import ROBOT, PixelAuxCropFlowPolicy, RunningStandardize
+    from metaworld_aux_policy import ROBOT, PixelAuxCropFlowPolicy
+
+    from slurmvla.sim.labelled_keypoints import RunningStandardize
 
     torch.manual_seed(0)
     norm = RunningStandardize(3, momentum=0.05)
@@ -450,3 +457,11 @@ def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it(make_c
         build_policy(make_cfg("experiment=metaworld", "policy=keypoints_flow_crop").policy)
     built = build_policy(make_cfg("experiment=metaworld", "policy=keypoints_flow_crop", "policy.image_size=128").policy)
     assert isinstance(built, HandCropFlowPolicy) and (built.crop, built.crop_size, built.global_size) == (24, 64, 96)
+    # policy=keypoints_flow_labelled: the recipe of the last protocol table, from the experiment's training labels.
+    from slurmvla.sim.labelled_keypoints import LabelledKeypointFlowPolicy
+    labelled_cfg = make_cfg("experiment=metaworld", "policy=keypoints_flow_labelled", "policy.image_size=128")
+    assert list(labelled_cfg.data.label_keys) == ["observation.environment_state"]
+    assert list(labelled_cfg.serve.state) == ["observation/state"] and labelled_cfg.policy.state_dim == 9
+    labelled = build_policy(labelled_cfg.policy)
+    assert isinstance(labelled, LabelledKeypointFlowPolicy) and labelled.global_size == 128
+    assert (labelled.aux_weight, labelled.relative, labelled.standardize is not None) == (10.0, True, True)
