@@ -37,10 +37,11 @@ import torch
 from torch import nn
 
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
-from slurmvla.sim.labelled_keypoints import POINTS, LabelledKeypointFlowPolicy
+from slurmvla.sim.labelled_keypoints import ENVIRONMENT_DIM, POINTS, LabelledKeypointFlowPolicy
+from slurmvla.sim.metaworld import STATE_DIM
 from slurmvla.sim.policies import KeypointFlowPolicy
 
-ROBOT = 9  # DP3's agent_pos: the hand and both fingertips
+ROBOT = STATE_DIM  # DP3's agent_pos: the hand and both fingertips (9 numbers)
 # Meta-World's observation (slurmvla.sim.labelled_keypoints.POINTS): the positions are the targets.
 POSITIONS = (4, 5, 6, 11, 12, 13, 36, 37, 38)
 
@@ -115,7 +116,7 @@ class PixelAuxCropFlowPolicy(LabelledKeypointFlowPolicy):
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, aux_weight: float = 10.0,  # noqa: ANN001
                  relative: bool = False, oracle: bool = False, oracle_world: bool = False,
                  oracle_dims: list[int] | None = None, standardize: bool = False, **kwargs):
-        if (oracle or oracle_world or oracle_dims) and cfg.state_dim != ROBOT + 39:
+        if (oracle or oracle_world or oracle_dims) and cfg.state_dim != ROBOT + ENVIRONMENT_DIM:
             raise ValueError(f"policy.state_dim={cfg.state_dim}: the oracle diagnostics read Meta-World's 39 numbers "
                              "at every request, so the state must carry them: data.state_keys=[observation.state,"
                              "observation.environment_state] policy.state_dim=48")
@@ -138,7 +139,7 @@ class PixelAuxCropFlowPolicy(LabelledKeypointFlowPolicy):
         if "labels" in batch:
             return super().environment(batch)
         state = batch["state"].float().reshape(batch["state"].shape[0], self.history, -1)
-        if state.shape[-1] != ROBOT + 39:
+        if state.shape[-1] != ROBOT + ENVIRONMENT_DIM:
             raise ValueError(f"PixelAuxCropFlowPolicy trains its keypoints on Meta-World's 39 numbers, and this batch "
                              f"has neither labels nor them in its state ({state.shape[-1]} numbers): set "
                              "data.label_keys=[observation.environment_state]")
