@@ -10,7 +10,8 @@ seed (``trainer.seed``), and its periodic closed-loop evaluations (``trainer.rol
 evaluation on more episodes where the run has one (``RUN/rollout/final/rollout.json``, from ``python -m
 slurmvla.rollout RUN rollout.episodes=100 rollout.first_seed=200000 --out RUN/rollout/final``: seeds the periodic
 evaluations never drew). Per task and policy: the mean and standard deviation over seeds, in percent, beside the
-published figures (``--reference``). Writes
+published figures (``--reference``); per policy, the mean over its tasks (per seed that every task has, then over
+those seeds; the sanity task button-press left out). Writes
 ``table.md`` (the rows and the commands' facts), ``table.json`` and ``success.png`` (success against training step,
 one panel per task, every seed, the published figure drawn in) into ``--out`` (default ``SWEEP_DIR``).
 
@@ -44,6 +45,8 @@ REFERENCES = {
         },
     },
 }
+# Tasks that check the set-up rather than the policy (the paper's own sanity row): left out of the mean over tasks.
+SANITY = frozenset({"button-press-v3"})
 TABLE, JSON, PLOT = "table.md", "table.json", "success.png"
 # A run's final checkpoint evaluated on more episodes than the periodic evaluations: RUN/FINAL/rollout.json.
 FINAL = Path("rollout") / "final"
@@ -118,7 +121,43 @@ def gather(runs: list[dict], best: int = 5) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], reference: str | None, best: int) -> str:
+def over_tasks(rows: list[dict], reference: str | None) -> list[dict]:
+    """Per policy with two or more tasks (the sanity tasks left out): the mean over its tasks, per seed that every
+    one of them has (a seed missing on one task is no seed of the mean), then mean ± std over those seeds; the
+    final checkpoints' mean over the seeds whose every task has one; the published rows' mean over the same tasks
+    where they cover them all. None of it where no seed is on every task."""
+    ref = REFERENCES[reference]["rows"] if reference else {}
+    means = []
+    for policy in sorted({r["policy"] for r in rows}):
+        members = [r for r in rows if r["policy"] == policy and r["task"] not in SANITY]
+        if len(members) < 2:
+            continue
+        by_seed = [{s["seed"]: s for s in r["per_seed"]} for r in members]
+        seeds = sorted(set.intersection(*(set(b) for b in by_seed)))
+        if not seeds:
+            continue
+        per_seed = []
+        for seed in seeds:
+            runs = [b[seed] for b in by_seed]
+            finals = [r["final_checkpoint"] for r in runs]
+            per_seed.append({"seed": seed, "best": sum(r["best"] for r in runs) / len(runs),
+                             "final": sum(r["final"] for r in runs) / len(runs),
+                             "final_checkpoint": None if None in finals else {
+                                 "success": sum(f["success"] for f in finals) / len(finals),
+                                 "episodes": sorted({f["episodes"] for f in finals})}})
+        checkpoints = [s["final_checkpoint"] for s in per_seed if s["final_checkpoint"] is not None]
+        tasks = [r["task"] for r in members]
+        means.append({"policy": policy, "tasks": tasks, "seeds": seeds, "per_seed": per_seed,
+                      "best": mean_std([s["best"] for s in per_seed]), "final": mean_std([s["final"] for s in per_seed]),
+                      "final_checkpoint": None if not checkpoints else {
+                          "success": mean_std([c["success"] for c in checkpoints]), "seeds": len(checkpoints),
+                          "episodes": sorted({e for c in checkpoints for e in c["episodes"]})},
+                      "published": {name: sum(values[t][0] for t in tasks) / len(tasks)
+                                    for name, values in ref.items() if all(t in values for t in tasks)}})
+    return means
+
+
+def markdown(rows: list[dict], reference: str | None, best: int, means: list[dict] = ()) -> str:
     ref = REFERENCES[reference] if reference else None
     names = list(ref["rows"]) if ref else []
     head = ["task", "policy", "seeds", f"best {best} (mean ± std, %)", "last evaluation (mean ± std, %)",
@@ -133,6 +172,15 @@ def markdown(rows: list[dict], reference: str | None, best: int) -> str:
             row["task"], row["policy"], ",".join(map(str, row["seeds"])),
             f"{row['best'][0]:.1f} ± {row['best'][1]:.1f}", f"{row['final'][0]:.1f} ± {row['final'][1]:.1f}",
             _final_cell(row["final_checkpoint"], len(row["seeds"])), *published]) + " |")
+    for mean in means:
+        published = [f"{mean['published'][name]:.1f}" if name in mean["published"] else "-" for name in names]
+        lines.append("| " + " | ".join([
+            f"mean of {len(mean['tasks'])} tasks", mean["policy"], ",".join(map(str, mean["seeds"])),
+            f"{mean['best'][0]:.1f} ± {mean['best'][1]:.1f}", f"{mean['final'][0]:.1f} ± {mean['final'][1]:.1f}",
+            _final_cell(mean["final_checkpoint"], len(mean["seeds"])), *published]) + " |")
+    if means:
+        lines += ["", "The means over tasks: per seed that every task has, then mean ± std over those seeds; "
+                  f"{', '.join(sorted(SANITY))} (a sanity check) left out."]
     if ref:
         lines += ["", f"Published: {ref['source']}."]
     return "\n".join(lines) + "\n"
@@ -209,9 +257,10 @@ def main(argv: list[str] | None = None) -> None:
         rows = gather(runs, args.best)
         out = Path(args.out).expanduser() if args.out else sweep
         out.mkdir(parents=True, exist_ok=True)
-        (out / TABLE).write_text(markdown(rows, reference, args.best))
-        (out / JSON).write_text(json.dumps({"best": args.best, "reference": reference, "rows": rows, "runs": runs},
-                                           indent=1) + "\n")
+        means = over_tasks(rows, reference)
+        (out / TABLE).write_text(markdown(rows, reference, args.best, means))
+        (out / JSON).write_text(json.dumps({"best": args.best, "reference": reference, "rows": rows, "means": means,
+                                            "runs": runs}, indent=1) + "\n")
         written = [out / TABLE, out / JSON]
         if not args.no_plot:
             written.append(plot(runs, rows, out, reference))

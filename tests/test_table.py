@@ -59,7 +59,30 @@ def test_each_run_counts_its_best_five_evaluations_and_seeds_give_mean_and_std(t
     assert "| button-press-v3 | keypoints_flow | 0 | 100.0 ± 0.0 | 100.0 ± 0.0 | - | 99 ± 1 | - |" in text
     assert ("| disassemble-v3 | keypoints_flow | 0,1 | 30.0 ± 10.0 | 30.0 ± 10.0 | 50.0 ± 0.0 (100 episodes, 1 of 2 "
             "seeds) | 43 ± 7 | 69 ± 4 |") in text
+    # The mean over hammer and disassemble (button-press, the sanity task, left out), per seed then over seeds:
+    # best 5: seed 0 (70 + 20) / 2 = 45, seed 1 (30 + 40) / 2 = 35 -> 40 +- 5; last: 35 and 35 -> 35 +- 0;
+    # final checkpoints: seed 0 (42 + 50) / 2 = 46, seed 1 has none on disassemble; published (15 + 43) / 2,
+    # (76 + 69) / 2.
+    [mean] = table["means"]
+    assert mean["tasks"] == ["disassemble-v3", "hammer-v3"] and mean["seeds"] == [0, 1]
+    assert mean["best"] == pytest.approx([40.0, 5.0]) and mean["final"] == pytest.approx([35.0, 0.0])
+    assert ("| mean of 2 tasks | keypoints_flow | 0,1 | 40.0 ± 5.0 | 35.0 ± 0.0 | 46.0 ± 0.0 (100 episodes, 1 of 2 "
+            "seeds) | 29.0 | 72.5 |") in text
     assert text in capsys.readouterr().out
+
+
+def test_the_mean_over_tasks_counts_only_the_seeds_every_task_has(tmp_path):
+    sweep = tmp_path / "multirun"
+    write_run(sweep, "a0", "hammer-v3", 0, {100: 0.6}, final=0.5)
+    write_run(sweep, "a1", "hammer-v3", 1, {100: 0.2}, final=0.1)  # seed 1 has no assembly run: not in the mean
+    write_run(sweep, "b0", "assembly-v3", 0, {100: 0.2}, final=0.3)
+    write_run(sweep, "c0", "assembly-v3", 0, {100: 0.9}, policy="small")  # one task: no mean for this policy
+    main([str(sweep), "--no-plot", "--reference", "none"])
+    [mean] = json.loads((sweep / "table.json").read_text())["means"]
+    assert mean["policy"] == "keypoints_flow" and mean["seeds"] == [0] and mean["published"] == {}
+    assert mean["best"] == pytest.approx([40.0, 0.0]) and mean["final_checkpoint"]["success"] == pytest.approx([40.0, 0.0])
+    assert "| mean of 2 tasks | keypoints_flow | 0 | 40.0 ± 0.0 | 40.0 ± 0.0 | 40.0 ± 0.0 (100 episodes) |" in (
+        sweep / "table.md").read_text()
 
 
 def test_mistakes_are_one_line_naming_the_value(tmp_path):
