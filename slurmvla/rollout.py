@@ -173,7 +173,17 @@ def _line(summary: dict) -> str:
             f"{summary['rollout/success_ci95_high']:.3f}), mean return {summary['rollout/mean_return']:.2f}, mean length "
             f"{summary['rollout/mean_length']:.1f} steps, {summary['rollout/wall_s']:.1f} s "
             f"({summary['rollout/steps_per_s']:.1f} steps/s, {summary['rollout/requests_per_s']:.1f} requests/s): "
-            f"{summary['out']}")
+            f"{summary['out']}{_failures_line(summary.get('failures'))}")
+
+
+def _failures_line(failures: dict | None) -> str:
+    """``rollout.json``'s ``failures`` (an environment with diagnostics: Meta-World) as a second line."""
+    if not failures:
+        return ""
+    parts = [f"{key.replace('_', ' ')} {value}" if isinstance(value, int) else
+             f"{key.removesuffix('_m').replace('_', ' ')} {value:.3f}{' m' if key.endswith('_m') else ''} (median)"
+             for key, value in failures.items() if key != "episodes"]
+    return f"\nof the {failures['episodes']} failed episodes: " + ", ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -64,8 +64,22 @@ def summarize(episodes: list[dict], wall_s: float) -> dict:
         "rollout/wall_s": wall_s, "rollout/steps_per_s": steps / max(wall_s, 1e-9),
         "rollout/requests_per_s": requests / max(wall_s, 1e-9),
         **_jumps(episodes),
+        **failures(episodes),
         "episodes": sorted(episodes, key=lambda e: e["seed"]),
     }
+
+
+def failures(episodes: list[dict]) -> dict:
+    """How far the failed episodes got, from the environment's per-episode ``diagnostics`` (Meta-World's): of
+    the failures, how many raised each flag, and each number's median; nothing for an environment without them."""
+    failed = [e["diagnostics"] for e in episodes if not e["success"] and "diagnostics" in e]
+    if not failed:
+        return {}
+    out: dict = {"episodes": len(failed)}
+    for key, value in failed[0].items():
+        values = [d[key] for d in failed]
+        out[key] = sum(map(bool, values)) if isinstance(value, bool) else float(np.median(values))
+    return {"failures": out}
 
 
 def _jumps(episodes: list[dict]) -> dict:
@@ -189,6 +203,8 @@ def _episode(env: Any, executor: Executor, cfg: RolloutConfig, seed: int, wanted
             break
     result = {"seed": int(seed), "success": success, "return": total, "length": env.steps,
               "requests": executor.requests, "replan_steps": executor.replan, "wall_s": time.perf_counter() - start, **switch_metrics(ticks)}
+    if hasattr(env, "diagnostics"):
+        result["diagnostics"] = env.diagnostics()
     if video_dir is not None and frames:
         path = video_dir / f"episode_{seed}.mp4"
         encode_video(path, np.stack(frames), codec="h264", fps=env.fps)

@@ -51,6 +51,11 @@ ACTION_DIM = 4
 EPISODE_STEPS = 200
 # Meta-World's control rate: 5 physics steps of 2.5 ms an action (MetaWorld.fps reads it off the model).
 FPS = 80
+# Meta-World's 39 numbers: the first object's position, and the goal's (the goal-observable tasks'; last three).
+OBJECT = slice(4, 7)
+GOAL = slice(36, 39)
+# An object carried this far from where the reset put it counts as moved (MetaWorld.diagnostics).
+MOVED_M = 0.02
 # The table's seven tasks (docs/benchmarks.md#meta-world), with the instruction each episode is recorded and
 # asked with; any other Meta-World v3 task runs with its name as the instruction.
 INSTRUCTIONS = {
@@ -121,6 +126,9 @@ class MetaWorld:
         # world's kinematics to the next step: without this the first frame shows it elsewhere (assembly: 9 cm).
         mujoco.mj_forward(self.env.model, self.env.data)
         self.steps = 0
+        self._start = np.asarray(self._obs[OBJECT], np.float64).copy()
+        self._diagnostics = {"near_object": False, "grasped": False, "moved_object": False,
+                             "closest_to_goal_m": self._to_goal()}
 
     def rest_action(self) -> np.ndarray:
         """What the arm does before its first chunk arrives: stay, the gripper relaxed."""
@@ -132,8 +140,28 @@ class MetaWorld:
             raise ValueError(f"a Meta-World action is {self.action_space}; got {action.tolist()}")
         self._obs, reward, _, _, info = self.env.step(np.clip(action, -1.0, 1.0).astype(np.float32))
         self.steps += 1
+        self._follow(info)
         # Meta-World's reward is in [0, 10]; the loop's return counts progress in [0, 1] a step.
         return Step(success=bool(info["success"]), reward=float(reward) / 10.0)
+
+    def _to_goal(self) -> float:
+        return float(np.linalg.norm(np.asarray(self._obs[OBJECT], np.float64) - self._obs[GOAL]))
+
+    def _follow(self, info: dict) -> None:
+        d = self._diagnostics
+        # Meta-World's own flags (each task defines them: near_object is a reward in [0, 1] on some, a flag on
+        # others; grasp_success likewise), counted from one half.
+        d["near_object"] |= float(info["near_object"]) >= 0.5
+        d["grasped"] |= float(info["grasp_success"]) >= 0.5
+        d["moved_object"] |= bool(np.linalg.norm(self._obs[OBJECT] - self._start) >= MOVED_M)
+        d["closest_to_goal_m"] = min(d["closest_to_goal_m"], self._to_goal())
+
+    def diagnostics(self) -> dict:
+        """How far the episode so far got, for telling failures apart (``rollout.json``'s ``failures``): whether
+        the hand came near the task's object and grasped it (Meta-World's ``near_object`` and ``grasp_success``
+        at any step), whether the object moved ``MOVED_M`` from where the reset put it, and the object's closest
+        approach to the goal (m; Meta-World's own success rule differs per task)."""
+        return dict(self._diagnostics)
 
     def state(self) -> np.ndarray:
         """DP3's ``agent_pos``: the end effector's position, then the right and the left fingertip's."""

@@ -465,3 +465,56 @@ def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it(make_c
     labelled = build_policy(labelled_cfg.policy)
     assert isinstance(labelled, LabelledKeypointFlowPolicy) and labelled.global_size == 128
     assert (labelled.aux_weight, labelled.relative, labelled.standardize is not None) == (10.0, True, True)
+
+
+class _Still(ExpertPolicy):
+    """An arm that never moves (the expert's metadata, a zero action every step)."""
+
+    def infer(self, obs: dict) -> dict:
+        return {"actions": np.zeros((1, 4))}
+
+
+def test_a_rollout_tells_how_far_its_failed_episodes_got():
+    """Each episode's diagnostics against what is known without them: an arm that never moves comes near nothing,
+    grasps nothing, moves nothing and leaves the mug where the reset put it (its distance to the goal computed here
+    from the 39 numbers); the scripted expert's successes come near the mug, move it and bring it within
+    Meta-World's 7 cm. The summary counts the failed episodes' flags, and the rollout prints them."""
+    from slurmvla.inference.closed_loop import run_served, summarize
+    from slurmvla.inference.server import PolicyServer
+    from slurmvla.rollout import _failures_line
+
+    task, seeds = "coffee-pull-v3", [100000, 100001]
+    env = MetaWorld(task, height=64, width=64)
+    try:
+        start = []
+        for seed in seeds:
+            env.reset(seed)
+            s = env.env_state()
+            start.append(float(np.linalg.norm(s[4:7] - s[36:39])))
+    finally:
+        env.close()
+
+    def served(policy: ExpertPolicy, steps: int) -> list[dict]:
+        cfg = RolloutConfig(env="metaworld", task=task, episodes=len(seeds), first_seed=seeds[0], max_steps=steps,
+                            replan_steps=1, height=64, width=64, videos=0)
+        return run_served(PolicyServer(policy, "127.0.0.1", 0), cfg, seeds, None)
+
+    still = served(_Still(task), 30)
+    for episode, distance in zip(still, start):
+        d = episode["diagnostics"]
+        assert not episode["success"]
+        assert (d["near_object"], d["grasped"], d["moved_object"]) == (False, False, False)
+        assert d["closest_to_goal_m"] == pytest.approx(distance, abs=1e-3)  # the mug settles by < 1 mm
+    expert = served(ExpertPolicy(task), 120)
+    for episode in expert:
+        d = episode["diagnostics"]
+        assert episode["success"] and d["near_object"] and d["moved_object"]
+        assert d["closest_to_goal_m"] <= 0.07
+
+    failures = summarize(still + expert, 1.0)["failures"]
+    assert {k: v for k, v in failures.items() if k != "closest_to_goal_m"} == {
+        "episodes": 2, "near_object": 0, "grasped": 0, "moved_object": 0}
+    assert failures["closest_to_goal_m"] == pytest.approx(float(np.median(start)), abs=1e-3)
+    assert _failures_line(failures) == (f"\nof the 2 failed episodes: near object 0, grasped 0, moved object 0, "
+                                        f"closest to goal {failures['closest_to_goal_m']:.3f} m (median)")
+    assert "failures" not in summarize([{k: v for k, v in e.items() if k != "diagnostics"} for e in still], 1.0)
