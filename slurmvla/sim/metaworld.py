@@ -128,7 +128,7 @@ class MetaWorld:
         self.steps = 0
         self._start = np.asarray(self._obs[OBJECT], np.float64).copy()
         self._diagnostics = {"near_object": False, "grasped": False, "moved_object": False,
-                             "closest_to_goal_m": self._to_goal()}
+                             "start_to_goal_m": self._to_goal(), "closest_to_goal_m": self._to_goal()}
 
     def rest_action(self) -> np.ndarray:
         """What the arm does before its first chunk arrives: stay, the gripper relaxed."""
@@ -159,8 +159,8 @@ class MetaWorld:
     def diagnostics(self) -> dict:
         """How far the episode so far got, for telling failures apart (``rollout.json``'s ``failures``): whether
         the hand came near the task's object and grasped it (Meta-World's ``near_object`` and ``grasp_success``
-        at any step), whether the object moved ``MOVED_M`` from where the reset put it, and the object's closest
-        approach to the goal (m; Meta-World's own success rule differs per task)."""
+        at any step), whether the object moved ``MOVED_M`` from where the reset put it, and the object's distance to
+        the goal at the reset and at its closest (m; Meta-World's own success rule differs per task)."""
         return dict(self._diagnostics)
 
     def state(self) -> np.ndarray:

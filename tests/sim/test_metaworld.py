@@ -504,6 +504,7 @@ def test_a_rollout_tells_how_far_its_failed_episodes_got():
         d = episode["diagnostics"]
         assert not episode["success"]
         assert (d["near_object"], d["grasped"], d["moved_object"]) == (False, False, False)
+        assert d["start_to_goal_m"] == pytest.approx(distance, abs=1e-9)
         assert d["closest_to_goal_m"] == pytest.approx(distance, abs=1e-3)  # the mug settles by < 1 mm
     expert = served(ExpertPolicy(task), 120)
     for episode in expert:
@@ -512,9 +513,11 @@ def test_a_rollout_tells_how_far_its_failed_episodes_got():
         assert d["closest_to_goal_m"] <= 0.07
 
     failures = summarize(still + expert, 1.0)["failures"]
-    assert {k: v for k, v in failures.items() if k != "closest_to_goal_m"} == {
+    assert {k: v for k, v in failures.items() if not k.endswith("_m")} == {
         "episodes": 2, "near_object": 0, "grasped": 0, "moved_object": 0}
+    assert failures["start_to_goal_m"] == pytest.approx(float(np.median(start)), abs=1e-9)
     assert failures["closest_to_goal_m"] == pytest.approx(float(np.median(start)), abs=1e-3)
     assert _failures_line(failures) == (f"\nof the 2 failed episodes: near object 0, grasped 0, moved object 0, "
+                                        f"start to goal {failures['start_to_goal_m']:.3f} m (median), "
                                         f"closest to goal {failures['closest_to_goal_m']:.3f} m (median)")
     assert "failures" not in summarize([{k: v for k, v in e.items() if k != "diagnostics"} for e in still], 1.0)
