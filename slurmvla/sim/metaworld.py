@@ -126,9 +126,10 @@ class MetaWorld:
         # world's kinematics to the next step: without this the first frame shows it elsewhere (assembly: 9 cm).
         mujoco.mj_forward(self.env.model, self.env.data)
         self.steps = 0
-        self._start = np.asarray(self._obs[OBJECT], np.float64).copy()
+        self._start = self._obs[OBJECT].copy()
+        to_goal = self._to_goal()
         self._diagnostics = {"near_object": False, "grasped": False, "moved_object": False,
-                             "start_to_goal_m": self._to_goal(), "closest_to_goal_m": self._to_goal()}
+                             "start_to_goal_m": to_goal, "closest_to_goal_m": to_goal}
 
     def rest_action(self) -> np.ndarray:
         """What the arm does before its first chunk arrives: stay, the gripper relaxed."""
@@ -145,7 +146,7 @@ class MetaWorld:
         return Step(success=bool(info["success"]), reward=float(reward) / 10.0)
 
     def _to_goal(self) -> float:
-        return float(np.linalg.norm(np.asarray(self._obs[OBJECT], np.float64) - self._obs[GOAL]))
+        return float(np.linalg.norm(self._obs[OBJECT] - self._obs[GOAL]))
 
     def _follow(self, info: dict) -> None:
         d = self._diagnostics
