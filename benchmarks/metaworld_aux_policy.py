@@ -18,7 +18,7 @@ The second command reads every frame of a recorded dataset (the training demonst
 per position, the auxiliary head's mean absolute error beside the positions' spread.
 
 :class:`PixelAuxCropFlowPolicy` is slurmvla's labelled keypoints (``policy=keypoints_flow_labelled``,
-:mod:`slurmvla.sim.labelled_keypoints`: the keypoints themselves trained onto the points' pixels) as the benchmarks
+:mod:`slurmvla_metaworld_study.labelled_keypoints.model`: the keypoints themselves trained onto the points' pixels) as the benchmarks
 measured it, each option off unless named, with the oracle diagnostics
 (``policy=keypoints_flow_crop policy.image_size=128 policy.target=metaworld_aux_policy.PixelAuxCropFlowPolicy
 'data.label_keys=[observation.environment_state]'``, or the 39 numbers in the state as the runs before the labels);
@@ -34,15 +34,19 @@ import sys
 from pathlib import Path
 
 import torch
+from slurmvla_metaworld_study.labelled_keypoints.model import (
+    ENVIRONMENT_DIM,
+    POINTS,
+    LabelledKeypointFlowPolicy,
+)
 from torch import nn
 
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
-from slurmvla.sim.labelled_keypoints import ENVIRONMENT_DIM, POINTS, LabelledKeypointFlowPolicy
+from slurmvla.policy.keypoints.model import KeypointFlowPolicy
 from slurmvla.sim.metaworld import STATE_DIM
-from slurmvla.sim.policies import KeypointFlowPolicy
 
 ROBOT = STATE_DIM  # DP3's agent_pos: the hand and both fingertips (9 numbers)
-# Meta-World's observation (slurmvla.sim.labelled_keypoints.POINTS): the positions are the targets.
+# Meta-World's observation (slurmvla_metaworld_study.labelled_keypoints.model.POINTS): the positions are the targets.
 POSITIONS = (4, 5, 6, 11, 12, 13, 36, 37, 38)
 
 
@@ -99,7 +103,7 @@ class AuxKeypointFlowPolicy(KeypointFlowPolicy):
 
 class PixelAuxCropFlowPolicy(LabelledKeypointFlowPolicy):
     """slurmvla's labelled keypoints (``policy=keypoints_flow_labelled``,
-    :class:`slurmvla.sim.labelled_keypoints.LabelledKeypointFlowPolicy`) as the benchmarks measured it: each option
+    :class:`slurmvla_metaworld_study.labelled_keypoints.model.LabelledKeypointFlowPolicy`) as the benchmarks measured it: each option
     off unless named (the selection's rows name them), and the diagnostics below. The policy acts on the images and
     the robot's 9 numbers alone; Meta-World's 39 numbers only train it, read from the batch's training labels
     (``data.label_keys=[observation.environment_state]``: the state is the robot's 9, all a client sends) or from the

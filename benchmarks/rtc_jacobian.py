@@ -109,9 +109,9 @@ def main() -> None:
         return out
 
     rtc.Guide.velocity = recording_velocity
-    import slurmvla.sim.policies as sim_policies
+    import slurmvla.policy.keypoints.model as keypoint_model
 
-    sim_policies.integrate = integrate
+    keypoint_model.integrate = integrate
     base = server.policy.loaded.cfg.rollout
     cfg = dataclasses.replace(base, execution="rtc", delay_steps=args.delay, delay="fixed", videos=0,
                               episodes=args.episodes, first_seed=args.first_seed)

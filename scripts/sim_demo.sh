@@ -4,7 +4,7 @@
 # through the policy server and openpi's client and print its success rate with a 95% interval.
 #   bash scripts/sim_demo.sh                      # the keypoint policy (policy=keypoints)
 #   bash scripts/sim_demo.sh policy=pi05_tiny     # pi0.5's code path at toy size
-#   bash scripts/sim_demo.sh policy=custom policy.target=slurmvla.sim.policies.MeanChunkPolicy   # the baseline
+#   bash scripts/sim_demo.sh policy=custom policy.target=slurmvla.policy.baselines.MeanChunkPolicy   # the baseline
 # Extra arguments are Hydra overrides of the training run; RUN_DIR (default outputs/sim_pick/<date>_<time>)
 # is its run directory, ROLLOUT_ARGS (e.g. "rollout.episodes=100") go to the rollout.
 set -euo pipefail

@@ -4,8 +4,9 @@
 # serve.fp8_prefix) and run the whole test suite. Extra arguments go to pytest, e.g.  bash scripts/test.sh -k resume
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The example policy package is installed as a user installs their own (the plug-in tests train it), in the same call.
-bash scripts/install.sh dev,deepspeed,vla,sim,lora,openpi examples/custom_policy
+# The example policy package and the Meta-World study's plug-in are installed as a user installs their own (the
+# plug-in tests train them), in the same call.
+bash scripts/install.sh dev,deepspeed,vla,sim,lora,openpi examples/custom_policy examples/metaworld_study
 # torchao (the [fp8] extra: serve.fp8_prefix) beside the environment, not in it: transformers imports it whenever it is
 # installed, +0.45 s in every process that builds pi0 / pi0.5; tests/inference/test_fp8.py puts this folder on its own path.
 [ -d .test-deps/torchao/torchao ] || "${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check --no-deps \

@@ -19,7 +19,7 @@ import importlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 from typing import Any, Generic, TypeVar
 
 
@@ -113,10 +113,13 @@ class Registry(Generic[E]):
     ``discover``: a function returning entries declared elsewhere (the policies' folders), called once, on
     the table's first use, so that importing this module imports nothing else."""
 
-    def __init__(self, key: str, discover: Callable[[], Iterable[E]] | None = None):
+    def __init__(self, key: str, discover: Callable[[], Iterable[E]] | None = None,
+                 elsewhere: Mapping[str, str] | None = None):
         self.key = key  # the config key that selects an entry, for error messages
         self._table: dict[str, E] = {}
         self._discover = discover
+        # Names that a package not installed here provides -> that package and its install command.
+        self.elsewhere = dict(elsewhere or {})
 
     @property
     def _entries(self) -> dict[str, E]:
@@ -149,8 +152,14 @@ class Registry(Generic[E]):
         """The entry, or a ValueError naming the value and the valid choices."""
         entry = self._entries.get(name)
         if entry is None:
-            raise ValueError(f"{self.key}={name!r} is not valid; choose one of {list(self._entries)}")
+            raise ValueError(f"{self.key}={name!r} is not valid; choose one of {list(self._entries)}"
+                             f"{self.provided_by(name)}")
         return entry
+
+    def provided_by(self, name: str) -> str:
+        """``"; <name> is provided by <package>: <install command>"`` for a name a package that is not installed
+        provides (``elsewhere``), else ``""``: the end of an error that refuses the name."""
+        return f"; {name} is provided by {self.elsewhere[name]}" if name in self.elsewhere else ""
 
     def check(self, name: str) -> None:
         self.get(name)
@@ -184,29 +193,62 @@ for _stage in (1, 2, 3):
 # policy.name selects: ENTRIES, a tuple of PolicyEntry. Nothing is listed here.
 POLICY_PACKAGE = "slurmvla.policy"
 POLICY_ENTRIES = "ENTRIES"
+# An installed distribution adds policy folders through this entry-point group: its pyproject.toml's
+# [project.entry-points."slurmvla.policies"] names a package whose sub-folders are policy folders, read as
+# slurmvla/policy/'s are (examples/metaworld_study).
+POLICY_PLUGINS = "slurmvla.policies"
+# The policies of this repository's own plug-ins, for the error that refuses one where its plug-in is not installed.
+_STUDY = "the plug-in slurmvla-metaworld-study (pip install -e examples/metaworld_study)"
+PLUGIN_POLICIES = {name: _STUDY for name in ("keypoints_crop", "keypoints_flow_crop", "keypoints_flow_labelled")}
 
 
-def policy_folders(package: str = POLICY_PACKAGE) -> list[PolicyEntry]:
-    """The entries of every policy folder on ``package``'s path (sorted by folder name), then ``custom`` (the
-    class ``policy.target`` names). Reads each folder's ``config`` module alone: no model, no torch."""
+def plugin_packages(group: str) -> list[ModuleType]:
+    """The packages that installed distributions name under the entry-point group ``group`` (in a distribution's
+    pyproject.toml: ``[project.entry-points."<group>"] <name> = "<package>"``), imported, by entry-point name. An
+    entry that does not import, or names no package (a folder), is a ValueError naming its distribution."""
+    from importlib.metadata import entry_points
+
+    packages = []
+    for point in sorted(entry_points(group=group), key=lambda p: p.name):
+        dist = f"the installed distribution {point.dist.name}" if point.dist is not None else "an installed distribution"
+        where = f"{dist}'s entry point {point.name} = {point.value!r} (group {group!r})"
+        try:
+            package = point.load()
+        except Exception as e:  # noqa: BLE001 - whatever the plug-in raises, said as one line naming it
+            raise ValueError(f"{where} does not import ({type(e).__name__}: {e}); reinstall it or pip uninstall "
+                             f"{point.dist.name if point.dist is not None else 'it'}") from None
+        if not isinstance(package, ModuleType) or not hasattr(package, "__path__"):
+            raise ValueError(f"{where} names {package!r}, not a package: it must name a package (a folder) whose "
+                             "sub-folders are read")
+        packages.append(package)
+    return packages
+
+
+def policy_folders(package: str = POLICY_PACKAGE, plugins: str | None = POLICY_PLUGINS) -> list[PolicyEntry]:
+    """The entries of every policy folder on ``package``'s path (sorted by folder name), then of every package the
+    ``plugins`` entry-point group names (:func:`plugin_packages`), then ``custom`` (the class ``policy.target``
+    names). Reads each folder's ``config`` module alone: no model, no torch."""
     entries: list[PolicyEntry] = []
-    for directory in importlib.import_module(package).__path__:
-        for folder in sorted(Path(directory).iterdir()):
-            if not ((folder / "__init__.py").is_file() and (folder / "config.py").is_file()):
-                continue
-            module = importlib.import_module(f"{package}.{folder.name}.config")
-            declared = getattr(module, POLICY_ENTRIES, None)
-            if not (isinstance(declared, tuple) and declared and all(isinstance(e, PolicyEntry) for e in declared)):
-                raise ValueError(f"{folder / 'config.py'}: a policy folder's config.py declares {POLICY_ENTRIES} = "
-                                 f"(PolicyEntry(name, 'module:Class', schema='module:Config'), ...); got {declared!r}")
-            entries += declared
+    packages = [package, *(p.__name__ for p in plugin_packages(plugins))] if plugins else [package]
+    for name in packages:
+        for directory in importlib.import_module(name).__path__:
+            for folder in sorted(Path(directory).iterdir()):
+                if not ((folder / "__init__.py").is_file() and (folder / "config.py").is_file()):
+                    continue
+                module = importlib.import_module(f"{name}.{folder.name}.config")
+                declared = getattr(module, POLICY_ENTRIES, None)
+                if not (isinstance(declared, tuple) and declared and all(isinstance(e, PolicyEntry) for e in declared)):
+                    raise ValueError(f"{folder / 'config.py'}: a policy folder's config.py declares {POLICY_ENTRIES} = "
+                                     f"(PolicyEntry(name, 'module:Class', schema='module:Config'), ...); got {declared!r}")
+                entries += declared
     return [*entries, PolicyEntry("custom", "")]
 
 
-POLICIES: Registry[PolicyEntry] = Registry("policy.name", discover=policy_folders)
+POLICIES: Registry[PolicyEntry] = Registry("policy.name", discover=policy_folders, elsewhere=PLUGIN_POLICIES)
 
 # -- learning-rate schedules ---------------------------------------------------------------------
 
 SCHEDULERS: Registry[SchedulerEntry] = Registry("scheduler.name")
 for _name in ("cosine", "constant", "warmup_constant", "frozen_backbone"):
     SCHEDULERS.add(SchedulerEntry(_name, f"slurmvla.optim:{_name}_schedule"))
+

@@ -169,6 +169,21 @@ def package_sources() -> dict[str, tuple[str, bool]]:
     return out
 
 
+def plugin_sources() -> dict[str, tuple[str, bool]]:
+    """The modules of the packages installed plug-ins add policy folders from (``registry.plugin_packages``): their
+    schema modules are held to the same rules."""
+    from slurmvla.registry import POLICY_PLUGINS, plugin_packages
+
+    out = {}
+    for package in plugin_packages(POLICY_PLUGINS):
+        for root in map(Path, package.__path__):
+            for path in sorted(root.rglob("*.py")):
+                parts = (package.__name__, *path.relative_to(root).with_suffix("").parts)
+                is_package = parts[-1] == "__init__"
+                out[".".join(parts[:-1] if is_package else parts)] = (path.read_text(), is_package)
+    return out
+
+
 def schema_modules(sources: dict[str, tuple[str, bool]]) -> dict[str, str]:
     """Every schema module -> what reads it: the packages' and the policy folders' ``config`` modules, and the module
     of each registered policy's schema (a plug-in's may be named otherwise)."""
@@ -182,7 +197,7 @@ def schema_modules(sources: dict[str, tuple[str, bool]]) -> dict[str, str]:
 
 
 def test_schema_modules_import_only_what_configuration_may():
-    sources = package_sources()
+    sources = {**package_sources(), **plugin_sources()}
     schemas = schema_modules(sources)
     assert {f"slurmvla.config.{p}" for p in ("data", "engine", "serve", "policy", "rollout")} | \
         {"slurmvla.policy.pi0.config", "slurmvla.policy.flow_vla.config"} <= set(schemas)

@@ -52,7 +52,7 @@ def pi0(name: str, rtc: RTCTrainingConfig | None = None):
 def keypoints(rtc: RTCTrainingConfig | None = None):
     """The keypoint flow policy with a velocity head (its loss is flow matching's on the velocity, as the
     others'; its default x-prediction head: tests/sim/test_sim.py)."""
-    from slurmvla.sim.policies import KeypointFlowPolicy
+    from slurmvla.policy.keypoints.model import KeypointFlowPolicy
 
     torch.manual_seed(0)
     cfg = FlowVLAConfig(rtc_training=rtc or RTCTrainingConfig(), num_cameras=3, image_size=32)
@@ -190,10 +190,10 @@ def test_a_policy_trained_for_delays_serves_rtc_by_its_prefix_without_guidance(n
 
 def test_a_policy_without_training_time_rtc_refuses_it():
     from slurmvla.policy.base import as_policy_class, construct
-    from slurmvla.sim.policies import KeypointPolicy
+    from slurmvla.policy.keypoints.model import KeypointPolicy
 
     cfg = FlowVLAConfig(rtc_training=DELAYS)
-    with pytest.raises(ValueError, match=r"policy.rtc_training.max_delay=3: slurmvla.sim.policies.KeypointPolicy does "
+    with pytest.raises(ValueError, match=r"policy.rtc_training.max_delay=3: slurmvla.policy.keypoints.model.KeypointPolicy does "
                                          r"not support training-time real-time chunking"):
         construct(as_policy_class(KeypointPolicy), cfg, None)  # construct takes policy_class's
 
@@ -212,7 +212,7 @@ def test_the_server_says_how_it_answers_rtc(tmp_path):
 def test_the_keypoint_flows_default_sample_head_trains_and_serves_a_clean_prefix():
     """x-prediction (the keypoint flow policy's default head): the prefix's velocity is never used (time 0), the
     loss is finite, and a served chunk starts with the previous chunk's actions, the rest finite."""
-    from slurmvla.sim.policies import KeypointFlowPolicy
+    from slurmvla.policy.keypoints.model import KeypointFlowPolicy
 
     torch.manual_seed(0)
     cfg = FlowVLAConfig(rtc_training=DELAYS, num_cameras=3, image_size=32)

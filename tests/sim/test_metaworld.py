@@ -234,12 +234,14 @@ def test_the_pixel_auxiliary_policy_ties_keypoints_to_the_points_pixels_and_acts
     import torch
 
     from slurmvla.policy.flow_vla.config import FlowVLAConfig
-    from slurmvla.sim.policies import SpatialSoftmax
+    from slurmvla.policy.keypoints.model import SpatialSoftmax
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from metaworld_aux_policy import ROBOT, PixelAuxCropFlowPolicy
-
-    from slurmvla.sim.labelled_keypoints import LabelledKeypointFlowPolicy, softmax_coordinates
+    from slurmvla_metaworld_study.labelled_keypoints.model import (
+        LabelledKeypointFlowPolicy,
+        softmax_coordinates,
+    )
 
     # The coordinate convention against the spatial softmax itself: a map peaked at cell (row 5, column 2).
     peaked = torch.full((1, 1, 8, 8), -1e4)
@@ -274,7 +276,7 @@ def test_the_pixel_auxiliary_policy_ties_keypoints_to_the_points_pixels_and_acts
     # The loss: zero with every keypoint on its target, the absent second object never counted.
     cells, valid = policy.points(state[..., ROBOT:])
     assert valid[0, 0].tolist() == [True, False, True]
-    from slurmvla.sim.hand_crop import project
+    from slurmvla_metaworld_study.hand_crop.model import project
     uv = project(torch.tensor([0.1, 0.65, 0.02]), policy.map_size)
     assert torch.allclose(cells[0, 0, 0], softmax_coordinates(uv, policy.map_size))
     policy.features(batch)
@@ -336,8 +338,7 @@ def test_the_pixel_policys_standardized_keypoints_are_its_plain_keypoints_at_the
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from metaworld_aux_policy import ROBOT, PixelAuxCropFlowPolicy
-
-    from slurmvla.sim.labelled_keypoints import RunningStandardize
+    from slurmvla_metaworld_study.labelled_keypoints.model import RunningStandardize
 
     torch.manual_seed(0)
     norm = RunningStandardize(3, momentum=0.05)
@@ -378,15 +379,20 @@ def test_the_pixel_policys_standardized_keypoints_are_its_plain_keypoints_at_the
 
 
 def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it(make_cfg):
-    """slurmvla/sim/hand_crop.py: its camera is the one the environment renders, its projection puts a visible
+    """slurmvla_metaworld_study/hand_crop/model.py: its camera is the one the environment renders, its projection puts a visible
     part where MuJoCo's segmentation render shows it, its crop is the image's pixels around a point, and
     ``policy=keypoints_flow_crop`` builds it from the camera's full frame or says why not."""
     import mujoco
     import torch
+    from slurmvla_metaworld_study.hand_crop.model import (
+        HandCropFlowPolicy,
+        HandCropPolicy,
+        crop_around,
+        project,
+    )
 
     from slurmvla.policy import build_policy
     from slurmvla.policy.flow_vla.config import FlowVLAConfig
-    from slurmvla.sim.hand_crop import HandCropFlowPolicy, HandCropPolicy, crop_around, project
     from slurmvla.sim.metaworld import CAMERA, CAMERA_FOVY, CAMERA_POSITION, CAMERA_ROTATION
 
     env = MetaWorld("disassemble-v3", height=128, width=128)
@@ -458,7 +464,7 @@ def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it(make_c
     built = build_policy(make_cfg("experiment=metaworld", "policy=keypoints_flow_crop", "policy.image_size=128").policy)
     assert isinstance(built, HandCropFlowPolicy) and (built.crop, built.crop_size, built.global_size) == (24, 64, 96)
     # policy=keypoints_flow_labelled: the recipe of the last protocol table, from the experiment's training labels.
-    from slurmvla.sim.labelled_keypoints import LabelledKeypointFlowPolicy
+    from slurmvla_metaworld_study.labelled_keypoints.model import LabelledKeypointFlowPolicy
     labelled_cfg = make_cfg("experiment=metaworld", "policy=keypoints_flow_labelled", "policy.image_size=128")
     assert list(labelled_cfg.data.label_keys) == ["observation.environment_state"]
     assert list(labelled_cfg.serve.state) == ["observation/state"] and labelled_cfg.policy.state_dim == 9

@@ -53,7 +53,7 @@ def _train(demos: Path, run_dir: Path, *overrides: str) -> Path:
 
 
 def _reference_policy(demos: Path, run_dir: Path, name: str, steps: int = 1) -> Path:
-    return _train(demos, run_dir, "policy=custom", f"policy.target=slurmvla.sim.policies.{name}",
+    return _train(demos, run_dir, "policy=custom", f"policy.target=slurmvla.policy.baselines.{name}",
                   f"+policy.kwargs={{root: '{demos}'}}" if name == "ReplayPolicy" else "policy.kwargs={}",
                   f"trainer.max_steps={steps}", f"checkpoint.every_steps={steps}")
 
@@ -272,7 +272,7 @@ def test_training_rolls_out_every_n_steps_on_every_rank_and_logs_the_success_rat
 
     run_dir = tmp_path / "run"
     run_train(["experiment=sim_pick", f"data.root={demos}", "engine=ddp", "policy=custom",
-               "policy.target=slurmvla.sim.policies.ReplayPolicy", f"+policy.kwargs={{root: '{demos}'}}",
+               "policy.target=slurmvla.policy.baselines.ReplayPolicy", f"+policy.kwargs={{root: '{demos}'}}",
                "data.num_workers=0", "logging.wandb.mode=disabled", "trainer.progress_bar=false",
                "trainer.global_batch_size=8", "trainer.max_steps=2", "trainer.log_every_steps=1",
                "trainer.val_every_steps=0", "data.val_fraction=0", "trainer.rollout_every_steps=1",
@@ -295,7 +295,7 @@ def test_a_sharding_engine_refuses_in_training_rollouts_at_start(demos):
 def test_spatial_softmax_finds_where_a_feature_fires():
     import torch
 
-    from slurmvla.sim.policies import SpatialSoftmax
+    from slurmvla.policy.keypoints.model import SpatialSoftmax
 
     maps = torch.zeros(1, 2, 5, 9)
     maps[0, 0, 1, 6] = 50.0  # row 1 of 5 -> y = -0.5; column 6 of 9 -> x = 0.5
@@ -311,7 +311,7 @@ def test_the_standardized_spatial_softmax_is_the_hand_computed_one_and_sees_a_fa
     softmax's keypoint at the centre wherever the feature is, and the standardized one finds it."""
     import torch
 
-    from slurmvla.sim.policies import SpatialSoftmax
+    from slurmvla.policy.keypoints.model import SpatialSoftmax
 
     g = torch.Generator().manual_seed(0)
     maps = torch.randn(2, 3, 6, 8, generator=g, dtype=torch.float64)
@@ -355,7 +355,7 @@ def test_the_resnet18_encoder_is_resnet18s_trunk_and_feeds_the_spatial_softmax()
     import torch
 
     from slurmvla.policy import build_policy
-    from slurmvla.sim.policies import BasicBlock, resnet18
+    from slurmvla.policy.keypoints.model import BasicBlock, resnet18
 
     trunk = resnet18(64)
     assert sum(p.numel() for p in trunk.parameters()) == 11_689_512 - 512 * 1000 - 1000

@@ -12,7 +12,7 @@ images and the robot's 9 numbers, nothing of the environment's own state:
 
     python -m slurmvla.train experiment=metaworld policy=keypoints_flow_crop policy.image_size=128 \\
         rollout.task=hammer-v3
-    # the regression head: policy=keypoints policy.target=slurmvla.sim.hand_crop.HandCropPolicy ...
+    # the regression head: policy=keypoints_crop ...
 
 ``policy.image_size=128``: the camera's own frame, so the crop is cut at full resolution (``experiment=metaworld``
 reads 96 otherwise, and the policy says so); the whole-image branch reads it resized to ``global_size`` (96, the
@@ -26,6 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slurmvla.policy.keypoints.model import (
+    KeypointFlowPolicy,
+    KeypointPolicy,
+    SpatialSoftmax,
+    keypoint_backbone,
+)
 from slurmvla.sim.metaworld import (
     CAMERA_FOVY,
     CAMERA_POSITION,
@@ -34,7 +40,6 @@ from slurmvla.sim.metaworld import (
     IMAGE_SIZE,
     STATE_DIM,
 )
-from slurmvla.sim.policies import KeypointFlowPolicy, KeypointPolicy, SpatialSoftmax, keypoint_backbone
 
 
 def project(points: torch.Tensor, size: int) -> torch.Tensor:
@@ -63,7 +68,7 @@ def crop_around(images: torch.Tensor, centre: torch.Tensor, crop: int, out: int)
 
 
 class HandCrop:
-    """What the hand-crop policies add to a keypoint policy (:class:`~slurmvla.sim.policies.KeypointEncoding`):
+    """What the hand-crop policies add to a keypoint policy (:class:`~slurmvla.policy.keypoints.model.KeypointEncoding`):
     its whole-image branch reads the frame resized to ``global_size``, and per frame a ``crop`` px square of the
     camera's frame, centred on the fingertips' midpoint and resampled to ``crop_size``, is read by its own backbone
     and spatial softmax (``keypoints`` more keypoints a frame). The head's first layer is rebuilt for the longer
@@ -130,7 +135,7 @@ class HandCrop:
 
 
 class HandCropFlowPolicy(HandCrop, KeypointFlowPolicy):
-    """:class:`~slurmvla.sim.policies.KeypointFlowPolicy` with the fingertips' crop (:class:`HandCrop`)."""
+    """:class:`~slurmvla.policy.keypoints.model.KeypointFlowPolicy` with the fingertips' crop (:class:`HandCrop`)."""
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, crop: int = 24,  # noqa: ANN001
                  crop_size: int = 64, global_size: int = 96, keypoints: int = 16, hidden: int = 256,
@@ -144,7 +149,7 @@ class HandCropFlowPolicy(HandCrop, KeypointFlowPolicy):
 
 
 class HandCropPolicy(HandCrop, KeypointPolicy):
-    """:class:`~slurmvla.sim.policies.KeypointPolicy` (the chunk regressed) with the fingertips' crop
+    """:class:`~slurmvla.policy.keypoints.model.KeypointPolicy` (the chunk regressed) with the fingertips' crop
     (:class:`HandCrop`)."""
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, crop: int = 24,  # noqa: ANN001

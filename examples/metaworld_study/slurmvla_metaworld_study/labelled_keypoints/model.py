@@ -2,7 +2,7 @@
 (``policy=keypoints_flow_labelled``; docs/benchmarks.md#meta-world, its tables).
 
 Three of the whole image's keypoints are trained to sit where the task's first object, second object and goal
-project into the calibrated corner2 camera (:func:`slurmvla.sim.hand_crop.project`), a squared error in the
+project into the calibrated corner2 camera (:func:`slurmvla_metaworld_study.hand_crop.model.project`), a squared error in the
 spatial softmax's own coordinates added to the flow loss: the label is Meta-World's own observation of the scene,
 recorded beside every frame (``observation.environment_state``) and read as a training label
 (``data.label_keys``, which ``experiment=metaworld`` sets), never as the state. The policy acts on the images and
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slurmvla.sim.hand_crop import HandCropFlowPolicy, project
+from slurmvla_metaworld_study.hand_crop.model import HandCropFlowPolicy, project
 
 # Meta-World's observation (the 39 numbers): hand 0:3, gripper 3, first object 4:7 (+ quaternion 7:11), second
 # object 11:14 (+ 14:18), the previous frame's 18 numbers 18:36, goal 36:39. The labelled points, in order: the
@@ -35,7 +35,7 @@ ENVIRONMENT_DIM = 39
 
 def softmax_coordinates(uv: torch.Tensor, size: int) -> torch.Tensor:
     """Continuous pixel coordinates ``[..., 2]`` (u, v) on a ``size`` x ``size`` feature map -> where the spatial
-    softmax (:class:`slurmvla.sim.policies.SpatialSoftmax`) puts a keypoint peaked there, ``[..., 2]`` (y, x): -1
+    softmax (:class:`slurmvla.policy.keypoints.model.SpatialSoftmax`) puts a keypoint peaked there, ``[..., 2]`` (y, x): -1
     at the first cell's centre, 1 at the last's."""
     return ((uv - 0.5) / (size - 1) * 2 - 1).flip(-1)
 
@@ -64,7 +64,7 @@ class RunningStandardize(nn.Module):
 
 
 class LabelledKeypointFlowPolicy(HandCropFlowPolicy):
-    """The fingertip-crop flow policy (:class:`~slurmvla.sim.hand_crop.HandCropFlowPolicy`) whose whole-image
+    """The fingertip-crop flow policy (:class:`~slurmvla_metaworld_study.hand_crop.model.HandCropFlowPolicy`) whose whole-image
     keypoints 0, 1 and 2 are trained onto the three points' pixels with weight ``aux_weight`` (module docstring).
 
     ``relative``: every whole-image keypoint also enters the features as its offset from the fingertips' pixel.
