@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slurmvla.inference.load import load_exported  # noqa: E402
 from slurmvla.inference.runner import PolicyRunner  # noqa: E402
-from slurmvla.sim.metaworld import MetaWorld, expert  # noqa: E402
+from slurmvla.sim.metaworld.env import MetaWorld  # noqa: E402
+from slurmvla.sim.metaworld.expert import scripted_policy as expert  # noqa: E402
 
 
 def main() -> None:

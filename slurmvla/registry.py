@@ -192,7 +192,8 @@ for _stage in (1, 2, 3):
 # A built-in policy is one folder of slurmvla/policy/ whose config.py (its options, no torch) declares what
 # policy.name selects: ENTRIES, a tuple of PolicyEntry. Nothing is listed here.
 POLICY_PACKAGE = "slurmvla.policy"
-POLICY_ENTRIES = "ENTRIES"
+# The name of the tuple of entries a policy or simulator folder's config.py declares.
+ENTRIES = "ENTRIES"
 # An installed distribution adds policy folders through this entry-point group: its pyproject.toml's
 # [project.entry-points."slurmvla.policies"] names a package whose sub-folders are policy folders, read as
 # slurmvla/policy/'s are (examples/metaworld_study).
@@ -224,24 +225,30 @@ def plugin_packages(group: str) -> list[ModuleType]:
     return packages
 
 
-def policy_folders(package: str = POLICY_PACKAGE, plugins: str | None = POLICY_PLUGINS) -> list[PolicyEntry]:
-    """The entries of every policy folder on ``package``'s path (sorted by folder name), then of every package the
-    ``plugins`` entry-point group names (:func:`plugin_packages`), then ``custom`` (the class ``policy.target``
-    names). Reads each folder's ``config`` module alone: no model, no torch."""
-    entries: list[PolicyEntry] = []
+def declared_in_folders(package: str, plugins: str | None, kind: type[E], what: str) -> list[E]:
+    """The ``ENTRIES`` every folder declares in its ``config`` module (a folder with an ``__init__.py`` and a
+    ``config.py``): the folders on ``package``'s path (sorted by name), then those of every package the ``plugins``
+    entry-point group names (:func:`plugin_packages`). ``what`` names such a folder in the error for a bad one."""
+    entries: list[E] = []
     packages = [package, *(p.__name__ for p in plugin_packages(plugins))] if plugins else [package]
     for name in packages:
         for directory in importlib.import_module(name).__path__:
             for folder in sorted(Path(directory).iterdir()):
                 if not ((folder / "__init__.py").is_file() and (folder / "config.py").is_file()):
                     continue
-                module = importlib.import_module(f"{name}.{folder.name}.config")
-                declared = getattr(module, POLICY_ENTRIES, None)
-                if not (isinstance(declared, tuple) and declared and all(isinstance(e, PolicyEntry) for e in declared)):
-                    raise ValueError(f"{folder / 'config.py'}: a policy folder's config.py declares {POLICY_ENTRIES} = "
-                                     f"(PolicyEntry(name, 'module:Class', schema='module:Config'), ...); got {declared!r}")
+                declared = getattr(importlib.import_module(f"{name}.{folder.name}.config"), ENTRIES, None)
+                if not (isinstance(declared, tuple) and declared and all(isinstance(e, kind) for e in declared)):
+                    raise ValueError(f"{folder / 'config.py'}: {what}'s config.py declares {ENTRIES} = "
+                                     f"({kind.__name__}(name, 'module:attribute', ...), ...); got {declared!r}")
                 entries += declared
-    return [*entries, PolicyEntry("custom", "")]
+    return entries
+
+
+def policy_folders(package: str = POLICY_PACKAGE, plugins: str | None = POLICY_PLUGINS) -> list[PolicyEntry]:
+    """The entries of every policy folder on ``package``'s path (sorted by folder name), then of every package the
+    ``plugins`` entry-point group names (:func:`plugin_packages`), then ``custom`` (the class ``policy.target``
+    names). Reads each folder's ``config`` module alone: no model, no torch."""
+    return [*declared_in_folders(package, plugins, PolicyEntry, "a policy folder"), PolicyEntry("custom", "")]
 
 
 POLICIES: Registry[PolicyEntry] = Registry("policy.name", discover=policy_folders, elsewhere=PLUGIN_POLICIES)
@@ -252,3 +259,62 @@ SCHEDULERS: Registry[SchedulerEntry] = Registry("scheduler.name")
 for _name in ("cosine", "constant", "warmup_constant", "frozen_backbone"):
     SCHEDULERS.add(SchedulerEntry(_name, f"slurmvla.optim:{_name}_schedule"))
 
+# -- simulators ----------------------------------------------------------------------------------
+
+# A simulator is one folder of slurmvla/sim/ whose config.py (no MuJoCo, no torch) declares what rollout.env and
+# `python -m slurmvla.sim.record --env` select: ENTRIES, a tuple of SimulatorEntry. Nothing is listed here.
+SIM_PACKAGE = "slurmvla.sim"
+# An installed distribution adds simulator folders through this entry-point group, as policies do (POLICY_PLUGINS).
+SIM_PLUGINS = "slurmvla.simulators"
+
+
+@dataclass(frozen=True)
+class SimulatorEntry(Entry):
+    """``target``: ``"module:function"`` building the environment, ``f(task, height, width, max_steps)`` -> a
+    :class:`slurmvla.sim.base.Environment`. ``demonstrations``: ``"module:Class"`` of its scripted demonstrations
+    (:class:`slurmvla.sim.base.Demonstrations`), which the one recorder writes."""
+
+    demonstrations: str = ""
+    # The simulator in words, for messages: "the pick task".
+    description: str = ""
+    # The tasks rollout.task may name, null (task_default) among them unless task_required; None: any task the
+    # simulator's own check (task_check) accepts, checked when the environment is built.
+    tasks: tuple[str, ...] | None = ()
+    task_required: bool = False
+    # What rollout.task is, for messages ("a Meta-World v3 task, e.g. assembly-v3"), and what null means ("one cube").
+    task_hint: str = ""
+    task_default: str = ""
+    # "module:function" raising a ValueError that names a task the simulator lacks: f(task, key).
+    task_check: str | None = None
+    # The recorder's defaults: demonstrations, and the frames' height and width.
+    demo_episodes: int = 100
+    demo_height: int = 180
+    demo_width: int = 320
+
+    def load_demonstrations(self) -> Any:
+        return import_target(self.demonstrations)
+
+    def task_problem(self, task: str | None, env_key: str, task_key: str) -> str | None:
+        """What is wrong with ``task`` for this simulator, in one line (``env_key``, ``task_key``: how the caller
+        names the choices, e.g. ``rollout.env=pick`` and ``rollout.task``), or None."""
+        if not task:
+            return f"{env_key} needs {task_key} ({self.task_hint})" if self.task_required else None
+        if self.tasks is not None and task not in self.tasks:
+            default = f" or null ({self.task_default})" if not self.task_required else ""
+            return (f"{task_key}={task!r} is not a variant of {self.description} ({env_key}); choose one of "
+                    f"{list(self.tasks)}{default}")
+        return None
+
+    def check_task(self, task: str | None, task_key: str) -> None:
+        """The simulator's own check of ``task`` (importing the simulator), where it has one."""
+        if self.task_check is not None and task:
+            import_target(self.task_check)(task, task_key)
+
+
+def simulator_folders(package: str = SIM_PACKAGE, plugins: str | None = SIM_PLUGINS) -> list[SimulatorEntry]:
+    """The entries of every simulator folder on ``package``'s path, then of every package the ``plugins``
+    entry-point group names. Reads each folder's ``config`` module alone: no simulator, no MuJoCo."""
+    return declared_in_folders(package, plugins, SimulatorEntry, "a simulator folder")
+
+
+SIMULATORS: Registry[SimulatorEntry] = Registry("rollout.env", discover=simulator_folders)

@@ -99,6 +99,7 @@ def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None,
         if not host or not port.isdigit():
             raise ValueError(f"{source!r} is not a server address; write it as ws://HOST:PORT")
         cfg = _rollout_config(overrides)
+        require_sim(cfg.env)
         out = Path(cfg.out) if cfg.out else _unused_default(Path("rollout"), name)
         seeds = shard_seeds(cfg, shard)
         start = time.perf_counter()
@@ -115,6 +116,7 @@ def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None,
         server = build_server(source, [*overrides, "serve.host=127.0.0.1", "serve.port=0"], environ={})
         loaded = server.policy.loaded
         cfg = loaded.cfg.rollout
+        require_sim(cfg.env)
         step, where, weights = loaded.step, loaded.source, loaded.weights
         if (warning := history_warning(loaded.cfg.data, loaded.cfg.serve, cfg.replan_steps)) is not None:
             log.warning(warning)

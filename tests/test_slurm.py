@@ -378,11 +378,11 @@ def test_a_metaworld_sweep_is_one_job_array_and_gathers_into_the_table(cluster, 
     the published row beside it, and the plot."""
     if importlib.util.find_spec("metaworld") is None:  # not importorskip: slurmvla.sim picks MuJoCo's backend first
         pytest.skip("Meta-World is in the [sim] extra")
-    from slurmvla.sim.metaworld import record
+    from slurmvla.sim.record import record
 
     cache = tmp_path / "cache"
     for task in SWEEP_TASKS:
-        record(cache / "metaworld" / task, task, episodes=1, first_seed=0, height=64, width=64, steps=72)
+        record(cache / "metaworld" / task, "metaworld", task, episodes=1, first_seed=0, height=64, width=64, steps=72)
     sweep = tmp_path / "sweep"
     res = subprocess.run(
         [sys.executable, "-m", "slurmvla.train", "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=1",
@@ -558,12 +558,12 @@ def test_sbatch_rollout_serves_on_the_first_node_and_runs_environments_on_the_jo
     """sbatch/rollout.sh: the policy server as one task on the first node, two environment tasks (one per
     node) reaching it by node name through openpi's client, their shards merged. The policy replays the
     demonstrations, so every episode must succeed as the expert's did."""
-    pytest.importorskip("slurmvla.sim.env", reason="the [sim] extra (MuJoCo)")
+    pytest.importorskip("slurmvla.sim.pick.env", reason="the [sim] extra (MuJoCo)")
     from slurmvla.sim.record import record
     from tests.sim.test_sim import HEIGHT, WIDTH, _reference_policy
 
     demos = tmp_path / "demos"
-    record(demos, 3, height=HEIGHT, width=WIDTH)
+    record(demos, "pick", episodes=3, height=HEIGHT, width=WIDTH)
     run = _reference_policy(demos, tmp_path / "replay", "ReplayPolicy")
     out = tmp_path / "rollout"
     args = [str(run), "rollout.first_seed=0", "rollout.episodes=3", f"rollout.height={HEIGHT}", f"rollout.width={WIDTH}",

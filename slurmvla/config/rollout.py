@@ -1,6 +1,7 @@
-"""The closed loop's options (``rollout.*``: ``python -m slurmvla.rollout`` and ``trainer.rollout_every_steps``) and the
-simulated embodiments it runs in (``SIM_ENVS``: :func:`slurmvla.sim.make_env`). A schema module of ``slurmvla.config``: it imports
-no torch, no simulator and nothing of ``slurmvla`` above the configuration (layer 1; docs/architecture.md)."""
+"""The closed loop's options (``rollout.*``: ``python -m slurmvla.rollout`` and ``trainer.rollout_every_steps``); the
+simulators it runs in are the registry's (``rollout.env``: :data:`slurmvla.registry.SIMULATORS`, each a folder of
+``slurmvla/sim/``). A schema module of ``slurmvla.config``: it imports no torch, no simulator and nothing of ``slurmvla``
+above the configuration (layer 1; docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,7 @@ from dataclasses import dataclass
 
 from slurmvla.checks import check_choice, check_positive
 from slurmvla.config.serve import EXECUTION_MODES
-
-# rollout.env: the closed loop's simulated embodiments (slurmvla.sim.make_env).
-SIM_ENVS = ("pick", "metaworld")
-# rollout.task for rollout.env=pick: null is the one-cube task; two_cubes puts a red and a blue cube on the table (either
-# one lifted succeeds: two equally good paths, the multimodal case of real-time chunking; slurmvla.sim.env).
-# Each variant with its number of cubes (the one place that says so: the closed loop and the recorder read it).
-PICK_TASKS = {"two_cubes": 2}
+from slurmvla.registry import SIMULATORS
 # rollout.delay: fixed (rollout.delay_steps) or measured (each call's wall time times the control rate).
 DELAYS = ("fixed", "measured")
 
@@ -24,10 +19,11 @@ class RolloutConfig:
     """python -m slurmvla.rollout and trainer.rollout_every_steps: closed-loop episodes in a simulated task
     (slurmvla.sim, the [sim] extra), the policy queried through openpi's client."""
 
-    # The embodiment: pick (the DROID-shaped pick task) or metaworld (a Meta-World v3 task, rollout.task).
+    # The simulator, an entry of slurmvla.registry.SIMULATORS: pick (the DROID-shaped pick task) or metaworld (a
+    # Meta-World v3 task, rollout.task), or a simulator folder of one's own (docs/extending.md).
     env: str = "pick"
-    # The Meta-World task (e.g. assembly-v3; every v3 task the package ships); for the pick task null (one cube) or
-    # two_cubes (a red and a blue cube, either one will do).
+    # The simulator's task: the Meta-World task (e.g. assembly-v3; every v3 task the package ships); for the pick task
+    # null (one cube) or two_cubes (a red and a blue cube, either one will do).
     task: str | None = None
     episodes: int = 50
     # Episode e is the environment's seed first_seed + e. The recorded demonstrations use 0..N-1;
@@ -62,12 +58,9 @@ class RolloutConfig:
     delay: str = "fixed"
 
     def __post_init__(self) -> None:
-        check_choice("rollout.env", self.env, SIM_ENVS)
-        if self.env == "metaworld" and not self.task:
-            raise ValueError("rollout.env=metaworld needs rollout.task (a Meta-World v3 task, e.g. rollout.task=assembly-v3)")
-        if self.env == "pick" and self.task is not None and self.task not in PICK_TASKS:
-            raise ValueError(f"rollout.task={self.task!r} is not a variant of the pick task (rollout.env=pick); choose "
-                             f"one of {list(PICK_TASKS)} or null (one cube), or set rollout.env=metaworld for a Meta-World task")
+        problem = SIMULATORS.get(self.env).task_problem(self.task, env_key=f"rollout.env={self.env}", task_key="rollout.task")
+        if problem is not None:
+            raise ValueError(problem)
         check_choice("rollout.execution", self.execution, EXECUTION_MODES)
         check_choice("rollout.delay", self.delay, DELAYS)
         check_positive("rollout.delay_steps", self.delay_steps, allow_zero=True)

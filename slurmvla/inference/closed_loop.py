@@ -1,6 +1,7 @@
-"""The closed loop: a policy drives a simulated arm (:mod:`slurmvla.sim`: ``rollout.env``, the pick task or a
-Meta-World task) through openpi's published client (``openpi_client.WebsocketClientPolicy``), as a robot would,
-and the success rate is the metric.
+"""The closed loop: a policy drives a simulated arm (:mod:`slurmvla.sim`: ``rollout.env``, the pick task, a
+Meta-World task, or a simulator of one's own) through openpi's published client (``openpi_client.WebsocketClientPolicy``)
+as a robot would, or, where that is not installed, the project's client of the same protocol
+(:mod:`slurmvla.inference.client`), and the success rate is the metric.
 
 Each request is the observation under the environment's client keys (openpi's DROID keys for the pick task: the
 cameras and state the server's metadata names, and the prompt), each reply an action chunk, of which ``rollout.replan_steps`` actions are executed
@@ -34,7 +35,8 @@ from slurmvla.inference.executor import Executor, switch_metrics
 
 log = logging.getLogger("slurmvla.rollout")
 
-INSTALL = "pip install -e '.[sim]' (bash scripts/install.sh sim)"
+# The command that installs the simulators (tests/test_packaging.py checks that it names the extra that does).
+INSTALL = "pip install -e '.[sim]'"
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -94,10 +96,15 @@ def _jumps(episodes: list[dict]) -> dict:
     return out
 
 
-def require_sim() -> None:
-    """A ValueError naming the extra when the simulator or openpi's client is not installed."""
-    _need("slurmvla.sim.env")
-    _need("openpi_client.websocket_client_policy")
+def require_sim(env: str | None = None) -> None:
+    """A ValueError naming the extra when the client's packages (websockets, msgpack) or, given ``env``, that
+    simulator's environment cannot be imported."""
+    _need("websockets.sync.client")
+    _need("msgpack")
+    if env is not None:
+        from slurmvla.registry import SIMULATORS
+
+        _need(SIMULATORS.get(env).target.partition(":")[0])
 
 
 def _need(module: str):  # noqa: ANN202
@@ -105,6 +112,17 @@ def _need(module: str):  # noqa: ANN202
         return __import__(module, fromlist=["_"])
     except ImportError as e:
         raise ValueError(f"the closed loop needs {module} ({e}); {INSTALL}") from None
+
+
+def client_class() -> Any:
+    """openpi's client where it is installed (what a robot runs), else the project's client of its protocol."""
+    try:
+        from openpi_client.websocket_client_policy import WebsocketClientPolicy
+    except ImportError:
+        from slurmvla.inference.client import WebsocketClient
+
+        return WebsocketClient
+    return WebsocketClientPolicy
 
 
 def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: Path | None = None) -> list[dict]:
@@ -203,8 +221,8 @@ def _episode(env: Any, executor: Executor, cfg: RolloutConfig, seed: int, wanted
             break
     result = {"seed": int(seed), "success": success, "return": total, "length": env.steps,
               "requests": executor.requests, "replan_steps": executor.replan, "wall_s": time.perf_counter() - start, **switch_metrics(ticks)}
-    if hasattr(env, "diagnostics"):
-        result["diagnostics"] = env.diagnostics()
+    if (diagnostics := env.diagnostics()) is not None:
+        result["diagnostics"] = diagnostics
     if video_dir is not None and frames:
         path = video_dir / f"episode_{seed}.mp4"
         encode_video(path, np.stack(frames), codec="h264", fps=env.fps)
@@ -228,11 +246,12 @@ class _Checked:
         return {**answer, "actions": actions}
 
 
-def connect(host: str, port: int, api_key: str | None = None, timeout_s: float = 120.0) -> Any:
-    """openpi's client, once the address accepts connections (openpi's own client would wait forever
-    for a wrong address) and the server has room for one more (a server at ``serve.max_connections``
-    answers HTTP 503: tried again after its ``Retry-After``, within the same ``timeout_s``)."""
-    client_module = _need("openpi_client.websocket_client_policy")
+def connect(host: str, port: int, api_key: str | None = None, timeout_s: float = 120.0, client: Any = None) -> Any:
+    """A client (``client``, default :func:`client_class`'s), once the address accepts connections (openpi's own
+    client would wait forever for a wrong address) and the server has room for one more (a server at
+    ``serve.max_connections`` answers HTTP 503: tried again after its ``Retry-After``, within the same ``timeout_s``)."""
+    client = client_class() if client is None else client
+    _need("websockets.sync.client")
     from websockets.exceptions import InvalidStatus
 
     deadline = time.monotonic() + timeout_s
@@ -246,7 +265,7 @@ def connect(host: str, port: int, api_key: str | None = None, timeout_s: float =
             time.sleep(0.5)
             continue
         try:
-            return client_module.WebsocketClientPolicy(host=host, port=port, api_key=api_key)
+            return client(host=host, port=port, api_key=api_key)
         except InvalidStatus as e:
             if e.response.status_code != 503:
                 raise
@@ -281,13 +300,13 @@ def history_warning(data: Any, serve: Any, replan_steps: int) -> str | None:
             f"rollout.replan_steps={every}")
 
 
-def run_served(server: Any, cfg: RolloutConfig, seeds: list[int], video_dir: Path | None) -> list[dict]:
+def run_served(server: Any, cfg: RolloutConfig, seeds: list[int], video_dir: Path | None, client: Any = None) -> list[dict]:
     """Episodes against a :class:`slurmvla.inference.server.PolicyServer` run in this process (on 127.0.0.1),
-    through openpi's client as against any other server."""
+    through a client (default :func:`client_class`'s) as against any other server."""
     from slurmvla.inference.harness import serving_in_thread
 
     with serving_in_thread(server) as port:
-        client = connect("127.0.0.1", port)
+        client = connect("127.0.0.1", port, client=client)
         try:
             return run_episodes(client, cfg, seeds, video_dir)
         finally:
@@ -329,9 +348,12 @@ def execution_of(cfg: RolloutConfig) -> dict:
 
 
 def close_client(client: Any) -> None:
-    """Close openpi's client's websocket (the client has no close of its own)."""
-    ws = getattr(client, "_ws", None)
-    if ws is not None:
+    """Close the client's websocket (openpi's client has no close of its own: its connection is ``_ws``)."""
+    from slurmvla.inference.client import WebsocketClient
+
+    if isinstance(client, WebsocketClient):
+        client.close()
+    elif (ws := getattr(client, "_ws", None)) is not None:
         ws.close()
 
 

@@ -47,8 +47,7 @@ NOT_POLICY = {
     ("inference/server.py", "self.policy"): "the served InferencePolicy",
     ("rollout.py", "server.policy"): "the server's InferencePolicy (a Runner)",
     ("plan.py", "c.policy"): "a Config's policy node",
-    ("sim/metaworld.py", "self.policy"): "Meta-World's scripted expert (get_action)",
-    ("sim/metaworld.py", "policy"): "an ExpertPolicy, served like an InferencePolicy (infer(obs))",
+    ("sim/metaworld/expert.py", "self.policy"): "Meta-World's scripted expert (get_action)",
 }
 # Other names under which the library reads a built policy (none today: it is always a ``policy``), and where.
 ALIASES: dict[str, str] = {}

@@ -16,14 +16,27 @@ pytest.importorskip("metaworld", reason="pip install -e '.[sim]'")
 pytest.importorskip("openpi_client", reason="pip install --no-deps openpi-client")
 
 from slurmvla.config.rollout import RolloutConfig  # noqa: E402
-from slurmvla.sim.metaworld import (  # noqa: E402
-    ENV_STATE_KEY,
-    IMAGE_KEY,
-    STATE_KEY,
-    ExpertPolicy,
-    MetaWorld,
-    expert_episode,
-)
+from slurmvla.sim.metaworld.dataset import expert_episode  # noqa: E402
+from slurmvla.sim.metaworld.env import ACTION_DIM, ENV_STATE_KEY, IMAGE_KEY, STATE_KEY, MetaWorld  # noqa: E402
+from slurmvla.sim.metaworld.expert import Expert  # noqa: E402
+
+
+class ExpertPolicy:
+    """A task's scripted expert as a policy server serves it (``infer(obs) -> {"actions"}``, ``metadata()``): it
+    reads the full environment state the simulator offers (``observation/env_state``) and answers a chunk of one
+    action. Served through openpi's client, it must reach the success it reaches acting on the environment
+    directly; anything else is a convention broken between the two."""
+
+    def __init__(self, task: str):
+        self.task, self.expert = task, Expert(task)
+
+    def metadata(self) -> dict:
+        return {"server": "slurmvla", "policy": f"metaworld_expert:{self.task}", "action_horizon": 1,
+                "action_dim": ACTION_DIM, "cameras": {"corner2": IMAGE_KEY}, "state": [ENV_STATE_KEY],
+                "prompt": "prompt", "execution_modes": ["sync", "async"]}
+
+    def infer(self, obs: dict) -> dict:
+        return {"actions": self.expert.action(obs[ENV_STATE_KEY])[None]}
 
 TASK = "button-press-v3"  # the expert presses it in ~60 steps, from every seed tried
 
@@ -72,9 +85,9 @@ def test_demonstrations_read_back_through_the_data_layer_replay_the_episode(tmp_
     (AV1 at DROID's settings: lossy, within a few grey levels on average)."""
     from slurmvla.data.mixture import Mixture
     from slurmvla.policy import sample_spec
-    from slurmvla.sim.metaworld import record
+    from slurmvla.sim.record import record
 
-    summary = record(tmp_path / "demo", TASK, episodes=1, first_seed=7, height=64, width=64, steps=72)
+    summary = record(tmp_path / "demo", "metaworld", TASK, episodes=1, first_seed=7, height=64, width=64, steps=72)
     assert summary["seeds"] == [7] and summary["tried"][0]["success_steps"] >= 5
     assert json.loads((tmp_path / "demo" / "metaworld.json").read_text())["camera_position"] == [0.6, 0.295, 0.8]
 
@@ -170,7 +183,7 @@ def test_noisy_demonstrations_record_the_experts_command_for_the_state_the_noise
 
 
 def test_rollout_settings_name_the_embodiment_and_its_task():
-    with pytest.raises(ValueError, match=r"rollout.env='libero' is not valid; choose one of \['pick', 'metaworld'\]"):
+    with pytest.raises(ValueError, match=r"rollout.env='libero' is not valid; choose one of \['metaworld', 'pick'\]"):
         RolloutConfig(env="libero")
     with pytest.raises(ValueError, match=r"rollout.env=metaworld needs rollout.task"):
         RolloutConfig(env="metaworld")

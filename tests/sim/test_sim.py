@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("slurmvla.sim.env", reason="the [sim] extra (MuJoCo): bash scripts/install.sh sim")
+pytest.importorskip("slurmvla.sim.pick.env", reason="the [sim] extra (MuJoCo): bash scripts/install.sh sim")
 pytest.importorskip("openpi_client.websocket_client_policy", reason="pip install --no-deps openpi-client")
 
 from slurmvla.compose import compose  # noqa: E402
@@ -23,9 +23,10 @@ from slurmvla.data.prepare import prepare_image  # noqa: E402
 from slurmvla.inference.closed_loop import wilson_interval  # noqa: E402
 from slurmvla.rollout import main as rollout_main  # noqa: E402
 from slurmvla.rollout import run  # noqa: E402
-from slurmvla.sim.env import PickCube  # noqa: E402
-from slurmvla.sim.expert import Expert  # noqa: E402
-from slurmvla.sim.record import HOLD_STEPS, expert_episode, record  # noqa: E402
+from slurmvla.sim.pick.dataset import HOLD_STEPS, expert_episode  # noqa: E402
+from slurmvla.sim.pick.env import PickCube  # noqa: E402
+from slurmvla.sim.pick.expert import Expert  # noqa: E402
+from slurmvla.sim.record import record  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 EPISODES = 6
@@ -36,7 +37,7 @@ HEIGHT, WIDTH = 72, 128
 @pytest.fixture(scope="module")
 def demos(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("sim") / "demos"
-    record(root, EPISODES, first_seed=0, height=HEIGHT, width=WIDTH, episodes_per_file=4)
+    record(root, "pick", episodes=EPISODES, first_seed=0, height=HEIGHT, width=WIDTH, episodes_per_file=4)
     return root
 
 
@@ -78,7 +79,7 @@ def test_two_cubes_mirror_each_other_and_either_one_lifted_succeeds():
     drawn over the seeds) and leaves the other on the table; lifting the other one succeeds as well."""
     import mujoco
 
-    from slurmvla.sim.env import CUBE_HALF, LIFT_HEIGHT, MIN_MIRROR_Y, TWO_CUBES_INSTRUCTION
+    from slurmvla.sim.pick.env import CUBE_HALF, LIFT_HEIGHT, MIN_MIRROR_Y, TWO_CUBES_INSTRUCTION
 
     env = PickCube(height=HEIGHT, width=WIDTH, cubes=2)
     assert env.instruction == TWO_CUBES_INSTRUCTION
@@ -110,9 +111,10 @@ def test_two_cubes_mirror_each_other_and_either_one_lifted_succeeds():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--env", "libero"], "--env='libero' is not valid; choose one of ['pick', 'metaworld']"),
+    (["--env", "libero"], "--env='libero' is not valid; choose one of ['metaworld', 'pick']"),
     (["--env", "metaworld"], "--env metaworld needs --task"),
-    (["--task", "three_cubes"], "--task='three_cubes' is not a variant of the pick task; choose one of ['two_cubes'] or none"),
+    (["--task", "three_cubes"], "--task='three_cubes' is not a variant of the pick task (--env pick); choose one of "
+                                "['two_cubes'] or null (one cube)"),
 ])
 def test_the_recorder_names_a_bad_embodiment_or_task_and_writes_nothing(args, message, tmp_path, capsys):
     from slurmvla.sim.record import main as record_main
@@ -442,8 +444,8 @@ def test_the_keypoint_policy_learns_where_a_dot_is():
 def _before(client, cfg, seed: int) -> dict:
     """An episode as the closed loop ran it before execution modes: replan_steps actions of each chunk, then
     ask and wait (the environment standing still)."""
-    from slurmvla.sim.env import CLIENT_CAMERAS
-    from slurmvla.sim.record import INSTRUCTIONS
+    from slurmvla.sim.pick.dataset import INSTRUCTIONS
+    from slurmvla.sim.pick.env import CLIENT_CAMERAS
 
     meta = client.get_server_metadata()
     wanted = [k for k in meta["cameras"].values() if k]

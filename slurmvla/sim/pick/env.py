@@ -23,12 +23,12 @@ map) puts two identical cubes' keypoint between them, and the policy then grasps
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mujoco  # slurmvla.sim (imported first) chose the offscreen backend
 import numpy as np
 
 from slurmvla.droid_features import DROID_CLIENT_CAMERAS
+from slurmvla.sim.base import Environment, Step
+from slurmvla.sim.pick.config import CUBES
 
 FPS = 15  # DROID's control rate
 PHYSICS_DT = 0.002
@@ -42,7 +42,6 @@ CUBE_RANGE = 0.10  # the cube's x and y are drawn uniformly within +-CUBE_RANGE 
 LIFT_HEIGHT = 0.08  # success: the cube's bottom this far above the table
 FINGER_OPEN = 0.05  # each finger's travel (m): 0 = closed, 0.05 = a 10 cm opening
 INSTRUCTION = "pick up the red cube"
-# The pick task's variants (rollout.task; null: one cube): slurmvla.config.rollout.PICK_TASKS names them.
 TWO_CUBES_INSTRUCTION = "pick up the red cube or the blue cube"
 MIN_MIRROR_Y = 0.05  # m: two cubes stand at y and -y with |y| at least this (their centres 10 cm apart or more)
 CAMERAS = ("exterior_1_left", "exterior_2_left", "wrist_left")
@@ -159,21 +158,13 @@ def scene(cubes: int = 1) -> str:
 SCENE = scene(1)
 
 
-@dataclass
-class Step:
-    """What the environment returns after each action."""
-
-    success: bool
-    reward: float
-
-
-class PickCube:
+class PickCube(Environment):
     """The task. ``reset(seed)`` draws the episode; ``observe()`` gives DROID's observation keys;
     ``step(action)`` applies an 8-D action (7 joint velocities in rad/s, then the gripper position in
     [0, 1], 1 = closed) for one 1/15 s control period. ``cubes=2``: a red and a blue cube, either one lifted
     succeeds; ``target`` is the one the episode's expert goes for."""
 
-    # The closed loop's facts about this embodiment (slurmvla.sim.make_env; Meta-World's: slurmvla.sim.metaworld).
+    # The closed loop's facts about this embodiment (slurmvla.sim.base.Environment).
     client_cameras = CLIENT_CAMERAS
     state_keys = ("observation/joint_position", "observation/gripper_position")
     action_dim = 8
@@ -296,3 +287,9 @@ class PickCube:
         if self._renderer is not None:
             self._renderer.close()
             self._renderer = None
+
+
+def make(task: str | None, height: int, width: int, max_steps: int) -> PickCube:
+    """The pick task as the closed loop runs it (``rollout.task``: null, one cube, or ``two_cubes``), every camera
+    rendered at ``height`` x ``width``; the loop counts the steps (``max_steps``)."""
+    return PickCube(height=height, width=width, cameras=CAMERAS, cubes=CUBES.get(task, 1) if task else 1)

@@ -1,4 +1,4 @@
-"""The scripted expert for :class:`slurmvla.sim.env.PickCube`: it reads the cube's pose from the
+"""The scripted expert for :class:`slurmvla.sim.pick.env.PickCube`: it reads the cube's pose from the
 simulator and acts in DROID's action space (joint velocities from damped least-squares inverse
 kinematics of the gripper's pose error, and the gripper position).
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import mujoco
 import numpy as np
 
-from slurmvla.sim.env import CUBE_HALF, FINGER_OPEN, JOINT_VELOCITY_LIMIT, TABLE_Z, PickCube
+from slurmvla.sim.pick.env import CUBE_HALF, FINGER_OPEN, JOINT_VELOCITY_LIMIT, TABLE_Z, PickCube
 
 GAIN_POS = 4.0  # 1/s: the commanded gripper speed per metre of position error
 GAIN_ROT = 3.0

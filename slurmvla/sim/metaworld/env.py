@@ -1,4 +1,4 @@
-"""Meta-World (``pip install -e '.[sim]'``: metaworld 3.1.1 on MuJoCo 3.3.0) as a second embodiment of the closed
+"""Meta-World's environment (``pip install -e '.[sim]'``: metaworld 3.1.1 on MuJoCo 3.3.0) as a second embodiment of the closed
 loop: a Sawyer arm acting in end-effector space, one camera.
 
 The regime is 3D Diffusion Policy's (Ze et al., RSS 2024; its ``metaworld_wrapper.py``), on the v3 tasks the
@@ -18,8 +18,8 @@ package now ships where DP3 used v2:
 Under openpi's client the observation is ``observation/image`` (the camera), ``observation/state`` (the 9 numbers)
 and the prompt (openpi's LIBERO client's names, the nearest published single-arm layout). The full environment
 state (Meta-World's 39 numbers: hand, gripper opening, objects, goal) is offered as ``observation/env_state`` for
-a policy that asks for it in its metadata: the scripted experts (:class:`ExpertPolicy`), served through the same
-server and client, check every convention here without learning anything.
+a policy that asks for it in its metadata: the scripted experts (:mod:`slurmvla.sim.metaworld.expert`), served through
+the same server and client, check every convention here without learning anything (tests/sim/test_metaworld.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import mujoco  # slurmvla.sim (imported first) chose the offscreen backend
 import numpy as np
 
-from slurmvla.sim.env import Step
+from slurmvla.sim.base import Environment, Step
 
 CAMERA = "corner2"
 # DP3's corner2 (metaworld_wrapper.py: cam_pos[2] = [0.6, 0.295, 0.8]).
@@ -88,7 +88,7 @@ def instruction(task: str) -> str:
     return INSTRUCTIONS.get(task, task.removesuffix("-v3").replace("-", " "))
 
 
-class MetaWorld:
+class MetaWorld(Environment):
     """One Meta-World task under the closed loop's interface: ``reset(seed)``, ``observe(keys)``, ``step(action)``
     (a 4-D action), ``close()``; what it sends and takes as class facts (:data:`client_cameras`, ...)."""
 
@@ -196,144 +196,6 @@ class MetaWorld:
         self.env.close()
 
 
-def expert(task: str):  # noqa: ANN201 - a metaworld.policies.Policy
-    """Meta-World's scripted policy for ``task`` (``get_action(env_state) -> action``)."""
-    from metaworld.policies import ENV_POLICY_MAP
-
-    return ENV_POLICY_MAP[check_task(task, "task")]()
-
-
-class ExpertPolicy:
-    """A task's scripted expert as something a :class:`slurmvla.inference.server.PolicyServer` serves
-    (``infer(obs) -> {"actions"}``, ``metadata()``): it reads the full environment state the simulator offers
-    (:data:`ENV_STATE_KEY`) and answers a chunk of one action. Served through openpi's client, it reaches the
-    success rate it reaches acting on the environment directly; anything else is a convention broken between
-    the two (tests/sim/test_metaworld.py)."""
-
-    def __init__(self, task: str):
-        import warnings
-
-        self.task = check_task(task, "task")
-        self.policy = expert(task)
-        # Meta-World's experts warn that their gains exceed the action range, every call; the environment clips.
-        warnings.filterwarnings("ignore", message="Constant\\(s\\) may be too high", category=UserWarning)
-
-    def metadata(self) -> dict:
-        return {"server": "slurmvla", "policy": f"metaworld_expert:{self.task}", "action_horizon": 1,
-                "action_dim": ACTION_DIM, "cameras": {"corner2": IMAGE_KEY}, "state": [ENV_STATE_KEY],
-                "prompt": "prompt", "execution_modes": ["sync", "async"]}
-
-    def infer(self, obs: dict) -> dict:
-        return {"actions": np.asarray(self.policy.get_action(np.asarray(obs[ENV_STATE_KEY])), np.float64)[None]}
-
-
-# -- demonstrations ------------------------------------------------------------------------------------------------
-
-# DP3 keeps a demonstration when its task succeeded on at least this many steps (gen_demonstration_expert.py).
-MIN_SUCCESS_STEPS = 5
-# Camera and features of a recorded Meta-World dataset (LeRobot's names: observation.environment_state is the
-# simulator's full state, which its Meta-World datasets keep too).
-VIDEO_KEY = f"observation.images.{CAMERA}"
-
-
-def layout():  # noqa: ANN201 - slurmvla.data.writer.Layout
-    """The recorded dataset's cameras and features (slurmvla.data.writer)."""
-    from slurmvla.data.writer import Layout, vec
-
-    xyz = ["x", "y", "z"]
-    features = {
-        "observation.state": vec(STATE_DIM, [f"{part}_{a}" for part in ("hand", "right_finger", "left_finger") for a in xyz]),
-        "observation.environment_state": vec(39, [f"s{i}" for i in range(39)]),
-        "action": vec(ACTION_DIM, ["dx", "dy", "dz", "gripper"]),
-        "next.reward": {"dtype": "float32", "shape": [1], "names": None},
-        "next.success": {"dtype": "bool", "shape": [1], "names": None},
-    }
-    return Layout((VIDEO_KEY,), features, fps=FPS, episode_stats=("observation.state", "action"))
-
-
-def expert_episode(env: MetaWorld, seed: int, steps: int = EPISODE_STEPS, render: bool = True,
-                   noise: float = 0.0) -> dict:
-    """One seeded episode of the task's scripted expert, ``steps`` long whatever happens (as DP3 records them):
-    per-step state, environment state, action, reward and success, and the camera's frames.
-
-    ``noise``: the standard deviation of Gaussian noise added to the end effector's displacement (dims 0-2, in the
-    action's [-1, 1] units) when it is executed, drawn from the episode's seed; the gripper's effort is executed as
-    commanded. What is recorded is the expert's command: the scripted policy reads the state at every step, so the
-    demonstrations show it correcting the drift a learned policy makes (DART, Laskey et al. 2017), and a policy
-    that models the action distribution does not learn to add the noise."""
-    policy = ExpertPolicy(env.task)
-    # Salted as the pick task's recorder salts its noise: Meta-World seeds its own generator with the bare seed (the
-    # object's and goal's places), and the noise must not replay that stream.
-    rng = np.random.default_rng([7, seed])
-    env.reset(seed)
-    states, env_states, actions, rewards, successes, frames = [], [], [], [], [], []
-    for _ in range(steps):
-        states.append(env.state())
-        env_states.append(env.env_state())
-        if render:
-            frames.append(env.render())
-        action = policy.infer({ENV_STATE_KEY: env_states[-1]})["actions"][0]
-        actions.append(action)
-        if noise:
-            action = np.array(action, dtype=np.float32)
-            action[:3] = np.clip(action[:3] + rng.normal(0.0, noise, size=3), -1.0, 1.0)
-        step = env.step(action)
-        rewards.append(step.reward)
-        successes.append(step.success)
-    return {"state": np.asarray(states, np.float32), "env_state": np.asarray(env_states, np.float32),
-            "action": np.clip(np.asarray(actions, np.float32), -1.0, 1.0), "reward": np.asarray(rewards, np.float32),
-            "success": np.asarray(successes, bool), "frames": np.stack(frames) if render else None, "seed": seed}
-
-
-def columns(ep: dict, episode_index: int, start_index: int, fps: int) -> dict[str, np.ndarray]:
-    """One episode's columns in :func:`layout`'s features."""
-    n = len(ep["state"])
-    return {
-        "observation.state": ep["state"], "observation.environment_state": ep["env_state"], "action": ep["action"],
-        "next.reward": ep["reward"][:, None], "next.success": ep["success"],
-        "timestamp": (np.arange(n) / fps).astype(np.float32), "frame_index": np.arange(n, dtype=np.int64),
-        "episode_index": np.full(n, episode_index, dtype=np.int64),
-        "index": np.arange(start_index, start_index + n, dtype=np.int64), "task_index": np.zeros(n, dtype=np.int64),
-    }
-
-
-def record(out, task: str, episodes: int, first_seed: int = 0, height: int = 128, width: int = 128,  # noqa: ANN001
-           steps: int = EPISODE_STEPS, max_tries: int | None = None, noise: float = 0.0) -> dict:
-    """``episodes`` successful expert demonstrations of ``task`` into ``out`` (LeRobot v3.0), from seeds
-    ``first_seed``, ``first_seed + 1``, ...: an episode is kept when the task succeeded on at least
-    :data:`MIN_SUCCESS_STEPS` steps (DP3's rule), the others skipped; at most ``max_tries`` seeds (default
-    ``4 x episodes``) are tried; ``noise`` perturbs the executed displacement (:func:`expert_episode`). Returns
-    ``metaworld.json``'s summary (every seed tried, and which were kept)."""
-    from slurmvla.data.writer import write_dataset
-
-    env = MetaWorld(task, height=height, width=width, max_steps=steps)
-    spec = layout()
-    per_episode, tried, kept = [], [], []
-    start, seed = 0, first_seed
-    max_tries = 4 * episodes if max_tries is None else max_tries
-    try:
-        while len(per_episode) < episodes and len(tried) < max_tries:
-            ep = expert_episode(env, seed, steps, noise=noise)
-            ok = int(ep["success"].sum()) >= MIN_SUCCESS_STEPS
-            tried.append({"seed": seed, "success_steps": int(ep["success"].sum()), "kept": ok})
-            if ok:
-                e = len(per_episode)
-                per_episode.append((columns(ep, e, start, spec.fps), {VIDEO_KEY: ep["frames"]},
-                                    {"episode_index": e, "tasks": [env.instruction], "length": steps}))
-                kept.append(seed)
-                start += steps
-            seed += 1
-    finally:
-        env.close()
-    if len(per_episode) < episodes:
-        raise ValueError(f"the scripted expert of {task} succeeded on {len(per_episode)} of {len(tried)} seeds from "
-                         f"{first_seed}; {episodes} demonstrations were asked for")
-    summary = {"env": "metaworld", "task": task, "instruction": instruction(task), "camera": CAMERA,
-               "camera_position": list(CAMERA_POSITION), "height": height, "width": width, "steps": steps,
-               "action_noise": noise, "seeds": kept, "tried": tried, "expert_success_rate": len(kept) / len(tried),
-               "frames": start}
-    import json
-
-    write_dataset(out, per_episode, [instruction(task)], extra_files={"metaworld.json": json.dumps(summary, indent=1)},
-                  robot_type="sawyer", layout=spec)
-    return summary
+def make(task: str | None, height: int, width: int, max_steps: int) -> MetaWorld:
+    """Meta-World's ``task`` as the closed loop runs it, the camera at ``height`` x ``width``."""
+    return MetaWorld(task, height=height, width=width, max_steps=max_steps)

@@ -1,0 +1,134 @@
+"""Meta-World's demonstrations (:class:`MetaWorldDemonstrations`, which the one recorder, :mod:`slurmvla.sim.record`,
+writes) in 3D Diffusion Policy's regime: 200-step episodes at 128 x 128 from the ``corner2`` camera, only those
+where the task succeeded on at least :data:`MIN_SUCCESS_STEPS` steps (DP3's rule), seeds tried from ``--first-seed``
+on; beside the data ``metaworld.json`` lists every seed tried. ``--noise``: the executed end-effector displacement
+perturbed, the expert's command for the reached state recorded."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from slurmvla.data.writer import Layout, vec
+from slurmvla.sim.base import Demonstrations, Step
+from slurmvla.sim.metaworld.env import (
+    ACTION_DIM,
+    CAMERA,
+    CAMERA_POSITION,
+    EPISODE_STEPS,
+    FPS,
+    IMAGE_SIZE,
+    STATE_DIM,
+    MetaWorld,
+    check_task,
+    instruction,
+)
+from slurmvla.sim.metaworld.expert import Expert
+
+# DP3 keeps a demonstration when its task succeeded on at least this many steps (gen_demonstration_expert.py).
+MIN_SUCCESS_STEPS = 5
+# Camera and features of a recorded Meta-World dataset (LeRobot's names: observation.environment_state is the
+# simulator's full state, which its Meta-World datasets keep too).
+VIDEO_KEY = f"observation.images.{CAMERA}"
+
+
+def layout() -> Layout:
+    """The recorded dataset's cameras and features (slurmvla.data.writer)."""
+    xyz = ["x", "y", "z"]
+    features = {
+        "observation.state": vec(STATE_DIM, [f"{part}_{a}" for part in ("hand", "right_finger", "left_finger") for a in xyz]),
+        "observation.environment_state": vec(39, [f"s{i}" for i in range(39)]),
+        "action": vec(ACTION_DIM, ["dx", "dy", "dz", "gripper"]),
+        "next.reward": {"dtype": "float32", "shape": [1], "names": None},
+        "next.success": {"dtype": "bool", "shape": [1], "names": None},
+    }
+    return Layout((VIDEO_KEY,), features, fps=FPS, episode_stats=("observation.state", "action"))
+
+
+class MetaWorldDemonstrations(Demonstrations):
+    """``task``'s scripted expert, ``steps`` control steps an episode whatever happens (as DP3 records them)."""
+
+    robot_type = "sawyer"
+
+    def __init__(self, task: str | None, height: int = IMAGE_SIZE, width: int = IMAGE_SIZE, steps: int = EPISODE_STEPS):
+        super().__init__(check_task(task, "--task"), height, width)
+        self.steps = steps
+
+    def environment(self) -> MetaWorld:
+        return MetaWorld(self.task, height=self.height, width=self.width, max_steps=self.steps)
+
+    def expert(self, env: MetaWorld) -> Expert:
+        return Expert(env.task)
+
+    def observe(self, env: MetaWorld, render: bool) -> dict[str, Any]:
+        return {"state": env.state(), "env_state": env.env_state(), "frame": env.render() if render else None}
+
+    def perturb(self, action: np.ndarray, rng: np.random.Generator, noise: float) -> np.ndarray:
+        """Gaussian noise on the end effector's displacement (dims 0-2, in the action's [-1, 1] units), clipped to
+        the range; the gripper's effort as commanded."""
+        action = np.array(action, dtype=np.float32)
+        action[:3] = np.clip(action[:3] + rng.normal(0.0, noise, size=3), -1.0, 1.0)
+        return action
+
+    def episode(self, env: MetaWorld, observed: list[dict], actions: list[np.ndarray], outcomes: list[Step],
+                seed: int) -> dict[str, Any]:
+        render = observed[0]["frame"] is not None
+        return {"state": np.asarray([o["state"] for o in observed], np.float32),
+                "env_state": np.asarray([o["env_state"] for o in observed], np.float32),
+                "action": np.clip(np.asarray(actions, np.float32), -1.0, 1.0),
+                "reward": np.asarray([o.reward for o in outcomes], np.float32),
+                "success": np.asarray([o.success for o in outcomes], bool),
+                "frames": np.stack([o["frame"] for o in observed]) if render else None, "seed": seed}
+
+    def keep(self, episode: dict[str, Any]) -> bool:
+        return int(episode["success"].sum()) >= MIN_SUCCESS_STEPS
+
+    def max_tries(self, episodes: int) -> int:
+        return 4 * episodes
+
+    def columns(self, episode: dict[str, Any], episode_index: int, start_index: int) -> tuple[dict, dict, dict]:
+        return (columns(episode, episode_index, start_index, FPS), {VIDEO_KEY: episode["frames"]},
+                {"episode_index": episode_index, "tasks": [instruction(self.task)], "length": len(episode["state"])})
+
+    def tasks(self) -> list[str]:
+        return [instruction(self.task)]
+
+    def layout(self) -> Layout:
+        return layout()
+
+    def summary(self, tried: list[tuple[dict[str, Any], bool]], noise: float, frames: int) -> dict[str, Any]:
+        return {"env": "metaworld", "task": self.task, "instruction": instruction(self.task), "camera": CAMERA,
+                "camera_position": list(CAMERA_POSITION), "height": self.height, "width": self.width,
+                "steps": self.steps, "action_noise": noise, "seeds": [ep["seed"] for ep, ok in tried if ok],
+                "tried": [{"seed": ep["seed"], "success_steps": int(ep["success"].sum()), "kept": ok} for ep, ok in tried],
+                "expert_success_rate": sum(ok for _, ok in tried) / len(tried), "frames": frames}
+
+    def files(self, summary: dict[str, Any], kept: list[dict[str, Any]]) -> dict[str, str]:
+        return {"metaworld.json": json.dumps(summary, indent=1)}
+
+
+def columns(ep: dict, episode_index: int, start_index: int, fps: int) -> dict[str, np.ndarray]:
+    """One episode's columns in :func:`layout`'s features."""
+    n = len(ep["state"])
+    return {
+        "observation.state": ep["state"], "observation.environment_state": ep["env_state"], "action": ep["action"],
+        "next.reward": ep["reward"][:, None], "next.success": ep["success"],
+        "timestamp": (np.arange(n) / fps).astype(np.float32), "frame_index": np.arange(n, dtype=np.int64),
+        "episode_index": np.full(n, episode_index, dtype=np.int64),
+        "index": np.arange(start_index, start_index + n, dtype=np.int64), "task_index": np.zeros(n, dtype=np.int64),
+    }
+
+
+def expert_episode(env: MetaWorld, seed: int, steps: int = EPISODE_STEPS, render: bool = True,
+                   noise: float = 0.0) -> dict:
+    """One seeded episode of the task's scripted expert in ``env``, ``steps`` long whatever happens
+    (:func:`slurmvla.sim.record.episode`): per-step state, environment state, action, reward and success, and the
+    camera's frames. ``noise``: the standard deviation of Gaussian noise on the executed end-effector displacement,
+    drawn from the episode's seed; what is recorded is the expert's command: the scripted policy reads the state at
+    every step, so the demonstrations show it correcting the drift a learned policy makes (DART, Laskey et al.
+    2017), and a policy that models the action distribution does not learn to add the noise."""
+    from slurmvla.sim.record import episode
+
+    return episode(MetaWorldDemonstrations(env.task, env.height, env.width, steps), env, seed, render=render, noise=noise)
