@@ -1,6 +1,6 @@
-"""A closed-loop sweep's evaluations gathered into one table and one plot, beside a published row.
+"""A closed-loop sweep's evaluations gathered into one table and one plot, beside published rows where given.
 
-    python -m slurmvla.table SWEEP_DIR [--out DIR] [--best 5] [--reference dp3]
+    python -m slurmvla.table SWEEP_DIR [--out DIR] [--best 5] [--published FILE] [--reference NAME]
 
 ``SWEEP_DIR`` holds the runs of one sweep (a Hydra multirun's ``multirun/<date>/<time>/``, or any folder of run
 directories): each run's ``config.resolved.yaml`` says its task (``rollout.env`` / ``rollout.task``), policy and
@@ -10,7 +10,7 @@ seed (``trainer.seed``), and its periodic closed-loop evaluations (``trainer.rol
 evaluation on more episodes where the run has one (``RUN/rollout/final/rollout.json``, from ``python -m
 slurmvla.rollout RUN rollout.episodes=100 rollout.first_seed=200000 --out RUN/rollout/final``: seeds the periodic
 evaluations never drew). Per task and policy: the mean and standard deviation over seeds, in percent, beside the
-published figures (``--reference``); per policy, the mean over its tasks (per seed that every task has, then over
+published figures; per policy, the mean over its tasks (per seed that every task has, then over
 those seeds; the sanity task button-press left out). Writes
 ``table.md`` (the rows and the commands' facts), ``table.json`` and ``success.png`` (success against training step,
 one panel per task, every seed, the published figure drawn in) into ``--out`` (default ``SWEEP_DIR``).
@@ -18,6 +18,11 @@ one panel per task, every seed, the published figure drawn in) into ``--out`` (d
     python -m slurmvla.train -m experiment=metaworld rollout.task=assembly-v3,hammer-v3 trainer.seed=0,1,2 \\
         trainer.rollout_every_steps=500 hydra/launcher=submitit_slurm
     python -m slurmvla.table multirun/2026-11-28/21-00-00
+
+The published figures are data, not code: ``SWEEP_DIR/published.json`` when it is there, else ``--published FILE``
+(e.g. ``benchmarks/results/metaworld_labelled_4000/published.json``, 3D Diffusion Policy's Meta-World rows). The
+file maps a reference's name to its ``source`` (said under the table) and its ``rows``: a row's name -> task ->
+``[mean, std]`` in percent. ``--reference`` picks one of its references (default: the first), ``none`` leaves them out.
 """
 
 from __future__ import annotations
@@ -30,24 +35,11 @@ from pathlib import Path
 from slurmvla.cli import ArgumentParser, program
 from slurmvla.errors import boundary
 
-# Published per-task success (percent, mean and std over 3 seeds; 10 demonstrations, best 5 of the periodic
-# evaluations on 20 episodes): 3D Diffusion Policy, Ze et al., RSS 2024, arXiv 2403.03954, Table XVIII. The v2 tasks
-# the paper ran, under the v3 names this package runs.
-REFERENCES = {
-    "dp3": {
-        "source": "3D Diffusion Policy (Ze et al., RSS 2024), Table XVIII; Meta-World v2 tasks",
-        "rows": {
-            "Diffusion Policy (images)": {"assembly-v3": (15, 1), "disassemble-v3": (43, 7), "stick-push-v3": (63, 3),
-                                          "hammer-v3": (15, 6), "peg-insert-side-v3": (34, 7), "coffee-pull-v3": (34, 7),
-                                          "button-press-v3": (99, 1)},
-            "DP3 (point clouds)": {"assembly-v3": (99, 1), "disassemble-v3": (69, 4), "stick-push-v3": (97, 4),
-                                   "hammer-v3": (76, 4), "peg-insert-side-v3": (69, 7), "coffee-pull-v3": (87, 3)},
-        },
-    },
-}
 # Tasks that check the set-up rather than the policy (the paper's own sanity row): left out of the mean over tasks.
 SANITY = frozenset({"button-press-v3"})
 TABLE, JSON, PLOT = "table.md", "table.json", "success.png"
+# The published figures beside a sweep's runs, read from the sweep's own folder when no --published names a file.
+PUBLISHED = "published.json"
 # A run's final checkpoint evaluated on more episodes than the periodic evaluations: RUN/FINAL/rollout.json.
 FINAL = Path("rollout") / "final"
 
@@ -121,12 +113,12 @@ def gather(runs: list[dict], best: int = 5) -> list[dict]:
     return rows
 
 
-def over_tasks(rows: list[dict], reference: str | None) -> list[dict]:
+def over_tasks(rows: list[dict], reference: dict | None) -> list[dict]:
     """Per policy with two or more tasks (the sanity tasks left out): the mean over its tasks, per seed that every
     one of them has (a seed missing on one task is no seed of the mean), then mean ± std over those seeds; the
     final checkpoints' mean over the seeds whose every task has one; the published rows' mean over the same tasks
     where they cover them all. None of it where no seed is on every task."""
-    ref = REFERENCES[reference]["rows"] if reference else {}
+    ref = reference["rows"] if reference else {}
     means = []
     for policy in sorted({r["policy"] for r in rows}):
         members = [r for r in rows if r["policy"] == policy and r["task"] not in SANITY]
@@ -157,8 +149,7 @@ def over_tasks(rows: list[dict], reference: str | None) -> list[dict]:
     return means
 
 
-def markdown(rows: list[dict], reference: str | None, best: int, means: list[dict] = ()) -> str:
-    ref = REFERENCES[reference] if reference else None
+def markdown(rows: list[dict], ref: dict | None, best: int, means: list[dict] = ()) -> str:
     names = list(ref["rows"]) if ref else []
     head = ["task", "policy", "seeds", f"best {best} (mean ± std, %)", "last evaluation (mean ± std, %)",
             "final checkpoint, more episodes (mean ± std, %)", *names]
@@ -196,7 +187,7 @@ def _final_cell(final: dict | None, seeds: int) -> str:
     return f"{mean:.1f} ± {std:.1f} ({episodes} episodes{of})"
 
 
-def plot(runs: list[dict], rows: list[dict], out: Path, reference: str | None) -> Path:
+def plot(runs: list[dict], rows: list[dict], out: Path, reference: dict | None) -> Path:
     """Success rate against training step, one panel per task, one line per (policy, seed), the published
     figures as horizontal lines."""
     import matplotlib
@@ -208,7 +199,7 @@ def plot(runs: list[dict], rows: list[dict], out: Path, reference: str | None) -
     cols = min(4, len(tasks))
     fig, axes = plt.subplots(math.ceil(len(tasks) / cols), cols, figsize=(3.2 * cols, 2.6 * math.ceil(len(tasks) / cols)),
                              squeeze=False)
-    ref = REFERENCES[reference]["rows"] if reference else {}
+    ref = reference["rows"] if reference else {}
     for ax, task in zip(axes.flat, tasks):
         for r in (r for r in runs if r["task"] == task):
             steps = list(r["evaluations"])
@@ -232,13 +223,31 @@ def plot(runs: list[dict], rows: list[dict], out: Path, reference: str | None) -
     return path
 
 
+def read_published(path: Path) -> dict[str, dict]:
+    """A published-figures file (the module docstring): reference name -> ``{"source", "rows"}``, checked."""
+    try:
+        published = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--published={str(path)!r} does not read as JSON ({e})") from None
+    ok = isinstance(published, dict) and published and all(
+        isinstance(r, dict) and isinstance(r.get("source"), str) and isinstance(r.get("rows"), dict)
+        and all(isinstance(v, dict) and all(isinstance(x, list) and len(x) == 2 for x in v.values())
+                for v in r["rows"].values()) for r in published.values())
+    if not ok:
+        raise ValueError(f"--published={str(path)!r} is not a published-figures file: "
+                         '{"<reference>": {"source": "...", "rows": {"<row>": {"<task>": [mean, std], ...}}}}')
+    return published
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog=program("slurmvla.table"), description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep", help="a folder of run directories (a Hydra multirun's multirun/<date>/<time>/)")
     parser.add_argument("--out", help="where table.md, table.json and success.png go (default: SWEEP)")
     parser.add_argument("--best", type=int, default=5, help="evaluations averaged per run, the best ones (default 5)")
-    parser.add_argument("--reference", default="dp3", help=f"published rows beside it: {', '.join(REFERENCES)} or none")
+    parser.add_argument("--published", help=f"a file of published figures to put beside it (default: SWEEP/{PUBLISHED} "
+                        "when it exists)")
+    parser.add_argument("--reference", help="which reference of the published file (default: its first), or none")
     parser.add_argument("--no-plot", action="store_true", help="write the table only (no matplotlib needed)")
     args = parser.parse_args(argv)
     with boundary():
@@ -247,9 +256,16 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"SWEEP={args.sweep!r} is not a folder")
         if args.best < 1:
             raise ValueError(f"--best={args.best} must be at least 1")
-        reference = None if args.reference == "none" else args.reference
-        if reference is not None and reference not in REFERENCES:
-            raise ValueError(f"--reference={args.reference!r} is not valid; choose one of {[*REFERENCES, 'none']}")
+        published_file = Path(args.published).expanduser() if args.published else sweep / PUBLISHED
+        if args.published and not published_file.is_file():
+            raise ValueError(f"--published={args.published!r} is not a file")
+        published = read_published(published_file) if published_file.is_file() else {}
+        reference = None if args.reference == "none" else args.reference or next(iter(published), None)
+        if reference is not None and reference not in published:
+            where = f"the references of {published_file}" if published else (
+                f"no published figures are given: {sweep / PUBLISHED} or --published FILE")
+            raise ValueError(f"--reference={args.reference!r} is not valid; choose one of {[*published, 'none']} "
+                             f"({where})")
         runs = runs_of(sweep)
         if not runs:
             raise ValueError(f"{sweep} holds no run with a closed-loop evaluation (RUN/config.resolved.yaml beside "
@@ -257,13 +273,14 @@ def main(argv: list[str] | None = None) -> None:
         rows = gather(runs, args.best)
         out = Path(args.out).expanduser() if args.out else sweep
         out.mkdir(parents=True, exist_ok=True)
-        means = over_tasks(rows, reference)
-        (out / TABLE).write_text(markdown(rows, reference, args.best, means))
+        chosen = published[reference] if reference is not None else None
+        means = over_tasks(rows, chosen)
+        (out / TABLE).write_text(markdown(rows, chosen, args.best, means))
         (out / JSON).write_text(json.dumps({"best": args.best, "reference": reference, "rows": rows, "means": means,
                                             "runs": runs}, indent=1) + "\n")
         written = [out / TABLE, out / JSON]
         if not args.no_plot:
-            written.append(plot(runs, rows, out, reference))
+            written.append(plot(runs, rows, out, chosen))
     print((out / TABLE).read_text(), end="")
     for path in written:
         print(f"wrote {path}")

@@ -4,12 +4,17 @@ each run's best 5 evaluations, then mean ± std over seeds), against figures com
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from slurmvla.table import main
+
+# 3D Diffusion Policy's published Meta-World rows: data beside the results they are compared with, not code.
+PUBLISHED = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "metaworld_labelled_4000" / "published.json"
 
 
 def write_run(root, name: str, task: str, seed: int, rates: dict[int, float], policy: str = "keypoints_flow",
@@ -44,7 +49,7 @@ def test_each_run_counts_its_best_five_evaluations_and_seeds_give_mean_and_std(t
     write_run(sweep, "5", "disassemble-v3", 1, {100: 0.4})
     (sweep / "multirun.yaml").write_text("not a run\n")
     (sweep / "3").mkdir()  # a job that never wrote its config: no run
-    main([str(sweep), "--no-plot"])
+    main([str(sweep), "--no-plot", "--published", str(PUBLISHED)])
     table = json.loads((sweep / "table.json").read_text())
     rows = {r["task"]: r for r in table["rows"]}
     assert rows["hammer-v3"]["seeds"] == [0, 1]
@@ -69,6 +74,17 @@ def test_each_run_counts_its_best_five_evaluations_and_seeds_give_mean_and_std(t
     assert ("| mean of 2 tasks | keypoints_flow | 0,1 | 40.0 ± 5.0 | 35.0 ± 0.0 | 46.0 ± 0.0 (100 episodes, 1 of 2 "
             "seeds) | 29.0 | 72.5 |") in text
     assert text in capsys.readouterr().out
+    assert "Published: 3D Diffusion Policy (Ze et al., RSS 2024), Table XVIII; Meta-World v2 tasks." in text
+    # The file in the sweep's own folder is read without --published (the committed results' command); without
+    # either, the table has no published columns.
+    shutil.copy(PUBLISHED, sweep / "published.json")
+    main([str(sweep), "--no-plot", "--out", str(tmp_path / "again")])
+    assert (tmp_path / "again" / "table.md").read_text() == text
+    (sweep / "published.json").unlink()
+    main([str(sweep), "--no-plot", "--out", str(tmp_path / "bare")])
+    bare = (tmp_path / "bare" / "table.md").read_text()
+    assert "DP3" not in bare and "Published" not in bare
+    assert "| hammer-v3 | keypoints_flow | 0,1 | 50.0 ± 20.0 | 40.0 ± 10.0 | 36.0 ± 6.0 (100 episodes) |\n" in bare
 
 
 def test_the_mean_over_tasks_counts_only_the_seeds_every_task_has(tmp_path):
@@ -89,9 +105,15 @@ def test_mistakes_are_one_line_naming_the_value(tmp_path):
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "slurmvla.table", *args], capture_output=True, text=True)
 
+    (tmp_path / "bad.json").write_text('{"dp3": {"rows": {}}}')
     for args, message in (([str(tmp_path / "nowhere")], "is not a folder"),
                           ([str(tmp_path)], "holds no run with a closed-loop evaluation"),
-                          ([str(tmp_path), "--reference", "dp4"], "--reference='dp4' is not valid; choose one of ['dp3', 'none']"),
+                          ([str(tmp_path), "--published", str(PUBLISHED), "--reference", "dp4"],
+                           "--reference='dp4' is not valid; choose one of ['dp3', 'none']"),
+                          ([str(tmp_path), "--reference", "dp3"], "--reference='dp3' is not valid; choose one of ['none'] "
+                                                                  "(no published figures are given"),
+                          ([str(tmp_path), "--published", str(tmp_path / "none.json")], "is not a file"),
+                          ([str(tmp_path), "--published", str(tmp_path / "bad.json")], "is not a published-figures file"),
                           ([str(tmp_path), "--best", "0"], "--best=0 must be at least 1")):
         done = run(*args)
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
