@@ -78,7 +78,8 @@ def _check_group_option(group: str, option: str) -> None:
         return
     options = group_options(group)
     if options and option not in options:
-        raise ValueError(f"{group}={option} is not an option of {group}; choose one of {options}")
+        provider = POLICIES.provided_by(option) if group == "policy" else ""  # a plug-in's policy, not installed
+        raise ValueError(f"{group}={option} is not an option of {group}; choose one of {options}{provider}")
 
 
 def _value(value: Any) -> str:
