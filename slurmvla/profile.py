@@ -367,7 +367,7 @@ def plot(reports: list[dict], labels: list[str], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise SystemExit("--plot needs matplotlib: pip install 'slurmvla[profile]'") from e
+        raise SystemExit("--plot needs matplotlib: pip install -e '.[profile]'") from e
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.6 * len(reports)))
     for i, r in enumerate(reports):
         left = 0.0

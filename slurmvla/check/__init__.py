@@ -186,7 +186,7 @@ def _deepspeed_installed() -> bool:
 def check_zero3(s: Subject, jobs: RankJobs) -> Result:
     name, deadline_s = ZERO3_CONSTRUCTION, jobs.deadline_s
     if not _deepspeed_installed():
-        return Result(name, "skipped", "DeepSpeed is not installed (pip install 'slurmvla[deepspeed]')")
+        return Result(name, "skipped", "DeepSpeed is not installed (pip install -e '.[deepspeed]')")
     results = jobs.get("zero3")
     fix = ("under ZeRO-3 a parameter is an empty partition unless its module is running or it is reached as an "
            "attribute: do not iterate self.parameters() (or read .data / .shape of a stored reference) in forward; "

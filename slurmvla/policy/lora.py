@@ -45,7 +45,7 @@ def _peft() -> Any:
     try:
         import peft
     except ImportError:
-        raise ValueError("policy.lora.enabled=true needs peft: pip install 'slurmvla[lora]' (or set "
+        raise ValueError("policy.lora.enabled=true needs peft: pip install -e '.[lora]' (or set "
                          "policy.lora.enabled=false)") from None
     return peft
 

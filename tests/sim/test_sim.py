@@ -559,6 +559,25 @@ def test_one_server_serves_several_sets_of_episodes_one_after_another(replay_run
     assert [[e["return"] for e in r] for r in runs[1:]] == [[e["return"] for e in runs[0]]] * 2
 
 
+def test_the_projects_client_plays_the_episodes_openpis_client_plays(replay_run):
+    """Where openpi's client is not installed the closed loop talks through the project's client of the same
+    protocol: the same server, seeds and policy give the same episodes, step for step, through either."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    from slurmvla.config.rollout import RolloutConfig
+    from slurmvla.inference.build import build_server
+    from slurmvla.inference.client import WebsocketClient
+    from slurmvla.inference.closed_loop import client_class, run_served
+
+    assert client_class() is WebsocketClientPolicy  # installed here: what a robot runs
+    server = build_server(str(replay_run), ["serve.host=127.0.0.1", "serve.port=0"], environ={})
+    cfg = RolloutConfig(first_seed=0, episodes=2, height=HEIGHT, width=WIDTH, videos=0, max_steps=40)
+    runs = [run_served(server, cfg, [0, 1], None, client=client) for client in (WebsocketClientPolicy, WebsocketClient)]
+    keys = ("seed", "success", "return", "length", "requests")
+    assert [[e[k] for k in keys] for e in runs[0]] == [[e[k] for k in keys] for e in runs[1]]
+    assert all(e["success"] for e in runs[1])
+
+
 def test_rollout_runs_async_with_a_delay_from_the_command_line_overrides(replay_run, tmp_path):
     summary = run(str(replay_run), ["rollout.first_seed=0", "rollout.episodes=1", "rollout.execution=async",
                                     "rollout.delay_steps=4", "rollout.max_steps=30", f"rollout.height={HEIGHT}",
