@@ -23,7 +23,8 @@ import numpy as np
 import slurmvla.sim  # noqa: F401 - chooses MuJoCo's offscreen backend before metaworld loads MuJoCo
 from slurmvla.inference.build import build_runner
 from slurmvla.inference.closed_loop import executor_of, replan_of
-from slurmvla.sim.metaworld import ENV_STATE_KEY, IMAGE_KEY, STATE_KEY, MetaWorld, expert_episode, instruction
+from slurmvla.sim.metaworld.dataset import expert_episode
+from slurmvla.sim.metaworld.env import ENV_STATE_KEY, IMAGE_KEY, STATE_KEY, MetaWorld, instruction
 
 
 def decoded_frames(runner, seed: int) -> np.ndarray:  # noqa: ANN001

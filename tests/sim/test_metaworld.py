@@ -406,7 +406,7 @@ def test_the_hand_crop_policy_projects_the_world_as_the_camera_renders_it(make_c
 
     from slurmvla.policy import build_policy
     from slurmvla.policy.flow_vla.config import FlowVLAConfig
-    from slurmvla.sim.metaworld import CAMERA, CAMERA_FOVY, CAMERA_POSITION, CAMERA_ROTATION
+    from slurmvla.sim.metaworld.env import CAMERA, CAMERA_FOVY, CAMERA_POSITION, CAMERA_ROTATION
 
     env = MetaWorld("disassemble-v3", height=128, width=128)
     try:

@@ -32,7 +32,7 @@ from slurmvla.policy.keypoints.model import (
     SpatialSoftmax,
     keypoint_backbone,
 )
-from slurmvla.sim.metaworld import (
+from slurmvla.sim.metaworld.env import (
     CAMERA_FOVY,
     CAMERA_POSITION,
     CAMERA_ROTATION,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
+from slurmvla.sim.point_mass.env import Expert, PointMass
 
 from slurmvla.data.writer import Layout, vec
 from slurmvla.sim.base import Demonstrations
-from slurmvla.sim.point_mass.env import Expert, PointMass
 
 VIDEO_KEY = "observation.images.top"
 
