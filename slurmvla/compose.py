@@ -2,11 +2,13 @@
 
 The schemas themselves are in ``slurmvla.config``; this module registers them in Hydra's
 ConfigStore (on import), checks override keys against them, and composes, resolves and validates.
-Every entry point (train, profile, inspect, the tests) composes through :func:`compose`.
+Every composition goes one route, :class:`HydraApp`: a start-up's (``python -m slurmvla.train``, its flags
+included: :meth:`HydraApp.start`) and a program's (profile, plan, inspect, the tests: :func:`compose`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import re
@@ -20,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from slurmvla.config import Config
 from slurmvla.config.policy import policy_options, policy_schema
-from slurmvla.errors import one_line
+from slurmvla.errors import boundary, one_line
 from slurmvla.registry import POLICIES
 
 SCHEMA_NAME = "slurmvla_schema"
@@ -171,77 +173,20 @@ def config_groups() -> list[str]:
 
 def compose(overrides: list[str]) -> Config:
     """The typed config a run with these overrides would get (keys checked first, every rule run)."""
-    from hydra import initialize_config_dir
-
-    check_overrides(overrides, probe=False)
-    register_configs()
-    try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-            return to_config(_one_line(lambda: _hydra_compose(overrides)))
-    except ValueError:
-        _name_the_policy_keys(overrides)
-        raise
-
-
-def _one_line(composition: typing.Callable[[], DictConfig]) -> DictConfig:
-    """``composition()``; any error of Hydra's it raises that is not explained already, as one line."""
-    from hydra.errors import HydraException
-
-    try:
-        return composition()
-    except HydraException as e:  # e.g. sweep syntax outside a multirun: Hydra's lines, as one
-        raise ValueError(one_line(str(e))) from None
-
-
-def _name_the_policy_keys(overrides: list[str]) -> None:
-    """After a failed composition: a policy.* override the chosen policy lacks is named with that policy's options
-    by the probe (one more composition, so only when the first failed) instead of Hydra's "Could not override". A
-    config file's option its policy lacks is translated by _hydra_compose itself."""
-    if any(o.split("=", 1)[0].startswith("policy.") for o in overrides):
-        check_overrides(overrides, whole=False)
-
-
-def check_overrides(overrides: list[str], probe: bool = True, whole: bool = True) -> None:
-    """Every key checked before Hydra runs: misspelled keys, and ``policy.*`` options (given here or set by a
-    config file) against the schema of the policy the other overrides choose (one composition without
-    them tells which). A value of the wrong type, an unknown group option or a plain value for a group of
-    settings fails here too, as one line (:func:`explain_config_error`); ``whole``: the ``policy.*`` values
-    as well (one more composition, only when there are any; :func:`compose` composes them itself)."""
-    from hydra import initialize_config_dir
-
     check_override_keys(overrides, config_groups())
-    if not probe:
-        return
-    register_configs()
-    own = [o for o in overrides if "=" in o and o.split("=", 1)[0].startswith("policy.")]
-    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+    with HydraApp() as hydra:
         try:
-            chosen = _hydra_compose([o for o in overrides if o not in own]).policy.name
+            return to_config(hydra.compose(overrides))
         except ValueError:
+            hydra.name_the_policy_keys(overrides)
             raise
-        except Exception:  # sweep syntax (-m policy=a,b) and the like: Hydra reports it per job
-            return
-        check_policy_keys(chosen, [o.split("=", 1)[0].split(".")[1] for o in own])
-        if own and whole:
-            try:
-                _hydra_compose(overrides)
-            except ValueError:
-                raise
-            except Exception:
-                return
 
 
-def _hydra_compose(overrides: list[str]) -> DictConfig:
-    """Hydra's composition; a config file setting an option its policy lacks is said as a policy error."""
-    from hydra import compose as hydra_compose
-
-    return _explained(lambda: hydra_compose("config", overrides=overrides))
-
-
-def _explained(composition: typing.Callable[[], DictConfig]) -> DictConfig:
-    """``composition()``, a user's mistake in it raised as one ValueError (an option its policy lacks said as a
-    policy error); anything else as it was raised."""
-    from hydra.errors import ConfigCompositionException, OverrideParseException
+def _explained(composition: typing.Callable[[], Any]) -> Any:
+    """``composition()``, a mistake of the user's in it (Hydra's or OmegaConf's report over several lines) raised as
+    one ValueError: an option its policy lacks said as a policy error (:func:`check_policy_keys`), the others by
+    :func:`explain_config_error`, anything else of Hydra's (sweep syntax outside a multirun) as its lines joined."""
+    from hydra.errors import ConfigCompositionException, HydraException, OverrideParseException
     from omegaconf.errors import ConfigKeyError
 
     try:
@@ -255,81 +200,223 @@ def _explained(composition: typing.Callable[[], DictConfig]) -> DictConfig:
         name = next((n for n in POLICIES if policy_schema(n) is schema), None) if key.startswith("policy.") else None
         if isinstance(cause, ConfigKeyError) and name is not None:
             check_policy_keys(name, [key.split(".")[1]])
-        message = explain_config_error(e)
-        if message:
-            raise ValueError(message) from None
-        raise
+        raise ValueError(explain_config_error(e) or one_line(str(e))) from None
+    except HydraException as e:
+        raise ValueError(one_line(str(e))) from None
 
 
-class HydraRun:
-    """``@hydra.main``'s run of ``task`` (the run directory, ``.hydra/``, logging and callbacks, as Hydra 1.3's
-    ``Hydra.run`` makes them) from one composition. ``@hydra.main`` composes twice, Hydra reading ``hydra.mode``
-    with a silent composition of its own before the run's; a command line of overrides alone (no flag: ``-m``,
-    ``--cfg`` and the like go through ``@hydra.main``) needs neither that nor a check composition before it. The
-    keys are checked first (no composition); a mistake the composition finds is one ValueError, as in
-    :func:`compose`. ``multirun``: the composed config asks for a multirun itself (``hydra.mode``), which this
-    does not run (the caller hands it to ``@hydra.main``)."""
+def _usage(message: str) -> typing.NoReturn:
+    raise ValueError(message)
 
-    def __init__(self, task: typing.Callable[[DictConfig], Any], overrides: list[str]):
-        from hydra._internal.hydra import Hydra
-        from hydra._internal.utils import (
-            create_automatic_config_search_path,
-            detect_calling_file_or_module_from_task_function,
-            detect_task_name,
-        )
+
+class HydraApp:
+    """conf/ as one Hydra application, and the one route of every composition: :func:`compose` (the programs, the
+    tests) and a start-up (:meth:`start`: a run, a multirun, ``--dry-run``, ``--cfg``, ``--help``) compose through
+    it, once each (tests/test_config.py counts them), a user's mistake as one ValueError (:func:`_explained`).
+
+    Hydra's public API where it serves: ``initialize_config_dir`` sets the application up (the search path
+    ``@hydra.main`` builds on conf/; ``name`` is ``hydra.job.name``, the run's log file), ``run_job`` runs a job,
+    ``Plugins`` makes the config's sweeper. This class is the one place slurmvla uses Hydra's private API
+    (``hydra._internal``, pinned by ``hydra-core<1.4``), for what the public one lacks:
+
+    - a composition for a multirun: ``hydra.compose`` composes a run's config only (it calls the application's
+      ``compose_config`` with the run mode fixed), and ``@hydra.main``, the public way to a multirun, composes every
+      run and multirun twice (Hydra 1.3 reads ``hydra.mode`` with a silent composition of its own first);
+    - the ``HydraContext`` that ``run_job`` and a sweeper take holds Hydra's ``Callbacks`` (the config's
+      ``hydra.callbacks``), a private class;
+    - ``@hydra.main``'s command line (its parser) and the output of its flags (``--cfg``, ``--help``,
+      ``--hydra-help``, ``--info``, ``--shell-completion``), which ``@hydra.main`` gives only with its twice-composing
+      run.
+    """
+
+    def __init__(self, name: str = "slurmvla"):
+        from hydra import initialize_config_dir
         from hydra.core.global_hydra import GlobalHydra
+
+        register_configs()
+        self._initialized = initialize_config_dir(config_dir=str(config_dir()), job_name=name, version_base=None)
+        self.app = GlobalHydra.instance().hydra
+
+    def __enter__(self) -> HydraApp:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._initialized.__exit__(*exc)  # Hydra as it was before (none, or an enclosing application)
+
+    def compose(self, overrides: list[str], multirun: bool = False, log: bool = False) -> DictConfig:
+        """conf/config.yaml with these overrides, Hydra's node kept (``hydra.*``); ``multirun``: the sweep's config
+        (its sweep overrides left to its sweeper); ``log``: Hydra's own logging configured from it."""
         from hydra.types import RunMode
 
-        check_overrides(overrides, probe=False)
-        register_configs()
-        self.task = task
-        calling_file, calling_module = detect_calling_file_or_module_from_task_function(task)
-        search_path = create_automatic_config_search_path(calling_file, calling_module, str(config_dir()))
-        self.app = Hydra.create_main_hydra2(task_name=detect_task_name(calling_file, calling_module),
-                                           config_search_path=search_path)
-        try:
-            self.cfg = _one_line(lambda: _explained(lambda: self.app.compose_config(
-                "config", overrides=list(overrides), run_mode=RunMode.RUN, with_log_configuration=True)))
-        except ValueError:
-            GlobalHydra.instance().clear()  # the probe composes on a Hydra of its own
-            _name_the_policy_keys(overrides)
-            raise
-        except BaseException:
-            GlobalHydra.instance().clear()
-            raise
-        self.multirun = self.cfg.hydra.mode == RunMode.MULTIRUN
-        if self.multirun:
-            GlobalHydra.instance().clear()
-        elif self.cfg.hydra.mode is None:
-            self.cfg.hydra.mode = RunMode.RUN
+        mode = RunMode.MULTIRUN if multirun else RunMode.RUN
+        return _explained(lambda: self.app.compose_config("config", list(overrides), run_mode=mode,
+                                                          with_log_configuration=log))
 
-    def run(self) -> Any:
-        """Run the task in its run directory; its return value (its exception, raised again)."""
+    def name_the_policy_keys(self, overrides: list[str], multirun: bool = False) -> None:
+        """After a failed composition: a ``policy.*`` override the chosen policy lacks is named with that policy's
+        options, the policy told by a probe (one more composition, without those overrides: on this failure path
+        only) instead of Hydra's "Could not override". A config file's option its policy lacks is said so by
+        :func:`_explained` itself."""
+        own = [o for o in overrides if "=" in o and o.split("=", 1)[0].startswith("policy.")]
+        if not own:
+            return
+        try:
+            chosen = self.compose([o for o in overrides if o not in own], multirun=multirun).policy.name
+        except ValueError:  # the others are wrong too: the first composition's error says so
+            return
+        check_policy_keys(chosen, [o.split("=", 1)[0].split(".")[1] for o in own])
+
+    def start(self, args: list[str], task: typing.Callable[[DictConfig], Any],
+              dry_run: typing.Callable[[DictConfig, list[str]], None] | None = None) -> Any:
+        """A start-up from its command line, as ``@hydra.main`` takes it (its flags; ``--dry-run`` too when given
+        ``dry_run``): the keys checked without composing, the config composed once, then ``task`` run in its run
+        directory (``.hydra/``, logging, callbacks), or swept by the config's sweeper and launcher (``-m``, or a config
+        asking for ``hydra.mode=MULTIRUN``), or the config printed (``--cfg``, ``--help``) or described (``--dry-run``:
+        ``dry_run(cfg, overrides)``). A mistake before anything runs is one line, exit 2. What a run returns (its
+        exception, raised again)."""
+        from hydra.types import RunMode
+
+        with boundary():
+            parser, flags = self._parse(args, dry_run is not None)
+            overrides = list(flags.overrides)
+            if flags.shell_completion:  # its key=value are the completion's (install=bash), not overrides
+                return _explained(lambda: self.app.shell_completion(config_name="config", overrides=overrides))
+            check_override_keys(overrides, config_groups())
+            try:
+                if flags.help:
+                    return _explained(lambda: self.app.app_help(config_name="config", args_parser=parser, args=flags))
+                if flags.hydra_help:
+                    return _explained(lambda: self.app.hydra_help(config_name="config", args_parser=parser, args=flags))
+                if flags.cfg:
+                    return _explained(lambda: self.app.show_cfg(config_name="config", overrides=overrides,
+                                                                cfg_type=flags.cfg, package=flags.package,
+                                                                resolve=flags.resolve))
+                if flags.info:
+                    return _explained(lambda: self.app.show_info(flags.info, config_name="config", overrides=overrides))
+                # -m: a multirun, as @hydra.main makes it (hydra.mode=MULTIRUN, which each job's config keeps).
+                mode = ["hydra.mode=MULTIRUN"] if flags.multirun else []
+                cfg = self.compose(overrides + mode, multirun=flags.multirun, log=not flags.dry_run)
+            except ValueError:
+                self.name_the_policy_keys(overrides, flags.multirun)
+                raise
+            if flags.dry_run:
+                return dry_run(cfg, overrides)
+        if cfg.hydra.mode == RunMode.MULTIRUN:  # -m, or the config asks for one (its sweep parameters, say)
+            return self._sweep(task, cfg)
+        cfg.hydra.mode = RunMode.RUN
+        return self._run(task, cfg)
+
+    def _parse(self, args: list[str], dry_run: bool) -> tuple[typing.Any, typing.Any]:
+        """``@hydra.main``'s parser (and ``--dry-run``) and its reading of ``args``; a mistake in them as one line:
+        an unknown flag, a flag slurmvla's conf/ leaves no use for, several commands, or a sweep without ``-m``."""
+        from hydra._internal.utils import get_args_parser
+
+        parser = get_args_parser()
+        if dry_run:
+            parser.add_argument("--dry-run", action="store_true",
+                                help="Print what would run or be submitted (the command, the sbatch script), run nothing")
+        options = [s for action in parser._actions for s in action.option_strings]
+        for arg in args:
+            if arg.startswith("-") and arg.split("=", 1)[0] not in options:
+                raise ValueError(f"unknown option {arg!r}; the options are {', '.join(options)} (overrides are key=value)")
+        parser.error = _usage  # argparse's own mistakes (a missing value, a bad choice): one line, not its usage block
+        flags = parser.parse_args(args)
+        flags.dry_run = getattr(flags, "dry_run", False)
+        for name in ("config_path", "config_name", "config_dir", "experimental_rerun"):
+            if getattr(flags, name) is not None:
+                raise ValueError(f"--{name.replace('_', '-')} is not supported: the configs are slurmvla's conf/ "
+                                 "(a new option is a file in its group there)")
+        if flags.resolve and not (flags.cfg or flags.help):
+            raise ValueError("--resolve goes with --cfg or --help")
+        if flags.run + flags.multirun + bool(flags.cfg) + flags.shell_completion + bool(flags.info) > 1:
+            raise ValueError("give one of --run, --multirun, --cfg, --info and --shell-completion")
+        if not flags.multirun:
+            self._refuse_sweeps(flags.overrides)
+        return parser, flags
+
+    @staticmethod
+    def _refuse_sweeps(overrides: list[str]) -> None:
+        """Several values for a key without ``-m``: one line saying both ways out."""
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from hydra.errors import HydraException
+
+        try:
+            parsed = OverridesParser.create().parse_overrides(overrides)
+        except HydraException:
+            return  # the composition says what is wrong with it
+        sweeps = [o.input_line for o in parsed if o.is_sweep_override()]
+        if sweeps:
+            raise ValueError(f"{sweeps[0]} gives several values: add -m (--multirun) to run one job per value, or give "
+                             "one value (a comma inside a value: quote it, key='a,b')")
+
+    def _context(self, cfg: DictConfig, loader: Any = None) -> Any:
         from hydra._internal.callbacks import Callbacks
-        from hydra.core.global_hydra import GlobalHydra
-        from hydra.core.utils import run_job
         from hydra.types import HydraContext
 
-        try:
-            callbacks = Callbacks(self.cfg)
-            callbacks.on_run_start(config=self.cfg, config_name="config")
-            ret = run_job(hydra_context=HydraContext(config_loader=self.app.config_loader, callbacks=callbacks),
-                          task_function=self.task, config=self.cfg, job_dir_key="hydra.run.dir", job_subdir_key=None,
-                          configure_logging=True)
-            callbacks.on_run_end(config=self.cfg, config_name="config", job_return=ret)
-            return ret.return_value
-        finally:
-            GlobalHydra.instance().clear()
+        return HydraContext(config_loader=loader or self.app.config_loader, callbacks=Callbacks(cfg))
+
+    def _run(self, task: typing.Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
+        """``task`` on the composed ``cfg`` in its run directory, as Hydra 1.3's ``Hydra.run`` runs it."""
+        from hydra.core.utils import run_job
+
+        context = self._context(cfg)
+        context.callbacks.on_run_start(config=cfg, config_name="config")
+        ret = run_job(hydra_context=context, task_function=task, config=cfg, job_dir_key="hydra.run.dir",
+                      job_subdir_key=None, configure_logging=True)
+        context.callbacks.on_run_end(config=cfg, config_name="config", job_return=ret)
+        return ret.return_value
+
+    def _sweep(self, task: typing.Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
+        """The sweep of the composed multirun ``cfg`` by its sweeper and launcher, as Hydra 1.3's ``Hydra.multirun``
+        runs it, each job's config composed once in the process that runs it (:class:`_EachJobOnce`)."""
+        from hydra.core.plugins import Plugins
+
+        context = self._context(cfg, _EachJobOnce(self.app.config_loader))
+        context.callbacks.on_multirun_start(config=cfg, config_name="config")
+        sweeper = Plugins.instance().instantiate_sweeper(config=cfg, hydra_context=context, task_function=task)
+        returns = sweeper.sweep(arguments=OmegaConf.to_container(cfg.hydra.overrides.task, resolve=False))
+        context.callbacks.on_multirun_end(config=cfg, config_name="config")
+        return returns
+
+
+class _EachJobOnce:
+    """A sweep's config loader: Hydra's, but a job's config is composed once in a process. A sweeper composes each
+    job of a batch before it launches any (Hydra's ``Sweeper.validate_batch_is_legal``: a mistake in the last job is
+    found before the first runs); a launcher that runs the jobs in this process (Hydra's basic one) takes that
+    composition instead of composing again. One that runs them elsewhere (submitit: each job in its own process)
+    composes there, as Hydra does: the compositions do not travel with the loader."""
+
+    def __init__(self, loader: Any):
+        self.loader, self.composed = loader, {}
+
+    def load_sweep_config(self, master_config: DictConfig, sweep_overrides: list[str]) -> DictConfig:
+        key = (id(master_config), tuple(sweep_overrides))
+        if key in self.composed:
+            return self.composed.pop(key)
+        cfg = self.loader.load_sweep_config(master_config, sweep_overrides)
+        self.composed[key] = copy.deepcopy(cfg)  # the launcher's, as it would compose it (it changes its own)
+        return cfg
+
+    def __getattr__(self, name: str) -> Any:  # the rest is Hydra's loader
+        if name in ("loader", "composed"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"loader": self.loader, "composed": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
 
 def to_config(cfg: DictConfig) -> Config:
     """Resolve a composed DictConfig into the typed dataclasses, running every validation rule."""
-    # Hydra's own node, when present, is not part of the schema.
+    if "hydra" in cfg:  # Hydra's own node (a composition's, HydraApp.compose) is not part of the schema
+        cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
     try:
         container = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as e:  # an interpolation that does not resolve (${oc.env:UNSET})
         raise ValueError(f"{getattr(e, 'full_key', '') or 'the config'}: {one_line(str(getattr(e, 'msg', e)))}") from None
-    container.pop("hydra", None)
     typed = OmegaConf.structured(Config)
     # The policy node takes the schema of the policy it names (a saved config re-validates the same way).
     policy = container.get("policy") or {}

@@ -7,20 +7,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from slurmvla import collector
-from slurmvla.compose import HydraRun, check_overrides, config_dir, to_config
-from slurmvla.errors import FAILED, Failure, boundary, exit_code, exit_with
+from slurmvla.compose import HydraApp, config_dir, to_config
+from slurmvla.errors import FAILED, Failure, boundary, exit_with
 from slurmvla.launch.grace import SIGNAL_DELAY_ENV
 from slurmvla.launch.preempt import REQUEUE_EXIT_CODE, PreemptionFlag, report_stop
 
-__all__ = ["cli", "config_dir", "main", "run"]
+__all__ = ["cli", "config_dir", "run"]
 
 
 def run(cfg: DictConfig) -> float | None:
@@ -42,7 +42,7 @@ def run(cfg: DictConfig) -> float | None:
             if config.trainer.rollout_every_steps:
                 from slurmvla.inference.closed_loop import in_training, require_sim
 
-                require_sim()  # at start-up, not after the first N steps
+                require_sim(config.rollout.env)  # at start-up, not after the first N steps
                 closed_loop = in_training
             trainer = Trainer(config, HydraConfig.get().runtime.output_dir, closed_loop=closed_loop)
     try:
@@ -68,100 +68,33 @@ def run(cfg: DictConfig) -> float | None:
     return metrics.get("loss")
 
 
-# Hydra's own command line: flags (-m, --cfg, --help, ...) and a config asking for a multirun.
-main = hydra.main(version_base=None, config_path=str(config_dir()), config_name="config")(run)
-
-
-def dry_run(overrides: list[str]) -> None:
-    """Compose exactly what a run would, print what would be submitted or run, and stop."""
-    from hydra import compose, initialize_config_dir
+def dry_run(cfg: DictConfig, overrides: list[str]) -> None:
+    """What a run of the composed ``cfg`` would run or submit, printed (every validation rule run first, as at
+    start-up); nothing runs."""
     from omegaconf import OmegaConf
 
     from slurmvla.launch.dryrun import describe
 
-    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    config = to_config(cfg)
     launcher = {}
     for key in cfg.hydra.launcher:
         value = OmegaConf.select(cfg, f"hydra.launcher.{key}", throw_on_missing=False, throw_on_resolution_failure=False)
         launcher[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-    launcher.setdefault("name", cfg.name)
-    hydra_cfg = {"launcher": launcher}
-    job = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
-    to_config(OmegaConf.create(job))  # every validation rule, as at start-up
-    print(describe(job, hydra_cfg, [o for o in overrides if not o.startswith("hydra")]))
-
-
-# Hydra's own flags (python -m slurmvla.train --help) and ours.
-FLAGS = ("--dry-run", "-m", "--multirun", "-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "-p", "--package",
-         "-i", "--info", "--resolve", "-r", "--run", "-sc", "--shell-completion", "-cp", "--config-path", "-cn",
-         "--config-name", "-cd", "--config-dir", "--experimental-rerun")
-
-
-# Hydra's flags that take the next argument as their value (--cfg job, -cn NAME, ...).
-VALUE_FLAGS = ("-c", "--cfg", "-p", "--package", "-i", "--info", "-cp", "--config-path", "-cn", "--config-name", "-cd",
-               "--config-dir", "--experimental-rerun", "-sc", "--shell-completion")
-
-
-def overrides_of(args: list[str]) -> list[str]:
-    """The key=value overrides of a command line: not its flags, nor a flag's value."""
-    out, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg.startswith("-"):
-            skip = arg in VALUE_FLAGS
-        else:
-            out.append(arg)
-    return out
-
-
-def check_command_line(args: list[str], overrides: list[str]) -> None:
-    """An unknown flag, or several values for a key without -m: one line instead of Hydra's usage block."""
-    for arg in args:
-        if arg.startswith("-") and arg.split("=", 1)[0] not in FLAGS:
-            raise ValueError(f"unknown option {arg!r}; the options are {', '.join(FLAGS)} (overrides are key=value)")
-    if {"-m", "--multirun"} & set(args):
-        return
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except HydraException:
-        return  # check_overrides says what is wrong with it
-    sweeps = [o.input_line for o in parsed if o.is_sweep_override()]
-    if sweeps:
-        raise ValueError(f"{sweeps[0]} gives several values: add -m (--multirun) to run one job per value, or give "
-                         "one value (a comma inside a value: quote it, key='a,b')")
+    launcher.setdefault("name", config.name)
+    print(describe(dataclasses.asdict(config), {"launcher": launcher}, [o for o in overrides if not o.startswith("hydra")]))
 
 
 def cli() -> None:
-    """Entry point: a misspelled key fails here with the valid keys listed, before Hydra starts;
-    ``--dry-run`` prints what would be run or submitted and runs nothing."""
+    """Entry point: Hydra's command line (``-m``, ``--cfg job``, ``--help``, overrides) and ``--dry-run`` (print what
+    would be run or submitted, run nothing), composed once (:meth:`slurmvla.compose.HydraApp.start`); a misspelled
+    key fails before any composition, with the valid keys listed."""
     # From the first moment: a stop signal during imports and composition is kept for the trainer
     # (which takes this flag over), not fatal (slurmvla.launch.preempt). Not in a multirun's
     # submitting process, which trains nothing.
     if not {"-m", "--multirun"} & set(sys.argv[1:]):
         PreemptionFlag().install()
-    overrides = overrides_of(sys.argv[1:])
-    composed = None
-    try:
-        check_command_line(sys.argv[1:], overrides)
-        if overrides == sys.argv[1:]:
-            # Overrides alone (no flag): composed once, checked on that composition, run by Hydra's run_job.
-            composed = HydraRun(run, overrides)
-        else:
-            check_overrides(overrides)
-            if "--dry-run" in sys.argv:
-                dry_run(overrides)
-                return
-    except ValueError as e:
-        exit_with(e, exit_code(e))
-    if composed is not None and not composed.multirun:
-        composed.run()
-    else:
-        main()
+    with HydraApp("train") as hydra:
+        hydra.start(sys.argv[1:], run, dry_run=dry_run)
 
 
 if __name__ == "__main__":

@@ -182,9 +182,12 @@ def test_cli_rejects_a_misspelled_key_with_the_valid_ones(tmp_path):
     assert "did you mean engine.shard_degree?" in res.stderr, res.stderr
 
 
-# A stand-in for the trainer (no torch, no run) and a counter of Hydra's compositions, in a fresh process.
+# A stand-in for the trainer (no torch, no run) and a counter of Hydra's compositions, in a fresh process. submitit's
+# executor is replaced by one that calls each job here, after the pickle round trip submitit makes ("job" marks the
+# start of one: what follows it happens in the job's own process on a cluster).
 COUNT_COMPOSITIONS = """
 import json, os, sys, types
+import cloudpickle, submitit
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
 modes, seen = [], {}
@@ -192,7 +195,7 @@ load = ConfigLoaderImpl.load_configuration
 
 
 def counting(self, *args, **kwargs):
-    modes.append(str(kwargs["run_mode"]))
+    modes.append(str(kwargs["run_mode"]).split(".")[-1])
     return load(self, *args, **kwargs)
 
 
@@ -200,7 +203,8 @@ class Trainer:
     stopped_for_requeue = False
 
     def __init__(self, cfg, out, closed_loop=None):
-        seen.update(steps=cfg.policy.num_inference_steps, full_error=os.environ.get("HYDRA_FULL_ERROR"))
+        seen.setdefault("steps", []).append(cfg.policy.num_inference_steps)
+        seen["full_error"] = os.environ.get("HYDRA_FULL_ERROR")
 
     def fit(self):
         return {}
@@ -209,7 +213,25 @@ class Trainer:
         pass
 
 
+class Executor:
+    def __init__(self, **kwargs):
+        pass
+
+    def update_parameters(self, **kwargs):
+        pass
+
+    def map_array(self, fn, *iterables):
+        jobs = []
+        for args in zip(*iterables):
+            modes.append("job")
+            result = cloudpickle.loads(cloudpickle.dumps(fn))(*args)
+            jobs.append(types.SimpleNamespace(results=lambda result=result: [result]))
+        return jobs
+
+
 ConfigLoaderImpl.load_configuration = counting
+submitit.AutoExecutor = Executor
+submitit.JobEnvironment = lambda: types.SimpleNamespace(job_id="1")
 sys.modules["slurmvla.trainer"] = types.ModuleType("slurmvla.trainer")
 sys.modules["slurmvla.trainer"].Trainer = Trainer
 from slurmvla import train
@@ -223,27 +245,43 @@ for args in json.loads(sys.argv[1]):
 """
 
 
-def test_a_plain_start_up_counts_its_compositions(tmp_path):
-    """What ``python -m slurmvla.train ...`` composes before it trains, counted: once, the run's own composition (the
-    keys checked without one, the values on it), also with a ``policy.*`` override; ``@hydra.main`` would compose
-    twice more (Hydra 1.3 reads ``hydra.mode`` with a silent composition of its own, and a check composition came
-    before it). ``--dry-run`` composes its check and its description. A change to start-up shows here first."""
+def test_every_start_up_composes_once(tmp_path):
+    """What ``python -m slurmvla.train ...`` composes before it trains, counted, for each flag a user passes: once.
+    Overrides alone (a ``policy.*`` one too), ``--cfg job``, ``--help`` and ``--dry-run`` (``-m`` with it too)
+    compose once; ``-m`` composes the sweep once and each job's config once in the process that runs it: a local
+    sweep's jobs here (the composition Hydra's sweeper makes of each job before launching any, which the basic
+    launcher takes), a submitit sweep's in each job's process (the submitting process composes them too, Hydra's
+    check that every job composes before any is submitted). A config asking for a multirun itself (``hydra.mode``)
+    composes its sweep as a run's. ``@hydra.main`` composes a run twice, a multirun three times before its jobs
+    (Hydra 1.3 reads ``hydra.mode`` with a silent composition of its own). A change to start-up shows here first."""
     runs = [[f"hydra.run.dir={tmp_path / 'a'}"], [f"hydra.run.dir={tmp_path / 'b'}", "policy.num_inference_steps=4"],
-            ["--dry-run"]]
+            ["--cfg", "job"], ["--cfg", "job", "policy.num_inference_steps=4"], ["--help"],
+            ["--dry-run"], ["--dry-run", "-m", "hydra/launcher=submitit_slurm", "engine=ddp"],
+            ["-m", f"hydra.sweep.dir={tmp_path / 'm'}", "policy.num_inference_steps=2,3"],
+            ["-m", "hydra/launcher=submitit_slurm", f"hydra.sweep.dir={tmp_path / 's'}", "policy.num_inference_steps=2,3"],
+            ["hydra.mode=MULTIRUN", f"hydra.sweep.dir={tmp_path / 'c'}", "policy.num_inference_steps=5"]]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     res = subprocess.run([sys.executable, "-c", COUNT_COMPOSITIONS, json.dumps(runs)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     counted = [json.loads(line.split(" ", 1)[1]) for line in res.stdout.splitlines() if line.startswith("COUNTED ")]
-    once = ["RunMode.RUN"]
-    assert counted == [{"modes": once, "steps": 10, "full_error": None},
-                       {"modes": once, "steps": 4, "full_error": None},
-                       {"modes": once + once}], res.stdout[-3000:]
-    # Hydra's run as @hydra.main makes it: the run directory, its .hydra/ record and the job's log file.
-    for run in ("a", "b"):
-        assert {p.name for p in (tmp_path / run / ".hydra").iterdir()} == {"config.yaml", "hydra.yaml", "overrides.yaml"}
-        assert (tmp_path / run / "train.log").is_file()
+    run, sweep = ["RUN"], ["MULTIRUN"]
+    assert counted == [{"modes": run, "steps": [10], "full_error": None},
+                       {"modes": run, "steps": [4], "full_error": None},
+                       {"modes": run}, {"modes": run}, {"modes": run},
+                       {"modes": run}, {"modes": sweep},
+                       {"modes": sweep + run + run, "steps": [2, 3], "full_error": None},
+                       {"modes": sweep + run + run + ["job"] + run + ["job"] + run, "steps": [2, 3], "full_error": None},
+                       {"modes": run + run, "steps": [5], "full_error": None}], res.stdout[-3000:]
+    assert "== Configuration groups ==" in res.stdout and "submitit.core._submit" in res.stdout
+    # Hydra's run as @hydra.main makes it: the run directory, its .hydra/ record and the job's log file; a sweep's
+    # jobs each in theirs, under the sweep's directory.
+    for run_dir in ("a", "b", "m/0", "m/1", "s/0", "s/1", "c/0"):
+        assert {p.name for p in (tmp_path / run_dir / ".hydra").iterdir()} == {"config.yaml", "hydra.yaml", "overrides.yaml"}
+        assert (tmp_path / run_dir / "train.log").is_file()
     assert "policy.num_inference_steps=4" in (tmp_path / "b" / ".hydra" / "overrides.yaml").read_text()
+    assert "policy.num_inference_steps=3" in (tmp_path / "s" / "1" / ".hydra" / "overrides.yaml").read_text()
+    assert "mode: MULTIRUN" in (tmp_path / "m" / "1" / ".hydra" / "hydra.yaml").read_text()
 
 
 def test_experiment_overlays_override_the_primary_config():
