@@ -197,17 +197,12 @@ def test_rollout_settings_name_the_embodiment_and_its_task():
 
 
 def test_the_auxiliary_position_policy_acts_on_the_image_and_the_robot_alone():
-    """benchmarks/metaworld_aux_policy.py: the environment's 39 numbers behind the robot's 9 are targets of the
+    """examples/metaworld_study's AuxKeypointFlowPolicy: the environment's 39 numbers behind the robot's 9 are targets of the
     auxiliary head, never an input of an action; the targets are the positions' dims, normalized."""
-    import sys
-    from pathlib import Path
-
     import torch
+    from slurmvla_metaworld_study.auxiliary.model import POSITIONS, ROBOT, AuxKeypointFlowPolicy
 
     from slurmvla.policy.flow_vla.config import FlowVLAConfig
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from metaworld_aux_policy import POSITIONS, ROBOT, AuxKeypointFlowPolicy
 
     torch.manual_seed(0)
     cfg = FlowVLAConfig(num_cameras=1, num_obs_history=2, state_dim=ROBOT + 39, action_dim=4, action_horizon=4,
@@ -237,24 +232,19 @@ def test_the_auxiliary_position_policy_acts_on_the_image_and_the_robot_alone():
 @pytest.mark.parametrize("relative", [False, True])
 def test_the_pixel_auxiliary_policy_ties_keypoints_to_the_points_pixels_and_acts_on_the_image_and_robot_alone(
         relative):
-    """benchmarks/metaworld_aux_policy.py's PixelAuxCropFlowPolicy: the 39 numbers behind the robot's 9 never move
+    """examples/metaworld_study's PixelAuxCropFlowPolicy: the 39 numbers behind the robot's 9 never move
     an action (with ``oracle`` they do: a diagnostic); its targets are where the spatial softmax puts a keypoint
     peaked at the point's pixel, on the encoder's own map; a keypoint on its target costs nothing, and an absent
     second object counts for nothing."""
-    import sys
-    from pathlib import Path
-
     import torch
-
-    from slurmvla.policy.flow_vla.config import FlowVLAConfig
-    from slurmvla.policy.keypoints.model import SpatialSoftmax
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from metaworld_aux_policy import ROBOT, PixelAuxCropFlowPolicy
+    from slurmvla_metaworld_study.auxiliary.model import ROBOT, PixelAuxCropFlowPolicy
     from slurmvla_metaworld_study.labelled_keypoints.model import (
         LabelledKeypointFlowPolicy,
         softmax_coordinates,
     )
+
+    from slurmvla.policy.flow_vla.config import FlowVLAConfig
+    from slurmvla.policy.keypoints.model import SpatialSoftmax
 
     # The coordinate convention against the spatial softmax itself: a map peaked at cell (row 5, column 2).
     peaked = torch.full((1, 1, 8, 8), -1e4)
@@ -316,7 +306,7 @@ def test_the_pixel_auxiliary_policy_ties_keypoints_to_the_points_pixels_and_acts
     # slurmvla's policy=keypoints_flow_labelled: the 39 numbers as training labels (data.label_keys), the state the
     # robot's 9; with the benchmark's weights the same loss and actions as the benchmark's policy with the 39 in the
     # state (the runs before the labels); served without them it acts; training without them says why.
-    from metaworld_aux_policy import stats_of_robot
+    from slurmvla_metaworld_study.auxiliary.model import stats_of_robot
     robot_cfg = FlowVLAConfig(num_cameras=1, num_obs_history=2, state_dim=ROBOT, action_dim=4, action_horizon=4,
                               image_size=128)
     labelled = LabelledKeypointFlowPolicy(robot_cfg, stats_of_robot(stats), global_size=96, relative=relative,
@@ -338,20 +328,15 @@ def test_the_pixel_auxiliary_policy_ties_keypoints_to_the_points_pixels_and_acts
 
 
 def test_the_pixel_policys_standardized_keypoints_are_its_plain_keypoints_at_the_datas_spread():
-    """benchmarks/metaworld_aux_policy.py's ``standardize=True``: the running statistics converge to the plain
+    """examples/metaworld_study's PixelAuxCropFlowPolicy with ``standardize=True``: the running statistics converge to the plain
     mean and spread of what training showed them (and stay put at evaluation); the policy's features are the same
     policy's unstandardized ones with the whole image's keypoints (and their offsets) standardized, a masked
     frame's still zeros, the crop's keypoints and the robot's state untouched."""
-    import sys
-    from pathlib import Path
-
     import torch
+    from slurmvla_metaworld_study.auxiliary.model import ROBOT, PixelAuxCropFlowPolicy
+    from slurmvla_metaworld_study.labelled_keypoints.model import RunningStandardize
 
     from slurmvla.policy.flow_vla.config import FlowVLAConfig
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from metaworld_aux_policy import ROBOT, PixelAuxCropFlowPolicy
-    from slurmvla_metaworld_study.labelled_keypoints.model import RunningStandardize
 
     torch.manual_seed(0)
     norm = RunningStandardize(3, momentum=0.05)

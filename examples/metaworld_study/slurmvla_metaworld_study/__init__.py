@@ -5,5 +5,8 @@ the product package. Each sub-folder with a ``config.py`` is a policy folder (``
 - ``hand_crop``: ``policy=keypoints_flow_crop`` (``keypoints_crop``: the regression head), a second view of each
   frame cut around the fingertips through Meta-World's camera calibration;
 - ``labelled_keypoints``: ``policy=keypoints_flow_labelled``, whose image keypoints train onto the objects' pixels.
+- ``auxiliary``: ``policy=keypoints_flow_aux`` and ``keypoints_flow_pixel_aux``, the study's auxiliary targets and oracle
+  diagnostics (for which the labelled policy has its ``scaled_extra`` / ``extra`` hooks), and the command that
+  measures where their keypoints are: ``python -m slurmvla_metaworld_study.auxiliary``.
 
 Importing it imports no torch (slurmvla reads the folders' ``config`` modules to validate a config)."""

@@ -6,12 +6,12 @@ The state the data layer hands it is the robot's 9 numbers followed by the envir
 (``data.state_keys=[observation.state,observation.environment_state]``); the policy acts on the images and the
 first 9 alone (tests/sim/test_metaworld.py checks that the other 39 never move an action), and an auxiliary head
 on the keypoints regresses the objects' and goal's positions among the 39 (normalized by the data's statistics),
-added to the flow loss with weight ``aux_weight``. A plug-in through the policy contract, as a user's own class:
+added to the flow loss with weight ``aux_weight``. A policy of the study's plug-in (``policy=keypoints_flow_aux``):
 
-    PYTHONPATH=benchmarks python -m slurmvla.train experiment=metaworld rollout.task=disassemble-v3 \\
+    python -m slurmvla.train experiment=metaworld policy=keypoints_flow_aux rollout.task=disassemble-v3 \\
         'data.state_keys=[observation.state,observation.environment_state]' policy.state_dim=48 \\
-        'serve.state=[observation/state,observation/env_state]' policy.target=metaworld_aux_policy.AuxKeypointFlowPolicy
-    python benchmarks/metaworld_aux_policy.py RUN DATA_ROOT     # how well its keypoints locate the objects, in cm
+        'serve.state=[observation/state,observation/env_state]'
+    python -m slurmvla_metaworld_study.auxiliary RUN DATA_ROOT     # how well its keypoints locate the objects, in cm
 
 The second command reads every frame of a recorded dataset (the training demonstrations, or new ones:
 ``python -m slurmvla.sim.record --env metaworld --task T --episodes 10 --first-seed 50000 --out DIR``) and prints,
@@ -20,9 +20,9 @@ per position, the auxiliary head's mean absolute error beside the positions' spr
 :class:`PixelAuxCropFlowPolicy` is slurmvla's labelled keypoints (``policy=keypoints_flow_labelled``,
 :mod:`slurmvla_metaworld_study.labelled_keypoints.model`: the keypoints themselves trained onto the points' pixels) as the benchmarks
 measured it, each option off unless named, with the oracle diagnostics
-(``policy=keypoints_flow_crop policy.image_size=128 policy.target=metaworld_aux_policy.PixelAuxCropFlowPolicy
-'data.label_keys=[observation.environment_state]'``, or the 39 numbers in the state as the runs before the labels);
-``python benchmarks/metaworld_aux_policy.py RUN --pixels 300000 300050`` prints how far its (or slurmvla's policy's)
+(``policy=keypoints_flow_pixel_aux policy.image_size=128 'data.label_keys=[observation.environment_state]'``, or
+the 39 numbers in the state as the runs before the labels);
+``python -m slurmvla_metaworld_study.auxiliary RUN --pixels 300000 300050`` prints how far its (or the labelled policy's)
 keypoints sit from the true pixels on those seeds' first frames (docs/benchmarks.md, "Keypoints trained onto the
 objects' pixels").
 """
@@ -30,20 +30,19 @@ objects' pixels").
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
+from torch import nn
+
+from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
+from slurmvla.policy.keypoints.model import KeypointFlowPolicy
+from slurmvla.sim.metaworld.env import STATE_DIM
 from slurmvla_metaworld_study.labelled_keypoints.model import (
     ENVIRONMENT_DIM,
     POINTS,
     LabelledKeypointFlowPolicy,
 )
-from torch import nn
-
-from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
-from slurmvla.policy.keypoints.model import KeypointFlowPolicy
-from slurmvla.sim.metaworld import STATE_DIM
 
 ROBOT = STATE_DIM  # DP3's agent_pos: the hand and both fingertips (9 numbers)
 # Meta-World's observation (slurmvla_metaworld_study.labelled_keypoints.model.POINTS): the positions are the targets.
@@ -169,7 +168,7 @@ def locate_pixels(run: str, seeds: list[int]) -> None:
     import numpy as np
 
     from slurmvla.inference.load import load_exported
-    from slurmvla.sim.metaworld import ENV_STATE_KEY, IMAGE_KEY, IMAGE_SIZE, STATE_KEY, MetaWorld
+    from slurmvla.sim.metaworld.env import ENV_STATE_KEY, IMAGE_KEY, IMAGE_SIZE, STATE_KEY, MetaWorld
 
     loaded = load_exported(run, [])
     policy, cfg = loaded.policy.eval(), loaded.cfg
@@ -206,7 +205,7 @@ def locate(run: str, root: str) -> None:
     from slurmvla.data.mixture import Mixture
     from slurmvla.inference.load import load_exported
 
-    loaded = load_exported(run, [f"data.root={root}", "policy.target=metaworld_aux_policy.AuxKeypointFlowPolicy"])
+    loaded = load_exported(run, [f"data.root={root}"])
     policy, cfg = loaded.policy.eval(), loaded.cfg
     mixture = Mixture(cfg.data, type(policy).sample_spec(cfg.policy), cfg.trainer.seed)
     errors, targets = [], []
@@ -224,9 +223,7 @@ def locate(run: str, root: str) -> None:
                   f"spread (std) {100 * target[:, i].std():.2f} cm")
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    sys.modules.setdefault("metaworld_aux_policy", sys.modules["__main__"])
+def main() -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description="How well an auxiliary policy's keypoints locate the objects.")
