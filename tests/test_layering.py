@@ -31,7 +31,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "slurmvla"
 LAYERS = (
     (0, ("slurmvla.registry", "slurmvla.errors", "slurmvla.cli", "slurmvla.collector", "slurmvla.collectives",
          "slurmvla.droid_features", "slurmvla.weights", "slurmvla.seeding", "slurmvla.units", "slurmvla.launch")),
-    (1, ("slurmvla.config", "slurmvla.checks", "slurmvla.compose")),  # and every schema module: is_schema
+    (1, ("slurmvla.config", "slurmvla.validators", "slurmvla.compose")),  # and every schema module: is_schema
     (2, ("slurmvla.data", "slurmvla.optim", "slurmvla.logger")),
     (3, ("slurmvla.policy", "slurmvla.engine")),
     (4, ("slurmvla.checkpoint", "slurmvla.validation", "slurmvla.sim", "slurmvla.planner")),
@@ -141,7 +141,7 @@ def violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
                 continue
             if is_schema(module) and imported == ROOT_CONFIG:
                 out.append(f"{module} -> {imported} (a schema module never imports {ROOT_CONFIG}, which composes it: "
-                           "import from the owner's config module or slurmvla.checks)")
+                           "import from the owner's config module or slurmvla.validators)")
             theirs = layer_of(imported)
             if theirs is not None and theirs > mine:
                 out.append(f"{module} -> {imported} (layer {mine} imports layer {theirs})")
@@ -293,7 +293,7 @@ def test_the_checker_passes_downward_imports_and_main_guards():
     assert violations({"slurmvla.serve": ("from slurmvla.inference.build import build_server\n", False)}) == []
     # The root config composes the packages' schema modules, and any module reads one (a sibling's, the data layer
     # a policy's): they are options, layer 1.
-    schemas = {"slurmvla.config.policy": ("from slurmvla.checks import check_choice\nfrom slurmvla.config.data import "
+    schemas = {"slurmvla.config.policy": ("from slurmvla.validators import check_choice\nfrom slurmvla.config.data import "
                                           "NORMALIZATIONS\n", False), "slurmvla.config.data": ("", False),
                "slurmvla.config.engine": ("", False)}
     assert violations({**schemas, "slurmvla.config": ("from slurmvla.config.data import DataConfig\n"

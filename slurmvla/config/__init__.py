@@ -17,7 +17,7 @@ the root ``Config`` or a sibling's schema (the data layer's processor reads ``se
 loop ``serve``'s execution modes), so a schema inside ``inference/`` would make the configuration depend on the
 highest layer. Here the whole configuration sits below every package that reads it, and imports none of them
 (layer 1; docs/architecture.md). Each choice list is in its owner's module; the shared checks are
-``slurmvla.checks``. The names users import from here stay importable from here.
+``slurmvla.validators``. The names users import from here stay importable from here.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
-from slurmvla.checks import check_choice, check_positive
+from slurmvla.validators import check_choice, check_positive
 from slurmvla.config.data import DataConfig, KeepRangesConfig, MixtureMember, check_delta_actions
 from slurmvla.config.engine import PRECISIONS, EngineConfig
 from slurmvla.config.policy import (

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slurmvla.checks import check_choice, check_positive
+from slurmvla.validators import check_choice, check_positive
 from slurmvla.droid_features import DROID_CAMERAS, DROID_INSTRUCTION_KEYS
 
 # What one sample is; a sample's "mode" field is its index here.

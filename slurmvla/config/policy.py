@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from slurmvla.checks import check_choice, check_positive
+from slurmvla.validators import check_choice, check_positive
 from slurmvla.config.data import NORMALIZATIONS
 from slurmvla.registry import POLICIES
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slurmvla.checks import check_choice, check_positive
+from slurmvla.validators import check_choice, check_positive
 from slurmvla.config.serve import EXECUTION_MODES
 from slurmvla.registry import SIMULATORS
 # rollout.delay: fixed (rollout.delay_steps) or measured (each call's wall time times the control rate).

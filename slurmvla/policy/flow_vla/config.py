@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slurmvla.checks import check_positive
+from slurmvla.validators import check_positive
 from slurmvla.config.policy import TransformerPolicyConfig
 from slurmvla.registry import PolicyEntry
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slurmvla.checks import check_choice, check_positive
+from slurmvla.validators import check_choice, check_positive
 from slurmvla.config.policy import LoraConfig, TransformerPolicyConfig
 from slurmvla.registry import PolicyEntry
 
