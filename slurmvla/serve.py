@@ -52,7 +52,7 @@ import argparse
 import asyncio
 import logging
 
-from slurmvla import collector
+from slurmvla import garbage_collector
 from slurmvla.cli import ArgumentParser, program
 from slurmvla.errors import Failure, boundary
 
@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         except ImportError as e:
             raise ValueError(f"the server needs websockets and msgpack ({e}); pip install -e '.[serve]'") from None
         # The policy loaded without the garbage collector walking torch's objects, then frozen: the collections
-        # while serving walk only what the requests make (slurmvla.collector).
-        with collector.paused():
+        # while serving walk only what the requests make (slurmvla.garbage_collector).
+        with garbage_collector.paused():
             # torch: after the arguments, so --help is instant
             from slurmvla.inference.build import build_server
 

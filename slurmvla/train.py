@@ -14,7 +14,7 @@ import sys
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from slurmvla import collector
+from slurmvla import garbage_collector
 from slurmvla.compose import HydraApp, config_dir, to_config
 from slurmvla.errors import FAILED, Failure, boundary, exit_with
 from slurmvla.launch.grace import SIGNAL_DELAY_ENV
@@ -25,8 +25,8 @@ __all__ = ["cli", "config_dir", "run"]
 
 def run(cfg: DictConfig) -> float | None:
     """One training run of a composed config: the Trainer built, fitted and closed (the task Hydra runs)."""
-    # torch's import and the build without the garbage collector walking them (slurmvla.collector).
-    with collector.paused():
+    # torch's import and the build without the garbage collector walking them (slurmvla.garbage_collector).
+    with garbage_collector.paused():
         # After Hydra has parsed the command line: --help stays fast.
         from slurmvla.trainer import Trainer
 

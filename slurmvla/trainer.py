@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from slurmvla import collector
+from slurmvla import garbage_collector
 from slurmvla.checkpoint import CheckpointManager
 from slurmvla.collectives import agree, check_same_fields, gather_objects
 from slurmvla.config import Config
@@ -513,10 +513,10 @@ class Trainer:
         self.logger.close()
         self._batches = None
         self.data.close()
-        # Objects alive at start-up or when the data workers were forked were frozen (slurmvla.collector);
+        # Objects alive at start-up or when the data workers were forked were frozen (slurmvla.garbage_collector);
         # the run is over: let the collector reach them again (the engine's wrappers among them, which
         # must go before the process group).
-        collector.thaw()
+        garbage_collector.thaw()
         if not keep_process_group:
             if torch.distributed.is_initialized():
                 # The DDP / FSDP / DeepSpeed objects hold the process group's communicators: let them

@@ -22,7 +22,7 @@ from __future__ import annotations
 import gc
 
 # The collector off while torch, DeepSpeed and transformers import (a full collection walks all they make, again
-# and again as it grows); main() freezes what they left and turns it back on (slurmvla.collector measures it).
+# and again as it grows); main() freezes what they left and turns it back on (slurmvla.garbage_collector measures it).
 gc.disable()
 
 # ruff: noqa: E402 (the imports after it, on purpose)
@@ -48,7 +48,7 @@ def main() -> None:
     out = Path(spec["out"])
     # What the imports left is never garbage: frozen, the collection after each run skips it (a full
     # collection over torch, DeepSpeed and transformers costs about 0.3 s a run, a tenth of a tiny run).
-    # This process's own freeze, not slurmvla.collector.paused(): each run's close thaws what the collector
+    # This process's own freeze, not slurmvla.garbage_collector.paused(): each run's close thaws what the collector
     # froze, and this freeze must outlast every run of the job.
     gc.collect()
     gc.freeze()

@@ -29,7 +29,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "slurmvla"
 # (layer, module prefixes); a module belongs to the layer of its longest matching prefix. The package's own
 # ``__init__`` is matched exactly: as a prefix it would place every new module, unread, at the bottom.
 LAYERS = (
-    (0, ("slurmvla.registry", "slurmvla.errors", "slurmvla.cli", "slurmvla.collector", "slurmvla.collectives",
+    (0, ("slurmvla.registry", "slurmvla.errors", "slurmvla.cli", "slurmvla.garbage_collector", "slurmvla.collectives",
          "slurmvla.droid_features", "slurmvla.weights", "slurmvla.seeding", "slurmvla.units", "slurmvla.launch")),
     (1, ("slurmvla.config", "slurmvla.validators", "slurmvla.compose")),  # and every schema module: is_schema
     (2, ("slurmvla.data", "slurmvla.optim", "slurmvla.logger")),

@@ -36,7 +36,7 @@ def _end_workers_at_exit() -> None:
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
     if multiprocessing.active_children():
-        gc.unfreeze()  # objects alive when a worker was forked are frozen (slurmvla.collector), the loader too
+        gc.unfreeze()  # objects alive when a worker was forked are frozen (slurmvla.garbage_collector), the loader too
         for obj in gc.get_objects():
             if type(obj) is _MultiProcessingDataLoaderIter:
                 obj._shutdown_workers()

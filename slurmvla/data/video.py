@@ -21,7 +21,7 @@ from pathlib import Path
 import av
 import numpy as np
 
-from slurmvla import collector
+from slurmvla import garbage_collector
 from slurmvla.data import DataError
 from slurmvla.data.prepare import fitted_picture, resize_frame
 
@@ -149,13 +149,13 @@ def _orphan_inherited_readers() -> None:
 
 
 def _before_fork() -> None:
-    """Garbage collected, then every object still alive frozen (:func:`slurmvla.collector.freeze`: later
+    """Garbage collected, then every object still alive frozen (:func:`slurmvla.garbage_collector.freeze`: later
     collections, in this process and in the child, never visit it). A collection writes into each object it
     visits; after a fork that write copies the page in whichever process makes it, and the child's copy of
     every page the parent's next full collection visits becomes the child's alone (docs/data.md measures it).
     Cycles among objects alive at a fork (a loader's start, once per run) wait for the run's end
-    (:func:`slurmvla.collector.thaw`)."""
-    collector.freeze()
+    (:func:`slurmvla.garbage_collector.thaw`)."""
+    garbage_collector.freeze()
 
 
 os.register_at_fork(before=_before_fork, after_in_child=_orphan_inherited_readers)
