@@ -200,7 +200,8 @@ ENTRIES = "ENTRIES"
 POLICY_PLUGINS = "slurmvla.policies"
 # The policies of this repository's own plug-ins, for the error that refuses one where its plug-in is not installed.
 _STUDY = "the plug-in slurmvla-metaworld-study (pip install -e examples/metaworld_study)"
-PLUGIN_POLICIES = {name: _STUDY for name in ("keypoints_crop", "keypoints_flow_crop", "keypoints_flow_labelled")}
+PLUGIN_POLICIES = {name: _STUDY for name in ("keypoints_crop", "keypoints_flow_crop", "keypoints_flow_labelled",
+                                             "keypoints_flow_aux", "keypoints_flow_pixel_aux")}
 
 
 def plugin_packages(group: str) -> list[ModuleType]:

@@ -19,7 +19,7 @@ from slurmvla.registry import POLICIES, POLICY_PLUGINS, plugin_packages
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "benchmarks" / "results" / "metaworld_labelled_4000" / "hammer-v3_s0" / "config.resolved.yaml"
-STUDY = ("keypoints_crop", "keypoints_flow_crop", "keypoints_flow_labelled")
+STUDY = ("keypoints_crop", "keypoints_flow_crop", "keypoints_flow_labelled", "keypoints_flow_aux", "keypoints_flow_pixel_aux")
 
 
 def test_the_studys_policies_are_found_through_its_entry_point():
@@ -27,6 +27,7 @@ def test_the_studys_policies_are_found_through_its_entry_point():
     assert study in plugin_packages(POLICY_PLUGINS)
     for name in STUDY:
         assert POLICIES.get(name).target.startswith("slurmvla_metaworld_study."), name
+        assert POLICIES.elsewhere[name].startswith("the plug-in slurmvla-metaworld-study"), name
     assert POLICIES.get("keypoints_flow").target == "slurmvla.policy.keypoints.model:KeypointFlowPolicy"
     assert list(POLICIES)[-1] == "custom"
     # The table's recipe as its committed command composes it: every option the committed run was trained with
