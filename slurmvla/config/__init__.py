@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
-from slurmvla.validators import check_choice, check_positive
 from slurmvla.config.data import DataConfig, KeepRangesConfig, MixtureMember, check_delta_actions
 from slurmvla.config.engine import PRECISIONS, EngineConfig
 from slurmvla.config.policy import (
@@ -41,6 +40,7 @@ from slurmvla.config.policy import (
 from slurmvla.config.rollout import RolloutConfig
 from slurmvla.config.serve import ServeConfig
 from slurmvla.registry import ENGINES, SCHEDULERS
+from slurmvla.validators import check_choice, check_positive
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "EngineConfig", "KeepRangesConfig", "LoggingConfig", "LoraConfig",

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slurmvla.validators import check_choice, check_positive
 from slurmvla.droid_features import DROID_CAMERAS, DROID_INSTRUCTION_KEYS
+from slurmvla.validators import check_choice, check_positive
 
 # What one sample is; a sample's "mode" field is its index here.
 SAMPLE_MODES = ("policy", "forward_dynamics", "inverse_dynamics")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slurmvla.validators import check_choice, check_positive
 from slurmvla.registry import ENGINES
+from slurmvla.validators import check_choice, check_positive
 
 # precision (bf16: bf16 compute with fp32 master weights and fp32 optimizer state, on every engine) and
 # engine.reduce_dtype.

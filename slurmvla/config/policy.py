@@ -14,9 +14,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from slurmvla.validators import check_choice, check_positive
 from slurmvla.config.data import NORMALIZATIONS
 from slurmvla.registry import POLICIES
+from slurmvla.validators import check_choice, check_positive
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 # Known names that may be unavailable on a machine; they warn once and fall back to sdpa.

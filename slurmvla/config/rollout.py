@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slurmvla.validators import check_choice, check_positive
 from slurmvla.config.serve import EXECUTION_MODES
 from slurmvla.registry import SIMULATORS
+from slurmvla.validators import check_choice, check_positive
+
 # rollout.delay: fixed (rollout.delay_steps) or measured (each call's wall time times the control rate).
 DELAYS = ("fixed", "measured")
 

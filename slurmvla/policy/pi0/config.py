@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slurmvla.validators import check_choice, check_positive
 from slurmvla.config.policy import LoraConfig, TransformerPolicyConfig
 from slurmvla.registry import PolicyEntry
+from slurmvla.validators import check_choice, check_positive
 
 # torch's scaled-dot-product attention kernels by the names policy.attention_kernels takes.
 ATTENTION_KERNELS = ("flash", "efficient", "cudnn", "math")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slurmvla.validators import check_positive
 from slurmvla.config.policy import PolicyConfig
 from slurmvla.registry import PolicyEntry
+from slurmvla.validators import check_positive
 
 
 @dataclass
