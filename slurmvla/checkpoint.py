@@ -65,8 +65,8 @@ from slurmvla.collectives import gather_objects
 from slurmvla.engine.base import BackgroundSave
 from slurmvla.engine.ema import EMA_FILE
 from slurmvla.errors import Failure
+from slurmvla.parameters import has_adapters
 from slurmvla.registry import ENGINES
-from slurmvla.weights import has_adapters
 
 log = logging.getLogger("slurmvla")
 

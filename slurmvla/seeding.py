@@ -4,7 +4,7 @@ states as a checkpoint keeps them (:class:`GlobalGenerators`).
 
 At the bottom: it imports no other slurmvla layer. Randomness that must not depend on the process
 (the training noise, a parameter's initial values) has generators of its own
-(:mod:`slurmvla.data.spec`, :func:`slurmvla.weights.parameter_generator`) and does not go through here.
+(:mod:`slurmvla.data.spec`, :func:`slurmvla.parameters.parameter_generator`) and does not go through here.
 """
 
 from __future__ import annotations

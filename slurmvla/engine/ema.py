@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from slurmvla.weights import checkpoint_keys
+from slurmvla.parameters import checkpoint_keys
 
 EMA_FILE = "ema.safetensors"
 
@@ -78,7 +78,7 @@ class MovingAverage:
         with self.swapped_in():
             state = self.engine.model_state_dict()
         # With low-rank adapters only trained tensors are averaged: the frozen base is left out, as the
-        # checkpoint leaves it out of the weights (slurmvla.weights.checkpoint_keys).
+        # checkpoint leaves it out of the weights (slurmvla.parameters.checkpoint_keys).
         keys = checkpoint_keys(self.engine.module)
         return state if keys is None or not state else {k: v for k, v in state.items() if k in keys}
 

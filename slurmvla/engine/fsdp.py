@@ -42,7 +42,7 @@ from slurmvla.engine.memory import States, Tensors
 from slurmvla.engine.precision import lower_frozen_base
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
-from slurmvla.weights import checkpoint_keys
+from slurmvla.parameters import checkpoint_keys
 
 DCP_DIR = "dcp"
 
@@ -142,7 +142,7 @@ class FSDPEngine(EngineCore):
 
     def _sharded_state(self) -> dict:
         """What a checkpoint holds: the model's state (with low-rank adapters, the trained parameters and
-        buffers only: :func:`slurmvla.weights.checkpoint_keys`) and the optimizer's."""
+        buffers only: :func:`slurmvla.parameters.checkpoint_keys`) and the optimizer's."""
         model, keys = get_model_state_dict(self.module), checkpoint_keys(self.module)
         if keys is not None:
             model = {k: v for k, v in model.items() if k in keys}

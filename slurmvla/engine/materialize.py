@@ -11,7 +11,7 @@ with the same seed. The engines that hold the whole model (single, DDP) build th
 materialise on their device: no fp32 copy of the model in host memory, nothing moved afterwards, and
 the parameters initialised in parallel (each from its own generator, so the threads change nothing). A policy's
 ``load_initial_weights()`` (pretrained weights) runs after that, writing each rank's part. The
-per-parameter generator and the shard-aware copy live in :mod:`slurmvla.weights`, shared with the
+per-parameter generator and the shard-aware copy live in :mod:`slurmvla.parameters`, shared with the
 policies, which initialise and load through them without importing this layer.
 """
 
@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from slurmvla.weights import (
+from slurmvla.parameters import (
     copy_full_into,
     is_dtensor,
     parameter_generator,

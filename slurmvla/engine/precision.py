@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from slurmvla.weights import checkpoint_keys, has_adapters
+from slurmvla.parameters import checkpoint_keys, has_adapters
 
 
 class MasterWeightOptimizer(torch.optim.Optimizer):
@@ -141,7 +141,7 @@ class MasterWeights:
 
     def checkpoint_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """What a checkpoint holds: the full state, or with low-rank adapters the trained parameters and
-        buffers (:func:`slurmvla.weights.checkpoint_keys`)."""
+        buffers (:func:`slurmvla.parameters.checkpoint_keys`)."""
         state, keys = self.full_state(module), checkpoint_keys(module)
         return state if keys is None else {k: v for k, v in state.items() if k in keys}
 

@@ -37,7 +37,7 @@ from slurmvla.engine.base import BackgroundSave, EngineCore, StepSettings, check
 from slurmvla.engine.memory import States, Tensors
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
-from slurmvla.weights import has_adapters
+from slurmvla.parameters import has_adapters
 
 DS_DIR = "deepspeed"
 DS_TAG = "state"

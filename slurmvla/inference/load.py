@@ -23,8 +23,8 @@ from slurmvla.compose import check_override_keys, explain_config_error, to_confi
 from slurmvla.config import Config
 from slurmvla.engine.materialize import has_meta_parameters
 from slurmvla.inference.lerobot_checkpoint import lerobot_config, lerobot_type, not_lerobot_reason
+from slurmvla.parameters import checkpoint_keys
 from slurmvla.policy import Policy, build_policy
-from slurmvla.weights import checkpoint_keys
 
 CONFIG_FILE = "config.resolved.yaml"
 log = logging.getLogger("slurmvla.export")

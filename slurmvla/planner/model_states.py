@@ -25,15 +25,15 @@ def shape_only(policy_cfg):
 def build_on_meta(cfg: Config) -> nn.Module:
     """Every parameter on the meta device, whether or not the policy initialises per parameter (a plug-in's
     too: ``build_policy(on_meta=True)`` builds those whole)."""
+    from slurmvla.parameters import parameters_on_meta
     from slurmvla.policy import build_policy
-    from slurmvla.weights import parameters_on_meta
 
     with parameters_on_meta():
         return build_policy(shape_only(cfg.policy), stats=None)
 
 
 def count_tensors(cfg: Config, policy: nn.Module) -> Tensors:
-    from slurmvla.weights import is_adapter
+    from slurmvla.parameters import is_adapter
 
     params = [(tuple(p.shape), p.requires_grad) for p in policy.parameters()]
     in_unit: dict[int, int] = {}

@@ -41,8 +41,8 @@ def build_policy(cfg: PolicyConfig, stats: dict[str, torch.Tensor] | None = None
     policy's own weights are in: slurmvla/policy/lora.py). ``on_meta``: a policy that can initialise
     parameter by parameter is built with its parameters on the meta device, for the caller to initialise
     or load where they will live (``slurmvla.engine.materialize``); one that cannot is built whole."""
+    from slurmvla.parameters import parameters_on_meta, supports_deferred_init
     from slurmvla.policy.base import construct
-    from slurmvla.weights import parameters_on_meta, supports_deferred_init
 
     if getattr(cfg, "gradient_checkpointing", None) == "auto":
         # Training makes auto concrete before it builds (slurmvla.planner.recompute_choice); a policy built

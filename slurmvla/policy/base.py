@@ -84,7 +84,7 @@ class Policy(nn.Module):
     configured; ``slurmvla.profile`` counts with the same). ``None``: the policy has no such switch."""
 
     init_seed: int | None = None
-    """The seed of every parameter's own generator (:func:`slurmvla.weights.parameter_generator` with the
+    """The seed of every parameter's own generator (:func:`slurmvla.parameters.parameter_generator` with the
     parameter's name): drawn once from torch's global generator in ``__init__``, before any module is built, so
     the weights are the same built whole or parameter by parameter on each rank's shard. Read by
     materialisation (:mod:`slurmvla.engine.materialize`) and by LoRA (each adapter factor's generator; a LoRA
@@ -95,7 +95,7 @@ class Policy(nn.Module):
     """``init_parameter(name, tensor, generator)``: initialise parameter ``name``'s value ``tensor`` (whole,
     fp32, on the host) in place from ``generator`` (torch's global one when ``None``), independently of every
     other parameter; may be a staticmethod. With it (and :attr:`init_seed`) the class can be built on the meta
-    device (:func:`slurmvla.weights.supports_deferred_init`, ``build_policy(on_meta=True)``) and the engine
+    device (:func:`slurmvla.parameters.supports_deferred_init`, ``build_policy(on_meta=True)``) and the engine
     materialises each parameter where it will live, from ``parameter_generator(init_seed, name)``
     (:func:`slurmvla.engine.materialize.materialize`); LoRA wraps it so the adapters' factors are initialised
     the same way (:mod:`slurmvla.policy.lora`)."""

@@ -13,15 +13,15 @@ checker, export, serve and evaluate all see the same adapted policy. What it doe
 - What trains: the adapters; every other weight of the adapted parts is frozen; parameters outside
   them keep what the policy's config said (``train_other``; false freezes them too).
 - Initialisation: each factor from a generator of its own (the policy's ``init_seed`` and the factor's
-  name), like every other parameter (:mod:`slurmvla.weights`), so the adapters are the same on every
+  name), like every other parameter (:mod:`slurmvla.parameters`), so the adapters are the same on every
   rank, engine and world size, built whole or on the meta device and materialised shard by shard. The
   base weights keep the values of the same policy without adapters (their plain names seed them and
-  pretrained files load into them: :func:`slurmvla.weights.base_parameters`).
+  pretrained files load into them: :func:`slurmvla.parameters.base_parameters`).
 
 :func:`merge_adapters` folds the adapters into the base weights and removes them: the policy without
 adapters that computes the same function (what ``python -m slurmvla.export`` writes by default).
 A checkpoint of an adapted policy holds the trained parameters and the buffers only
-(:func:`slurmvla.weights.checkpoint_keys`); the base is rebuilt from the run's config.
+(:func:`slurmvla.parameters.checkpoint_keys`); the base is rebuilt from the run's config.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from slurmvla.config.policy import LORA_PARTS, PolicyConfig
-from slurmvla.weights import has_adapters, is_adapter, parameter_generator, plain_name
+from slurmvla.parameters import has_adapters, is_adapter, parameter_generator, plain_name
 
 ADAPTER = "default"  # peft's adapter name: one set of adapters per policy
 GAUSSIAN_STD = 0.01  # openpi's LoRAConfig.init_fn: nn.initializers.normal(stddev=0.01)

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+from slurmvla.parameters import has_adapters, is_adapter, plain_name
 
 from slurmvla.checkpoint import load_model_file
 from slurmvla.compose import compose
@@ -23,7 +24,6 @@ from slurmvla.policy import build_policy
 from slurmvla.policy.lora import merge_adapters, trainable_summary
 from slurmvla.seeding import seed_everything
 from slurmvla.trainer import Trainer
-from slurmvla.weights import has_adapters, is_adapter, plain_name
 from tests.policy.test_pi0 import batch_for, paligemma_dir  # noqa: F401 (a fixture)
 
 if importlib.util.find_spec("peft") is None:  # not importorskip: importing peft costs every worker ~4 s at collection

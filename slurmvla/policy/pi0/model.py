@@ -51,12 +51,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from slurmvla.config.policy import PolicyConfig
 from slurmvla.data.spec import DataFeatures, Draw, SampleSpec
+from slurmvla.parameters import parameter_generator
 from slurmvla.policy.attention import attention, grouped_matmul_attention, resolve_attention
 from slurmvla.policy.base import Policy
 from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.recompute import Recompute
 from slurmvla.policy.rtc import Guidance, Prefix, conditioning, delay_draws, delayed_chunk
-from slurmvla.weights import parameter_generator
 
 log = logging.getLogger(__name__)
 # policy.attention_kernels' names (slurmvla.policy.pi0.config.ATTENTION_KERNELS) for torch's kernels.

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from slurmvla.config.policy import PolicyConfig
+from slurmvla.parameters import base_parameters, copy_full_into
 from slurmvla.policy.pi0 import openpi
 from slurmvla.policy.tokenizer import VOCAB_SIZE, ByteTokenizer
-from slurmvla.weights import base_parameters, copy_full_into
 
 _VISION = r"(?:model\.)?vision_tower\.(?:vision_model\.)?"
 _LM = r"(?:model\.language_model\.|language_model\.(?:model\.)?)"
