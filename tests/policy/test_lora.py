@@ -13,13 +13,13 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from slurmvla.parameters import has_adapters, is_adapter, plain_name
 
 from slurmvla.checkpoint import load_model_file
 from slurmvla.compose import compose
 from slurmvla.engine.materialize import materialize, parameters_on_meta
 from slurmvla.export import export
 from slurmvla.inference.load import load_exported
+from slurmvla.parameters import has_adapters, is_adapter, plain_name
 from slurmvla.policy import build_policy
 from slurmvla.policy.lora import merge_adapters, trainable_summary
 from slurmvla.seeding import seed_everything
