@@ -1,6 +1,6 @@
 """Stop signals (slurmvla.launch.preempt, slurmvla.launch.grace) and the trainer's stop in every phase,
 in one process. The multi-process stop is in test_distributed.py; real preemptions by a
-higher-priority job on the SLURM test cluster are in test_slurm.py."""
+higher-priority job on the SLURM test cluster are in tests/slurm/test_slurm.py."""
 
 from __future__ import annotations
 

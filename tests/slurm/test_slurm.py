@@ -30,7 +30,7 @@ from slurmvla.trainer import Trainer
 from tests.conftest import rel_l2
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
 
 
@@ -396,7 +396,7 @@ def test_a_metaworld_sweep_is_one_job_array_and_gathers_into_the_table(cluster, 
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     folders = [p.name for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name)]
     assert len({name.split("_")[0] for name in folders}) == 1 and len(folders) == 4, folders
-    published = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "metaworld_labelled_4000" / "published.json"
+    published = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "metaworld_labelled_4000" / "published.json"
     table = subprocess.run([sys.executable, "-m", "slurmvla.table", str(sweep), "--published", str(published)],
                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert table.returncode == 0, table.stdout[-2000:] + table.stderr[-2000:]
