@@ -27,7 +27,7 @@ from slurmvla.config.policy import PolicyConfig
 from slurmvla.data.spec import Draw, SampleSpec
 from slurmvla.policy.attention import attention, resolve_attention
 from slurmvla.policy.base import Policy
-from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
+from slurmvla.policy.flow_matching import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.recompute import Recompute
 from slurmvla.policy.rtc import Guidance, Guide, conditioning, delay_draws, delayed_chunk
 from slurmvla.policy.tokenizer import VOCAB_SIZE, ByteTokenizer
@@ -327,7 +327,7 @@ class FlowMatchingVLA(Policy):
         return actions, mask
 
     def forward(self, batch: dict, noise: torch.Tensor | None = None, t: torch.Tensor | None = None) -> dict:
-        """Flow-matching loss (slurmvla/policy/flow.py): noise and time from the arguments, the batch
+        """Flow-matching loss (slurmvla/policy/flow_matching.py): noise and time from the arguments, the batch
         (drawn per sample by the data pipeline) or the global RNG, in that order."""
         actions, action_mask = self._targets(batch)
         noise, t = noise_and_time(batch, actions, noise, t)

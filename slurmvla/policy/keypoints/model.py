@@ -15,7 +15,7 @@ from torch import nn
 from slurmvla.data.spec import Draw, SampleSpec
 from slurmvla.policy.base import register_normalization
 from slurmvla.policy.baselines import chunk_mse
-from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
+from slurmvla.policy.flow_matching import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.rtc import Guidance, conditioning, delay_draws, delayed_chunk, integrate
 
 
@@ -207,7 +207,7 @@ PREDICTIONS = ("sample", "velocity")
 
 class KeypointFlowPolicy(KeypointEncoding):
     """The keypoint encoder feeding a flow-matching action head, as visuomotor flow / diffusion policies
-    localise: slurmvla's flow (slurmvla/policy/flow.py: ``x_t = t * noise + (1 - t) * actions`` on the
+    localise: slurmvla's flow (slurmvla/policy/flow_matching.py: ``x_t = t * noise + (1 - t) * actions`` on the
     normalized chunk, pi0's Beta time), sampled by integrating ``policy.num_inference_steps`` Euler steps of
     the velocity ``u = noise - actions`` from noise (t = 1) to actions (t = 0). ``velocity(features, x_t, t)``
     is the one function of ``(x_t, t)`` each step calls, given the observation's ``features`` computed once.

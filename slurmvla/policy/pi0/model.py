@@ -54,7 +54,7 @@ from slurmvla.data.spec import DataFeatures, Draw, SampleSpec
 from slurmvla.parameters import parameter_generator
 from slurmvla.policy.attention import attention, grouped_matmul_attention, resolve_attention
 from slurmvla.policy.base import Policy
-from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
+from slurmvla.policy.flow_matching import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.recompute import Recompute
 from slurmvla.policy.rtc import Guidance, Prefix, conditioning, delay_draws, delayed_chunk
 

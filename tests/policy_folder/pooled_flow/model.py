@@ -1,4 +1,4 @@
-"""Flow matching as the built-in policies train it (slurmvla/policy/flow.py), at its smallest."""
+"""Flow matching as the built-in policies train it (slurmvla/policy/flow_matching.py), at its smallest."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from slurmvla.policy.pooled_flow.config import PooledFlowConfig
 from torch import nn
 
 from slurmvla.policy.base import register_normalization
-from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
+from slurmvla.policy.flow_matching import flow_matching_loss, noise_and_time, noisy_actions
 
 
 class PooledFlowPolicy(nn.Module):

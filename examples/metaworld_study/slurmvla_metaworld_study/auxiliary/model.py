@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from slurmvla.policy.flow import flow_matching_loss, noise_and_time, noisy_actions
+from slurmvla.policy.flow_matching import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.keypoints.model import KeypointFlowPolicy
 from slurmvla.sim.metaworld.env import STATE_DIM
 from slurmvla_metaworld_study.labelled_keypoints.model import (
