@@ -110,3 +110,13 @@ def test_each_extra_installs_what_its_hint_promises():
         assert set(modules) <= installed, f"[{extra}] lacks {set(modules) - installed}: {extras[extra]}"
     # The check itself: a hint promising a module no extra brings fails it.
     assert "openpi_client" not in {_module_of(r) for r in extras["sim"]}
+
+
+def test_the_wheel_lists_every_package_of_the_source_tree():
+    """pyproject.toml lists the packages a wheel ships by name: each folder of slurmvla/ with an ``__init__.py`` (a
+    new simulator or policy folder) must be among them, or a wheel installs without it."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "slurmvla").rglob("__init__.py")}
+    assert found - listed == set(), f"pyproject.toml's packages lack {sorted(found - listed)}"
