@@ -6,7 +6,7 @@ checks; on two ranks the rank-divergent control (the sound control but for that 
 ZeRO-3 checks in its job, and the reference policy and the installable example policy pass every check (pi0.5,
 with and without LoRA, the single-process ones: the parity matrix holds it under FSDP and ZeRO-3). The
 example trains through the real CLI on one process and on two gloo ranks under fsdp_full, and the ranks end
-where one process does (DDP: tests/test_slurm.py's plug-in job on two nodes).
+where one process does (DDP: tests/slurm/test_slurm.py's plug-in job on two nodes).
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def test_the_example_package_passes_the_checker_and_trains_alike_on_one_and_two_
               "trainer.global_batch_size=8", "checkpoint.every_steps=0", "trainer.progress_bar=false", "optim.lr=1e-3"]
     weights = {}
     # Two ranks under FSDP (its units and sharded state); the plug-in under DDP on two ranks against one process:
-    # tests/test_slurm.py::test_sbatch_trains_a_plug_in_policy_on_two_nodes_as_one_process_would.
+    # tests/slurm/test_slurm.py::test_sbatch_trains_a_plug_in_policy_on_two_nodes_as_one_process_would.
     for name, nproc, extra in (("single", 0, []), ("fsdp_full", 2, ["engine=fsdp_full"])):
         run_train([*common, *extra, f"hydra.run.dir={tmp_path / name}"], nproc)
         weights[name] = load_model_file(resolve_checkpoint(tmp_path / name))
