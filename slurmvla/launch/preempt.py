@@ -1,7 +1,7 @@
 """Preemption and time-limit signals: "checkpoint and stop". The handler only sets a flag; the
 trainer acts on it.
 
-What real clusters send (measured on the test cluster, tests/test_slurm.py):
+What real clusters send (measured on the test cluster, tests/slurm/test_slurm.py):
 
 - **Time limit**: the user's ``--signal=USR2@120`` (submitit: ``signal_delay_s``) 120 s before it,
   to every process of the job's steps; SIGTERM at the limit itself, SIGKILL ``KillWait`` later.
