@@ -22,9 +22,11 @@ Saving in the background (``checkpoint.async_save``, on the engines whose regist
 written while training goes on, and the checkpoint is committed (checksummed, ``meta.json`` written,
 renamed, older ones pruned) by rank 0 once every part is on disk.
 
-- Replicated engines (single, ddp: ``engine.snapshot()``): rank 0's thread writes everything,
+How is the engine's declared strategy (``StateIO.checkpointing``, slurmvla/engine/base.py):
+
+- Replicated engines (single, ddp: :class:`SnapshotThenWrite`): rank 0's thread writes everything,
   checksums it and commits.
-- Sharded engines (FSDP, ZeRO: ``engine.save_in_background()``): every rank's thread waits for its own
+- Sharded engines (FSDP, ZeRO: :class:`WriteInBackground`): every rank's thread waits for its own
   part (DCP's ``async_save`` for FSDP, DeepSpeed's files serialized in memory for ZeRO), checksums its
   share of the files, and sends the checksums (or its error) to rank 0 in one gather on the engine's
   checkpoint group, a gloo group that only checkpoint threads use. That gather is how rank 0 learns
@@ -62,7 +64,14 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from slurmvla.collectives import gather_objects
-from slurmvla.engine.base import BackgroundSave
+from slurmvla.engine.base import (
+    BackgroundSave,
+    CheckpointStrategy,
+    SnapshotThenWrite,
+    StateIO,
+    Synchronous,
+    WriteInBackground,
+)
 from slurmvla.engine.ema import EMA_FILE
 from slurmvla.errors import Failure
 from slurmvla.parameters import has_adapters
@@ -78,6 +87,7 @@ LORA_BASE = "lora_base"
 FORMAT = 2  # 2: meta.json lists every file with its size and SHA-256 (1: no checksums)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _MB = 1 << 20
+SYNCHRONOUS = Synchronous()
 
 
 class CheckpointError(Failure):
@@ -212,11 +222,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 class CheckpointManager:
-    """A run's checkpoints of what it is given once: ``engine`` (weights and optimizer state, in its own
-    files), ``state`` (written by rank 0 as ``trainer_state.pt``), ``rank_state`` (every rank's own,
+    """A run's checkpoints of what it is given once: ``engine`` (its state I/O: weights and optimizer state, in
+    its own files, written by the strategy it declares), ``state`` (written by rank 0 as ``trainer_state.pt``), ``rank_state`` (every rank's own,
     ``rank_XXXXX.pt``) and ``ema`` (a :class:`slurmvla.engine.ema.MovingAverage`, ``ema.safetensors``)."""
 
-    def __init__(self, run_dir: Path, keep: int, engine: Any, state: Stateful, rank_state: Stateful, ema: Any = None,
+    def __init__(self, run_dir: Path, keep: int, engine: StateIO, state: Stateful, rank_state: Stateful, ema: Any = None,
                  rank: int = 0, world_size: int = 1, async_save: bool = False):
         self.engine, self.state, self.rank_state, self.ema = engine, state, rank_state, ema
         self.root = Path(run_dir) / "checkpoints"
@@ -264,29 +274,27 @@ class CheckpointManager:
 
     # -- saving -----------------------------------------------------------------------------------
 
-    def background_mode(self) -> str | None:
-        """How the engine saves with ``checkpoint.async_save``: ``"replicated"`` (rank 0 writes a host
-        snapshot), ``"sharded"`` (every rank writes its part) or None (synchronously: said once)."""
-        mode = self._mode(self.engine)
-        self.background = mode is not None
-        if mode is not None or not self.async_save or self._said_sync:
-            return mode
+    def strategy(self) -> CheckpointStrategy:
+        """How this run's saves are written: the engine's declared strategy under ``checkpoint.async_save`` where
+        its registry entry says ``background_save``, else :class:`Synchronous` (said once when ``async_save``
+        asked otherwise)."""
+        strategy = self._strategy(self.engine)
+        self.background = strategy.background
+        if strategy.background or not self.async_save or self._said_sync:
+            return strategy
         self._said_sync = True
         if self.is_main:
             log.warning("checkpoint.async_save=true, but engine=%s cannot save in the background: its checkpoints "
                         "are written synchronously (training waits for each)", self.engine.name)
-        return None
+        return strategy
 
-    def _mode(self, engine: Any) -> str | None:
+    def _strategy(self, engine: StateIO) -> CheckpointStrategy:
         if not self.async_save:
-            return None
+            return SYNCHRONOUS
         entry = ENGINES.get(engine.name) if engine.name in ENGINES else None
-        if entry is not None and entry.background_save:
-            if hasattr(engine, "snapshot"):
-                return "replicated"
-            if hasattr(engine, "save_in_background"):
-                return "sharded"
-        return None
+        if entry is None or not entry.background_save:
+            return SYNCHRONOUS
+        return engine.checkpointing
 
     def save(self, step: int) -> Path:
         """Every rank calls this. Returns the final path (complete on return, or once ``wait()`` returns
@@ -301,7 +309,7 @@ class CheckpointManager:
         final = self.root / f"step_{step:08d}"
         # The same name on every rank (each writes its shards into it); never a complete checkpoint.
         tmp = self.root / f".step_{step:08d}.tmp"
-        engine, ema, mode = self.engine, self.ema, self.background_mode()
+        engine, ema, strategy = self.engine, self.ema, self.strategy()
 
         def prepare() -> None:
             if self.is_main:
@@ -311,20 +319,21 @@ class CheckpointManager:
                 tmp.mkdir()
 
         self._on_every_rank(step, tmp, prepare)
-        if mode == "sharded":
-            self._save_sharded(step, tmp, final, small, started)
+        if isinstance(strategy, WriteInBackground):
+            self._save_sharded(step, tmp, final, small, started, strategy)
             self.last_stall_seconds = time.perf_counter() - called
             return final
+        replicated = isinstance(strategy, SnapshotThenWrite)
         writer: list[Callable[[Path], None]] = []
 
         def write_parts() -> None:
-            if mode == "replicated":
-                writer.append(engine.snapshot())  # the large files are written later, by rank 0's thread
+            if replicated:
+                writer.append(strategy.snapshot())  # the large files are written later, by rank 0's thread
             else:
                 engine.save(tmp)
             if ema is not None:
                 write_ema = self._ema_writer(ema)
-                if mode == "replicated":
+                if replicated:
                     writer.append(write_ema)
                 else:
                     write_ema(tmp)
@@ -333,7 +342,7 @@ class CheckpointManager:
 
         self._on_every_rank(step, tmp, write_parts)
         meta = _meta(step, engine)
-        if mode == "replicated":
+        if replicated:
             self._background_used = True
             if self.is_main:
                 self._start(self._write_in_background, step, tmp, final, lambda d: [w(d) for w in writer], meta,
@@ -350,7 +359,8 @@ class CheckpointManager:
         self.last_stall_seconds = time.perf_counter() - called
         return final
 
-    def _save_sharded(self, step: int, tmp: Path, final: Path, small: dict[str, Any], started: float) -> None:
+    def _save_sharded(self, step: int, tmp: Path, final: Path, small: dict[str, Any], started: float,
+                      strategy: WriteInBackground) -> None:
         """Every rank's part in the background. The small files first (a failure there is raised on every
         rank before anything is in flight), then the engine's background write, then every rank's thread."""
         write_ema: list[Callable[[Path], None]] = []
@@ -363,7 +373,7 @@ class CheckpointManager:
 
         self._on_every_rank(step, tmp, small_parts)
         part: list[BackgroundSave] = []
-        self._on_every_rank(step, tmp, lambda: part.append(self.engine.save_in_background(tmp)))
+        self._on_every_rank(step, tmp, lambda: part.append(strategy.start(tmp)))
         self._background_used = True
         self._start(self._write_part_in_background, step, tmp, final, part[0], write_ema,
                     _meta(step, self.engine), started)
@@ -550,7 +560,7 @@ class CheckpointManager:
         if path is None:
             return None
         engine, ema = self.engine, self.ema
-        self.background_mode()  # known from now on (``background``), and said if async_save cannot be had
+        self.strategy()  # known from now on (``background``), and said if async_save cannot be had
         meta = json.loads((path / META_FILE).read_text())
         if meta["engine"] != engine.name:
             raise ValueError(
@@ -595,10 +605,10 @@ def load_model_file(checkpoint: Path, ema: bool = False) -> dict[str, torch.Tens
     return ENGINES.get(meta["engine"]).load_full_state(checkpoint)
 
 
-def _meta(step: int, engine: Any) -> dict[str, Any]:
+def _meta(step: int, engine: StateIO) -> dict[str, Any]:
     meta = {"step": step, "engine": engine.name, "precision": engine.precision, "world_size": engine.env.world_size,
             "format": FORMAT}
-    policy = getattr(engine, "module", None)
+    policy = engine.module
     if policy is not None and has_adapters(policy):
         from slurmvla.policy.lora import base_record
 

@@ -49,9 +49,10 @@ class EngineEntry(Entry):
     activation_checkpointing: bool = True
     # Whether a checkpoint written at one world size resumes at another.
     resumes_at_any_world_size: bool = True
-    # Writes checkpoints in the background under checkpoint.async_save (the engine copies its state to
-    # host memory and has snapshot() or save_in_background(): slurmvla/engine/base.py); False: it saves
-    # synchronously, and says so once when async_save asks otherwise.
+    # Writes checkpoints in the background under checkpoint.async_save, as the engine's declared strategy does
+    # (StateIO.checkpointing, SnapshotThenWrite or WriteInBackground: slurmvla/engine/base.py; the two agree for
+    # every registered engine, tests/engine/test_state_io.py); False: it saves synchronously, and says so once
+    # when async_save asks otherwise.
     background_save: bool = False
     # "module:function" reading the full fp32 model state of a checkpoint folder in one process.
     full_state_loader: str = "slurmvla.engine.single:load_safetensors_model"

@@ -211,9 +211,10 @@ def test_keep_k_pruning_never_removes_the_last_good_checkpoint_when_a_save_fails
 def test_an_engine_that_cannot_save_in_the_background_says_so_once_and_times_its_saves(tmp_path, caplog):
     """checkpoint.async_save=true on an engine without a background save: synchronous, said once; every
     save's wall time is in meta.json and on the manager."""
-    class Plain:  # no snapshot(), no save_in_background(), no registry entry
+    class Plain:  # no registry entry (so no background strategy read): the state I/O's save alone
         name, precision = "plain", "fp32"
         env = SimpleNamespace(world_size=1)
+        module = None
 
         def save(self, directory):
             (directory / "weights.bin").write_bytes(b"weights")

@@ -2,7 +2,8 @@
 through ``slurmvla.registry.ENGINES``.
 
 Importing the package imports no torch (``slurmvla.config.engine``, the engine's options, is read when any config
-is composed): the builder and the contract's classes (``Engine``, ``StepSettings``) load it when first used."""
+is composed): the builder and the contract's classes (``Engine``, the step API; ``StateIO``, the state I/O;
+``TrainingEngine``, both; ``StepSettings``) load it when first used."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ if TYPE_CHECKING:
     import torch
 
     from slurmvla.config import Config
-    from slurmvla.engine.base import Engine, StepSettings
+    from slurmvla.engine.base import Engine, StateIO, StepSettings, TrainingEngine
     from slurmvla.launch import DistEnv
 
 
-def build_engine(cfg: Config, env: DistEnv, device: torch.device, micro_batch_size: int) -> Engine:
+def build_engine(cfg: Config, env: DistEnv, device: torch.device, micro_batch_size: int) -> TrainingEngine:
     from slurmvla.engine.base import StepSettings
 
     entry = ENGINES.get(cfg.engine.name)
@@ -30,7 +31,7 @@ def build_engine(cfg: Config, env: DistEnv, device: torch.device, micro_batch_si
         )
     if entry.requires and importlib.util.find_spec(entry.requires) is None:
         raise ValueError(
-            f"engine={entry.name!r} needs {entry.requires}: pip install 'slurmvla[{entry.requires}]' (or choose one "
+            f"engine={entry.name!r} needs {entry.requires}: pip install -e '.[{entry.requires}]' (or choose one "
             f"of {list(ENGINES.names(requires=None))})"
         )
     settings = StepSettings(micro_batch_size, cfg.trainer.grad_accum_steps, cfg.trainer.max_grad_norm)
@@ -38,12 +39,14 @@ def build_engine(cfg: Config, env: DistEnv, device: torch.device, micro_batch_si
 
 
 def __getattr__(name: str) -> Any:
-    # slurmvla.engine.Engine / StepSettings, the contract's classes, imported (with torch) on first use.
-    if name in ("Engine", "StepSettings"):
+    # slurmvla.engine.Engine / StateIO / TrainingEngine / StepSettings, the contract's classes, imported (with torch)
+    # on first use.
+    if name in _CONTRACT:
         from slurmvla.engine import base
 
         return getattr(base, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Engine", "StepSettings", "build_engine"]
+_CONTRACT = ("Engine", "StateIO", "TrainingEngine", "StepSettings")
+__all__ = [*_CONTRACT, "build_engine"]

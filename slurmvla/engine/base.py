@@ -1,5 +1,10 @@
 """The engine contract: what the trainer, the checkpoint layer and the tools call, and nothing more.
 
+Two faces, each typed on its own: the step API (:class:`Engine`: prepare, forward's autocast, backward, the
+optimizer step), which the trainer calls, and the state I/O (:class:`StateIO`: the full weights, the tensors the
+optimizer steps, a checkpoint's part and the strategy that writes it), which the checkpoint layer and the moving
+average call. Every engine implements both (:class:`TrainingEngine`).
+
 An engine owns placement, wrapping or sharding, the optimizer that steps, mixed precision and
 gradient synchronisation. Engines are named in ``slurmvla.registry.ENGINES`` with their
 capabilities; ``slurmvla.engine.build_engine`` is the one dispatch on the name. Implementations
@@ -15,7 +20,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -38,6 +43,9 @@ class StepSettings:
 
 @runtime_checkable
 class Engine(Protocol):
+    """The step API: what the trainer calls to make one optimizer step. The engine's state (its weights, the
+    tensors the optimizer steps, its part of a checkpoint) is its other face, :class:`StateIO`."""
+
     name: str
     precision: str
     env: DistEnv
@@ -69,6 +77,78 @@ class Engine(Protocol):
         """Optimizer step, then zero the gradients."""
         ...
 
+
+# -- the state I/O ---------------------------------------------------------------------------------
+#
+# How an engine writes its part of a checkpoint is declared, as one of three strategies
+# (``StateIO.checkpointing``); the checkpoint layer dispatches on the strategy's type, never on which methods an
+# engine happens to have. A strategy that writes in the background (``background``) is used under
+# ``checkpoint.async_save`` when the engine's registry entry says ``background_save`` too (the two agree for every
+# registered engine: tests/engine/test_state_io.py).
+
+
+@dataclass(frozen=True)
+class BackgroundSave:
+    """One rank's part of a checkpoint, copied to host memory when the save was called and written
+    while training goes on (:class:`WriteInBackground`).
+
+    ``finish`` runs in this rank's checkpoint thread: it blocks until this rank's part is on disk and
+    flushed, and returns the files (relative to the checkpoint folder) this rank checksums; it raises
+    when the write failed. ``group`` is a CPU process group only checkpoint threads use, in the same
+    order on every rank: never the one the training thread's collectives run on."""
+
+    finish: Callable[[], list[str]]
+    group: Any  # torch.distributed.ProcessGroup
+
+
+@dataclass(frozen=True)
+class Synchronous:
+    """Every save blocks training: :meth:`StateIO.save` on every rank."""
+
+    background: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class SnapshotThenWrite:
+    """Replicated state: ``snapshot()`` (every rank calls it) copies the state to the host now and returns a
+    function that writes it into a directory later, from rank 0's checkpoint thread (a no-op on the other ranks).
+    ``StateIO.save`` is then ``snapshot()(directory)``."""
+
+    snapshot: Callable[[], Callable[[Path], None]]
+    background: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class WriteInBackground:
+    """Sharded state: ``start(directory)`` (every rank calls it) copies this rank's part to the host and starts
+    writing it; each rank's checkpoint thread then waits for it (:class:`BackgroundSave`)."""
+
+    start: Callable[[Path], BackgroundSave]
+    background: ClassVar[bool] = True
+
+
+# The strategies an engine may declare.
+CheckpointStrategy = Synchronous | SnapshotThenWrite | WriteInBackground
+
+
+@runtime_checkable
+class StateIO(Protocol):
+    """The engine's state: the full weights, the tensors the optimizer steps, and its part of a checkpoint,
+    written by the strategy it declares. What the checkpoint layer and the moving average call (the trainer's
+    step goes through :class:`Engine`)."""
+
+    name: str
+    precision: str
+    env: DistEnv
+    # The policy as prepared (``Engine.prepare``; its adapters decide what a checkpoint holds); None before.
+    module: nn.Module | None
+
+    @property
+    def checkpointing(self) -> CheckpointStrategy:
+        """How :meth:`save`'s files are written under ``checkpoint.async_save`` (declared, the same for every
+        instance of the class; :class:`Synchronous` where the engine has no background write)."""
+        ...
+
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The full fp32 policy state as CPU tensors (a collective where the state is sharded:
         every rank calls it)."""
@@ -84,35 +164,18 @@ class Engine(Protocol):
         ...
 
     def save(self, directory: Path) -> None:
-        """Write this rank's part of a checkpoint into ``directory`` (the checkpoint layer makes it atomic).
-
-        For ``checkpoint.async_save`` (its registry entry says ``background_save=True``) an engine also
-        offers one of:
-
-        - ``snapshot() -> writer`` (replicated state): copy the state to the host now and return a
-          function that writes it into a directory later, from rank 0's checkpoint thread; ``save`` then
-          is ``snapshot()(directory)``.
-        - ``save_in_background(directory) -> BackgroundSave`` (sharded state): every rank copies its
-          part to the host now and starts writing it; each rank's checkpoint thread then waits for it."""
+        """Write this rank's part of a checkpoint into ``directory`` now (the checkpoint layer makes it atomic)."""
         ...
 
     def load(self, directory: Path) -> None:
-        """Restore what :meth:`save` wrote, weights and optimizer state."""
+        """Restore what :meth:`save` (or the background strategy) wrote, weights and optimizer state."""
         ...
 
 
-@dataclass(frozen=True)
-class BackgroundSave:
-    """One rank's part of a checkpoint, copied to host memory when the save was called and written
-    while training goes on (``save_in_background``).
-
-    ``finish`` runs in this rank's checkpoint thread: it blocks until this rank's part is on disk and
-    flushed, and returns the files (relative to the checkpoint folder) this rank checksums; it raises
-    when the write failed. ``group`` is a CPU process group only checkpoint threads use, in the same
-    order on every rank: never the one the training thread's collectives run on."""
-
-    finish: Callable[[], list[str]]
-    group: Any  # torch.distributed.ProcessGroup
+@runtime_checkable
+class TrainingEngine(Engine, StateIO, Protocol):
+    """What :func:`slurmvla.engine.build_engine` returns: one object with both faces. The trainer steps it and
+    hands it, as :class:`StateIO`, to the checkpoint layer and the moving average."""
 
 
 # Weak references, as for the collectives' control group: the group belongs to torch.distributed's

@@ -18,17 +18,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from slurmvla.parameters import checkpoint_keys
 
+if TYPE_CHECKING:
+    from slurmvla.engine.base import StateIO
+
 EMA_FILE = "ema.safetensors"
 
 
 class MovingAverage:
-    def __init__(self, engine: Any, decay: float):
+    def __init__(self, engine: StateIO, decay: float):
         self.engine, self.decay = engine, decay
         self.shadow = self._copy_masters()
 

@@ -36,7 +36,14 @@ from torch.distributed.tensor import DTensor
 
 from slurmvla.config import OptimConfig
 from slurmvla.config.engine import EngineConfig
-from slurmvla.engine.base import BackgroundSave, EngineCore, StepSettings, checkpoint_group, read_param_groups
+from slurmvla.engine.base import (
+    BackgroundSave,
+    EngineCore,
+    StepSettings,
+    WriteInBackground,
+    checkpoint_group,
+    read_param_groups,
+)
 from slurmvla.engine.materialize import has_meta_parameters, materialize
 from slurmvla.engine.memory import States, Tensors
 from slurmvla.engine.precision import lower_frozen_base
@@ -153,6 +160,11 @@ class FSDPEngine(EngineCore):
             dcp.save(self._sharded_state(), checkpoint_id=str(directory / DCP_DIR))
         except CheckpointException as e:
             raise first_failure(e) from None
+
+    @property
+    def checkpointing(self) -> WriteInBackground:
+        """Sharded: every rank copies its part to the host and writes it in the background."""
+        return WriteInBackground(self.save_in_background)
 
     def save_in_background(self, directory: Path) -> BackgroundSave:
         """Copy this rank's shards of the weights and optimizer state to host memory (returns once they

@@ -18,7 +18,7 @@ from torch import nn
 
 from slurmvla.config import OptimConfig
 from slurmvla.config.engine import EngineConfig
-from slurmvla.engine.base import EngineCore, StepSettings, read_param_groups
+from slurmvla.engine.base import EngineCore, SnapshotThenWrite, StepSettings, read_param_groups
 from slurmvla.engine.materialize import place
 from slurmvla.engine.memory import States, Tensors
 from slurmvla.engine.precision import MasterWeights
@@ -77,6 +77,11 @@ class SingleEngine(EngineCore):
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Set the weights (and masters) from a full fp32 state."""
         self.weights.load_full_state(self.module, state)
+
+    @property
+    def checkpointing(self) -> SnapshotThenWrite:
+        """Replicated: a host snapshot now, written later by rank 0's checkpoint thread."""
+        return SnapshotThenWrite(self.snapshot)
 
     def snapshot(self) -> Callable[[Path], None]:
         """The state as it is now, copied to the host, and a writer for it that may run in a

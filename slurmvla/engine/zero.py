@@ -33,7 +33,14 @@ from torch import nn
 
 from slurmvla.config import OptimConfig
 from slurmvla.config.engine import EngineConfig
-from slurmvla.engine.base import BackgroundSave, EngineCore, StepSettings, checkpoint_group, read_param_groups
+from slurmvla.engine.base import (
+    BackgroundSave,
+    EngineCore,
+    StepSettings,
+    WriteInBackground,
+    checkpoint_group,
+    read_param_groups,
+)
 from slurmvla.engine.memory import States, Tensors
 from slurmvla.launch import DistEnv
 from slurmvla.optim import build_adamw
@@ -155,6 +162,11 @@ class DeepSpeedEngine(EngineCore):
     def save(self, directory: Path) -> None:
         self._ds.save_checkpoint(str(directory / DS_DIR), tag=DS_TAG, save_latest=False,
                                  exclude_frozen_parameters=self._adapters)
+
+    @property
+    def checkpointing(self) -> WriteInBackground:
+        """Sharded: every rank copies its part to the host and writes it in the background."""
+        return WriteInBackground(self.save_in_background)
 
     def save_in_background(self, directory: Path) -> BackgroundSave:
         """DeepSpeed's save, every file serialized into host memory now (the same bytes ``torch.save``
