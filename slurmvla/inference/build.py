@@ -48,7 +48,7 @@ def _runner(loaded: Loaded, device: str | None) -> PolicyRunner:
 
 
 def build_server(source: str, overrides: list[str], device: str | None = None,
-                 environ: dict[str, str] | None = None) -> PolicyServer:
+                 environ: dict[str, str] | None = None) -> PolicyServer[PolicyRunner]:
     """:func:`build_runner`'s policy behind a :class:`PolicyServer` on ``serve.host:serve.port``, with the API
     key :func:`slurmvla.inference.auth.read_api_key` finds (in ``environ``, default ``os.environ``). A host
     beyond this machine without a key is refused (:func:`slurmvla.inference.auth.check_exposure`) before the

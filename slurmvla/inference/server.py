@@ -1,4 +1,4 @@
-"""The policy server: openpi's websocket protocol in front of anything with ``infer(obs) -> dict``.
+"""The policy server: openpi's websocket protocol in front of an :class:`InferencePolicy` (``infer(obs) -> dict``).
 
 The wire protocol is that of openpi's ``openpi-client`` package: on connect the server sends one
 msgpack frame of metadata; each request is a msgpack observation dict (:mod:`slurmvla.inference.wire`);
@@ -37,7 +37,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from slurmvla.inference.auth import DEFAULT_KEY_ENV, ApiKey, check_exposure, is_local
 from slurmvla.inference.wire import packb, unpackb
@@ -47,7 +47,7 @@ log = logging.getLogger("slurmvla.serve")
 
 # Frames that may wait per connection before the server stops reading from it (websockets' max_queue).
 MAX_QUEUE = 2
-# The request-size limit of a policy that names none (no max_request_bytes attribute).
+# The request-size limit of a policy that names none (not SupportsRequestLimit, or 0).
 DEFAULT_MAX_REQUEST_BYTES = 64 * MiB
 # The admission limits of a server given none (serve.max_connections, serve.max_pending have the same defaults).
 DEFAULT_MAX_CONNECTIONS = 64
@@ -57,35 +57,75 @@ DEFAULT_MAX_PENDING = 32
 @runtime_checkable
 class InferencePolicy(Protocol):
     """What the server serves, as openpi's ``BasePolicy``: one observation in, a dict with ``actions`` out.
-    A ValueError is the client's mistake (its message goes back to it). Optional, read when present:
-    ``metadata() -> dict`` (sent on connect), ``session()`` (a fresh object with ``infer(obs)`` for each
-    connection: its own history of observations) and ``max_request_bytes`` (the request-size limit)."""
+    A ValueError is the client's mistake (its message goes back to it).
+
+    Its optional capabilities are protocols of their own, each one member (``CAPABILITIES``): a policy offers one
+    by having it, and the server reads each through its protocol, once, when it is built:
+    :class:`SupportsMetadata` (``metadata() -> dict``, sent on connect), :class:`SupportsSessions` (``session()``: a
+    fresh :class:`InferencePolicy` for each connection, its own history of observations) and
+    :class:`SupportsRequestLimit` (``max_request_bytes``, the request-size limit). So a plain object with ``infer``
+    (and ``metadata``), openpi's way, is served as it is; :class:`slurmvla.inference.runner.PolicyRunner` offers
+    all three."""
 
     def infer(self, obs: dict) -> dict: ...
 
 
-class PolicyServer:
+@runtime_checkable
+class SupportsMetadata(Protocol):
+    """An :class:`InferencePolicy` that describes itself: ``metadata()`` is what a client gets on connect."""
+
+    def metadata(self) -> dict: ...
+
+
+@runtime_checkable
+class SupportsSessions(Protocol):
+    """An :class:`InferencePolicy` that keeps one connection's past: ``session()`` is called once per connection,
+    and that connection's requests go to what it returns."""
+
+    def session(self) -> InferencePolicy: ...
+
+
+@runtime_checkable
+class SupportsRequestLimit(Protocol):
+    """An :class:`InferencePolicy` that names the largest request it accepts (bytes; 0: the server's default)."""
+
+    max_request_bytes: int
+
+
+# The optional capabilities of an InferencePolicy, each read through its protocol.
+CAPABILITIES = (SupportsMetadata, SupportsSessions, SupportsRequestLimit)
+
+P = TypeVar("P", bound=InferencePolicy)
+
+
+class PolicyServer(Generic[P]):
     """``policy`` (an :class:`InferencePolicy`) on ``host:port``. ``metadata``: what clients get on connect
-    (default: ``policy.metadata()``, or nothing); ``max_request_bytes``: the request-size limit (default:
-    ``policy.max_request_bytes``, else ``DEFAULT_MAX_REQUEST_BYTES``); ``api_key_env``: the variable the
+    (default: ``policy.metadata()`` where it :class:`SupportsMetadata`, else nothing); ``max_request_bytes``: the
+    request-size limit (default: ``policy.max_request_bytes`` where it :class:`SupportsRequestLimit`, else
+    ``DEFAULT_MAX_REQUEST_BYTES``); each connection's requests go to its own ``policy.session()`` where it
+    :class:`SupportsSessions`, else to ``policy``; ``api_key_env``: the variable the
     messages about a server without a key name. Without ``api_key``, a ``host`` beyond this machine is refused
     (ValueError, :func:`slurmvla.inference.auth.check_exposure`) unless ``allow_unauthenticated``.
     ``max_connections``: connections served at once, one more is refused with HTTP 503; ``max_pending``:
     requests being answered or waiting at once, over all connections, one more is refused with a text frame
     and close code 1013."""
 
-    def __init__(self, policy: InferencePolicy, host: str, port: int, workers: int = 4, api_key: ApiKey | None = None,
+    def __init__(self, policy: P, host: str, port: int, workers: int = 4, api_key: ApiKey | None = None,
                  metadata: dict | None = None, max_request_bytes: int | None = None,
                  api_key_env: str | None = DEFAULT_KEY_ENV, allow_unauthenticated: bool = False,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS, max_pending: int = DEFAULT_MAX_PENDING):
-        if not callable(getattr(policy, "infer", None)):
+        if not isinstance(policy, InferencePolicy):
             raise TypeError(f"a PolicyServer serves an object with infer(obs) -> dict; {type(policy).__name__} has none")
         check_exposure(host, api_key, allow_unauthenticated, api_key_env)
         self.policy, self.host, self.port = policy, host, port
         self.api_key, self.api_key_env = api_key, api_key_env
+        # The policy's optional capabilities, read through their protocols once: None where not offered.
+        self._describe_policy = policy.metadata if isinstance(policy, SupportsMetadata) else None
+        self._open_session = policy.session if isinstance(policy, SupportsSessions) else None
         self._metadata = metadata
         if max_request_bytes is None:
-            max_request_bytes = getattr(policy, "max_request_bytes", None) or DEFAULT_MAX_REQUEST_BYTES
+            own = policy.max_request_bytes if isinstance(policy, SupportsRequestLimit) else None
+            max_request_bytes = own or DEFAULT_MAX_REQUEST_BYTES
         self.max_size = int(max_request_bytes)
         # Each >= 1: checked once, where serve.max_connections / serve.max_pending are read (ServeConfig).
         self.max_connections, self.max_pending = max_connections, max_pending
@@ -104,13 +144,11 @@ class PolicyServer:
     def metadata(self) -> dict:
         if self._metadata is not None:
             return self._metadata
-        own = getattr(self.policy, "metadata", None)
-        return own() if callable(own) else {}
+        return self._describe_policy() if self._describe_policy is not None else {}
 
-    def _session(self) -> Any:
+    def _session(self) -> InferencePolicy:
         """What this connection's requests go to: its own session where the policy makes them, else the policy."""
-        make = getattr(self.policy, "session", None)
-        return make() if callable(make) else self.policy
+        return self._open_session() if self._open_session is not None else self.policy
 
     def _describe(self) -> str:
         meta = self.metadata()
@@ -120,7 +158,7 @@ class PolicyServer:
         return type(self.policy).__name__
 
     @staticmethod
-    def _step(raw: Any, session: Any) -> tuple[dict, float]:
+    def _step(raw: Any, session: InferencePolicy) -> tuple[dict, float]:
         if isinstance(raw, str):
             raise ValueError("expected a binary msgpack frame, got a text frame")
         obs = unpackb(raw)

@@ -34,7 +34,14 @@ from slurmvla.inference.build import build_server
 from slurmvla.inference.harness import serving_in_thread
 from slurmvla.inference.load import Loaded, load_exported
 from slurmvla.inference.runner import PolicyRunner, default_max_request_bytes, request_seed
-from slurmvla.inference.server import InferencePolicy, PolicyServer
+from slurmvla.inference.server import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    InferencePolicy,
+    PolicyServer,
+    SupportsMetadata,
+    SupportsRequestLimit,
+    SupportsSessions,
+)
 from slurmvla.policy import build_policy
 from slurmvla.units import MiB
 
@@ -696,3 +703,40 @@ def test_any_object_with_infer_is_served_to_openpis_client():
         with pytest.raises(RuntimeError, match="bad request: missing key 'joints'"):
             client.infer({"prompt": "pick"})
     assert len(policy.seen) == 3 and policy.seen[1]["prompt"] == "pick"
+
+
+class Limited:
+    """``infer`` and a request-size limit, nothing else."""
+
+    max_request_bytes = 1234
+
+    def infer(self, obs: dict) -> dict:
+        return {"actions": np.zeros((1, 1), np.float32)}
+
+
+class PerConnection(Scripted):
+    """A fresh Scripted for each connection."""
+
+    def session(self) -> Scripted:
+        return Scripted()
+
+
+@pytest.mark.parametrize("policy, capabilities", [(Scripted(), {SupportsMetadata}), (Limited(), {SupportsRequestLimit}),
+                                                  (PerConnection(), {SupportsMetadata, SupportsSessions})])
+def test_the_servers_optional_capabilities_are_what_their_protocols_declare(policy, capabilities):
+    """Each optional capability is read through its protocol: what a policy lacks, the server does without (no
+    metadata, the policy itself for every connection, the default request limit)."""
+    assert {c for c in (SupportsMetadata, SupportsSessions, SupportsRequestLimit) if isinstance(policy, c)} == capabilities
+    server = PolicyServer(policy, "127.0.0.1", 0)
+    try:
+        assert server.metadata() == (policy.metadata() if SupportsMetadata in capabilities else {})
+        assert server.max_size == (1234 if SupportsRequestLimit in capabilities else DEFAULT_MAX_REQUEST_BYTES)
+        sessions = server._session(), server._session()
+        if SupportsSessions in capabilities:
+            assert all(type(s) is Scripted for s in sessions) and sessions[0] is not sessions[1]
+        else:
+            assert all(s is policy for s in sessions)
+    finally:
+        server.pool.shutdown()
+    with pytest.raises(TypeError, match="serves an object with infer"):
+        PolicyServer(object(), "127.0.0.1", 0)
