@@ -190,6 +190,24 @@ class PolicyConfig:
                              f"{list(self.lora.parts)} puts trained adapters there; set policy.lora.parts=[expert] "
                              "(adapters on the expert only) or policy.train_expert_only=false")
 
+    # -- typed views of the options, for the planner (slurmvla/planner/: never an option looked up by name) ---------
+
+    @property
+    def recompute_auto(self) -> bool:
+        """``gradient_checkpointing: auto``: the planner chooses the setting at start-up (a bool from then on)."""
+        return self.gradient_checkpointing == "auto"
+
+    def layer_stacks(self) -> tuple[int, ...]:
+        """The depth of each of the policy's stacks of layers that activation checkpointing runs through
+        (``checkpoint_every`` counts layers within each). None known here; the built-in shape names its own."""
+        return ()
+
+    def without_local_files(self) -> PolicyConfig:
+        """This config with nothing its build reads from local files (pretrained weights, a tokenizer, statistics
+        saved beside them): what the planner builds to count shapes. None here; a policy whose options name such
+        files clears them."""
+        return self
+
 
 @dataclass
 class TransformerPolicyConfig(PolicyConfig):
@@ -221,6 +239,10 @@ class TransformerPolicyConfig(PolicyConfig):
             raise ValueError(
                 f"policy.vision_width={self.vision_width} must be divisible by policy.vision_heads={self.vision_heads}"
             )
+
+    def layer_stacks(self) -> tuple[int, ...]:
+        """The backbone's layers (the action expert's run beside them, one per layer) and the vision tower's."""
+        return (self.depth, self.vision_depth)
 
 
 def policy_schema(name: str) -> type[PolicyConfig]:

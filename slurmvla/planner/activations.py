@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from slurmvla.config import Config
+from slurmvla.config.policy import TransformerPolicyConfig
 from slurmvla.planner.autocast import CudaAutocast
 from slurmvla.planner.step_time import sdpa_flop_mapping
 
@@ -397,10 +398,9 @@ def analytic_activations(cfg: Config, micro: int) -> int | None:
     """Korthikanti et al. 2022 ("Reducing activation recomputation in large transformer models"), with a
     fused attention kernel (no attention matrix): 34 x tokens x width bytes per layer in 16 bit (x 2 in fp32);
     with checkpointing each layer keeps its input (2 x tokens x width) and one layer is recomputed whole.
-    None for a policy whose config has no transformer shape."""
+    None for a policy whose config has no transformer shape (not a ``TransformerPolicyConfig``)."""
     p = cfg.policy
-    need = ("width", "depth", "expert_width", "vision_width", "vision_depth", "patch_size")
-    if not all(hasattr(p, k) for k in need):
+    if not isinstance(p, TransformerPolicyConfig):
         return None
     scale = 1 if cfg.precision == "bf16" else 2
     patches = p.num_cameras * p.num_obs_history * (p.image_size // p.patch_size) ** 2

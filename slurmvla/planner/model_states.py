@@ -4,22 +4,18 @@ the bytes per GPU the configured engine holds them in, by the engine's own memor
 
 from __future__ import annotations
 
-import dataclasses
-
 from torch import nn
 
 from slurmvla.config import Config
+from slurmvla.config.policy import PolicyConfig
 from slurmvla.engine.memory import States, Tensors
 from slurmvla.registry import ENGINES
 
 
-def shape_only(policy_cfg):
+def shape_only(policy_cfg: PolicyConfig) -> PolicyConfig:
     """The policy's config without the local files its build would read (pretrained weights, a tokenizer):
     the plan needs shapes only, and the byte tokenizer fills the prompt as a worst case."""
-    changes = {k: None for k in ("pretrained_path", "tokenizer_path") if getattr(policy_cfg, k, None)}
-    if changes and getattr(policy_cfg, "stats_source", None) == "checkpoint":
-        changes["stats_source"] = "data"
-    return dataclasses.replace(policy_cfg, **changes) if changes else policy_cfg
+    return policy_cfg.without_local_files()
 
 
 def build_on_meta(cfg: Config) -> nn.Module:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from slurmvla.config import Config
+from slurmvla.config.policy import PolicyConfig
 from slurmvla.planner.gpus import DEFAULT_MARGIN, GPU, RESERVED_BYTES
 from slurmvla.registry import ENGINES
 from slurmvla.units import GiB
@@ -53,12 +54,12 @@ class Setting:
         return f"{self.checkpoint_saves}, every {self.checkpoint_every}"
 
     @classmethod
-    def of(cls, policy_cfg) -> Setting | None:  # noqa: ANN001 - any policy's config
-        """The setting a (resolved) policy config trains with; None for a policy without these options."""
-        on = getattr(policy_cfg, "gradient_checkpointing", None)
+    def of(cls, policy_cfg: PolicyConfig) -> Setting | None:
+        """The setting a resolved policy config trains with; None while it is still ``auto``."""
+        on = policy_cfg.gradient_checkpointing
         if not isinstance(on, bool):
             return None
-        return cls(on, getattr(policy_cfg, "checkpoint_saves", "inputs"), getattr(policy_cfg, "checkpoint_every", 1))
+        return cls(on, policy_cfg.checkpoint_saves, policy_cfg.checkpoint_every)
 
     def overrides(self) -> str:
         if not self.gradient_checkpointing:
@@ -104,12 +105,12 @@ class Choice:
 def deepest_stack(cfg: Config) -> int:
     """The most layers of any of the policy's stacks (pi0 / pi0.5: the vision tower's 27 at the published size):
     beyond it, a larger ``checkpoint_every`` checkpoints the same layers (layer 0 only)."""
-    return max(1, *(int(getattr(cfg.policy, k, 1) or 1) for k in ("depth", "vision_depth")))
+    return max((1, *cfg.policy.layer_stacks()))
 
 
 def checkpointed_layers(cfg: Config, every: int) -> int:
     """Layers checkpointed with ``checkpoint_every=every``: 0, every, 2 x every, ... of each stack."""
-    return sum(-(-int(d) // every) for d in (getattr(cfg.policy, k, 0) or 0 for k in ("depth", "vision_depth")) if d)
+    return sum(-(-d // every) for d in cfg.policy.layer_stacks() if d)
 
 
 def interpolated(cfg: Config, least: int, most: int, budget: int, lo: int, hi: int) -> int | None:
@@ -215,7 +216,7 @@ def resolve(cfg: Config, device, env) -> Config:  # noqa: ANN001 - a torch.devic
     """Training's start-up, before the policy is built: ``cfg`` unchanged unless its policy asks for ``auto``;
     then rank 0 asks the planner (a policy it cannot plan gets full recomputation, the least memory), says the
     choice in one line, and every rank takes the same setting."""
-    if getattr(cfg.policy, "gradient_checkpointing", None) != AUTO:
+    if not cfg.policy.recompute_auto:
         return cfg
     shared: list = [None]
     if env.is_main:

@@ -187,3 +187,22 @@ def test_a_cpu_run_with_auto_trains_and_saves_a_concrete_setting(make_cfg, tmp_p
     assert trainer.cfg.policy.gradient_checkpointing is False and trainer.policy.gradient_checkpointing is False
     said = [r.getMessage() for r in caplog.records if "gradient_checkpointing=auto" in r.getMessage()]
     assert len(said) == 1 and "no GPU" in said[0]
+
+
+def test_the_planner_reads_the_policy_configs_typed_options():
+    """The layer stacks, ``auto`` and the files a build reads come from the config's own accessors: the built-in
+    shape names its stacks, a config without it none (one layer deep, none checkpointed); pi0's clears its files."""
+    from slurmvla.config.policy import PolicyConfig
+    from slurmvla.planner.model_states import shape_only
+
+    cfg = compose(["policy=pi05_tiny", "policy.depth=6", "policy.vision_depth=9", "policy.gradient_checkpointing=auto"])
+    assert cfg.policy.layer_stacks() == (6, 9) and deepest_stack(cfg) == 9 and cfg.policy.recompute_auto
+    assert Setting.of(cfg.policy) is None and Setting.of(FULL.apply(cfg).policy) == FULL
+    custom = compose(["policy=custom", "policy.target=tests.broken_policies.Sound"])
+    assert type(custom.policy) is PolicyConfig and custom.policy.layer_stacks() == ()
+    assert deepest_stack(custom) == 1 and checkpointed_layers(custom, 1) == 0 and shape_only(custom.policy) is custom.policy
+    pi0 = compose(["policy=pi0_tiny", "policy.pretrained_path=weights", "policy.tokenizer_path=tokenizer",
+                   "policy.stats_source=checkpoint"]).policy
+    cleared = shape_only(pi0)
+    assert (cleared.pretrained_path, cleared.tokenizer_path, cleared.stats_source) == (None, None, "data")
+    assert (pi0.pretrained_path, pi0.stats_source) == ("weights", "checkpoint")

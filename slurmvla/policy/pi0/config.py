@@ -3,7 +3,9 @@ Imports no torch: validating a config reads it, never the model."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from slurmvla.config.policy import LoraConfig, TransformerPolicyConfig
 from slurmvla.registry import PolicyEntry
@@ -94,6 +96,18 @@ class Pi0Config(TransformerPolicyConfig):
         if self.stats_source == "checkpoint" and not self.pretrained_path:
             raise ValueError("policy.stats_source=checkpoint reads the statistics saved beside policy.pretrained_path, "
                              "which is not set; set it, or use policy.stats_source=data")
+
+    def without_local_files(self) -> Pi0Config:
+        """No pretrained weights and no tokenizer files (the byte tokenizer fills the prompt, a worst case); statistics
+        from the data where they were to come from beside the weights."""
+        changes: dict[str, Any] = {}
+        if self.pretrained_path:
+            changes["pretrained_path"] = None
+        if self.tokenizer_path:
+            changes["tokenizer_path"] = None
+        if changes and self.stats_source == "checkpoint":
+            changes["stats_source"] = "data"
+        return dataclasses.replace(self, **changes) if changes else self
 
 
 @dataclass
