@@ -52,7 +52,7 @@ NOT_POLICY = {
 # Other names under which the library reads a built policy (none today: it is always a ``policy``), and where.
 ALIASES: dict[str, str] = {}
 # Where ``cls`` / ``self.cls`` is a policy class (policy_class's).
-CLASS_FILES = ("policy/__init__.py", "policy/base.py", "check/subject.py", "trainer.py", "weights.py")
+CLASS_FILES = ("policy/__init__.py", "policy/base.py", "check/subject.py", "trainer.py", "parameters.py")
 # Capabilities whose names nothing else in slurmvla uses: read on anything, they must be read on a policy.
 DISTINCT = tuple(n for n in CAPABILITIES if n not in ("cfg", "gradient_checkpointing"))
 DECLARED = set(CONTRACT) | set(CAPABILITIES)
