@@ -217,6 +217,15 @@ BOOKKEEPING = {
 }
 
 
+def bookkeeping(n: int, episode_index: int, start_index: int, fps: int, task_index: int = 0) -> dict[str, np.ndarray]:
+    """An episode's :data:`BOOKKEEPING` columns: ``n`` frames at ``fps``, the episode's global frames from
+    ``start_index`` on."""
+    return {"timestamp": (np.arange(n) / fps).astype(np.float32), "frame_index": np.arange(n, dtype=np.int64),
+            "episode_index": np.full(n, episode_index, dtype=np.int64),
+            "index": np.arange(start_index, start_index + n, dtype=np.int64),
+            "task_index": np.full(n, task_index, dtype=np.int64)}
+
+
 def droid_layout() -> Layout:
     """DROID's layout, as LeRobot's port of DROID 1.0.1 has it (:func:`droid_columns` writes its columns)."""
     joints = [f"joint_{i}" for i in range(7)]
@@ -284,11 +293,7 @@ def droid_columns(state: np.ndarray, action: np.ndarray, joint_velocity: np.ndar
         "action.gripper_velocity": ((action[:, 7:] - state[:, 7:]) * FPS).astype(np.float32),
         "action.cartesian_position": cartesian_action.astype(np.float32),
         "action.cartesian_velocity": ((cartesian_action - cartesian_state) * FPS).astype(np.float32),
-        "timestamp": (np.arange(n) / FPS).astype(np.float32),
-        "frame_index": np.arange(n, dtype=np.int64),
-        "episode_index": np.full(n, episode_index, dtype=np.int64),
-        "index": np.arange(start_index, start_index + n, dtype=np.int64),
-        "task_index": np.full(n, task_index, dtype=np.int64),
+        **bookkeeping(n, episode_index, start_index, FPS, task_index),
         "is_episode_successful": np.full(n, bool(success)),
         # RLDS's step flags, as the DROID port keeps them (DROID's episodes end in a terminal step).
         "is_first": np.arange(n) == 0,

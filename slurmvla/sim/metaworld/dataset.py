@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from slurmvla.data.writer import Layout, vec
+from slurmvla.data.writer import Layout, bookkeeping, vec
 from slurmvla.sim.base import Demonstrations, Step
 from slurmvla.sim.metaworld.env import (
     ACTION_DIM,
@@ -111,14 +111,9 @@ class MetaWorldDemonstrations(Demonstrations):
 
 def columns(ep: dict, episode_index: int, start_index: int, fps: int) -> dict[str, np.ndarray]:
     """One episode's columns in :func:`layout`'s features."""
-    n = len(ep["state"])
-    return {
-        "observation.state": ep["state"], "observation.environment_state": ep["env_state"], "action": ep["action"],
-        "next.reward": ep["reward"][:, None], "next.success": ep["success"],
-        "timestamp": (np.arange(n) / fps).astype(np.float32), "frame_index": np.arange(n, dtype=np.int64),
-        "episode_index": np.full(n, episode_index, dtype=np.int64),
-        "index": np.arange(start_index, start_index + n, dtype=np.int64), "task_index": np.zeros(n, dtype=np.int64),
-    }
+    return {"observation.state": ep["state"], "observation.environment_state": ep["env_state"], "action": ep["action"],
+            "next.reward": ep["reward"][:, None], "next.success": ep["success"],
+            **bookkeeping(len(ep["state"]), episode_index, start_index, fps)}
 
 
 def expert_episode(env: MetaWorld, seed: int, steps: int = EPISODE_STEPS, render: bool = True,

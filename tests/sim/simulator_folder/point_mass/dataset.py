@@ -8,7 +8,7 @@ import json
 import numpy as np
 from slurmvla.sim.point_mass.env import Expert, PointMass
 
-from slurmvla.data.writer import Layout, vec
+from slurmvla.data.writer import Layout, bookkeeping, vec
 from slurmvla.sim.base import Demonstrations
 
 VIDEO_KEY = "observation.images.top"
@@ -41,9 +41,7 @@ class PointMassDemonstrations(Demonstrations):
     def columns(self, episode, episode_index, start_index):  # noqa: ANN001, ANN201
         n = len(episode["state"])
         columns = {"observation.state": episode["state"], "action": episode["action"],
-                   "timestamp": (np.arange(n) / PointMass.fps).astype(np.float32),
-                   "frame_index": np.arange(n, dtype=np.int64), "episode_index": np.full(n, episode_index, np.int64),
-                   "index": np.arange(start_index, start_index + n, dtype=np.int64), "task_index": np.zeros(n, np.int64)}
+                   **bookkeeping(n, episode_index, start_index, PointMass.fps)}
         return columns, {VIDEO_KEY: episode["frames"]}, {"episode_index": episode_index, "tasks": self.tasks(), "length": n}
 
     def tasks(self) -> list[str]:
