@@ -1,14 +1,8 @@
-"""The simulator contract: what the closed loop (:mod:`slurmvla.inference.closed_loop`) and the recorder
-(:mod:`slurmvla.sim.record`) ask of a simulated task, typed.
-
-A simulator is one folder of ``slurmvla/sim/`` (or of a plug-in's package: docs/extending.md, "A new simulator"):
-its ``config.py`` (no MuJoCo, no torch) declares ``ENTRIES = (SimulatorEntry(...),)`` (:mod:`slurmvla.registry`),
-naming the function that builds its :class:`Environment` and its :class:`Demonstrations` (the scripted expert and
-the dataset it records). ``rollout.env`` and ``python -m slurmvla.sim.record --env`` choose among the entries.
-
-Optional capabilities are declared by the class, never looked up on an instance: :meth:`Environment.diagnostics`
-returns ``None`` unless the environment says how far a failed episode got.
-"""
+"""The simulator contract: what the closed loop (:mod:`slurmvla.inference.closed_loop`) and the one recorder
+(:mod:`slurmvla.sim.record`) ask of a simulated task. A simulator is one folder whose ``config.py`` declares
+``ENTRIES = (SimulatorEntry(...),)`` (:mod:`slurmvla.registry`; docs/extending.md, "A new simulator"). Optional
+capabilities are declared by the class, never looked up on an instance: :meth:`Environment.diagnostics` returns
+``None`` unless the environment says how far a failed episode got."""
 
 from __future__ import annotations
 
@@ -33,12 +27,9 @@ class Step:
 
 
 class Environment(ABC):
-    """One simulated task under the closed loop, acting at :attr:`fps` in its own action space.
-
-    The facts the closed loop reads (class or instance attributes): :attr:`client_cameras` (the key a client sends
-    each camera under -> the camera), :attr:`state_keys` (the state keys it sends), :attr:`action_dim` and
-    :attr:`action_space` (in words, for error messages), :attr:`video_keys` (the cameras a rollout's videos show),
-    :attr:`fps`, :attr:`instruction` (the prompt) and :attr:`steps` (control steps since the reset)."""
+    """One simulated task under the closed loop. What the loop reads: :attr:`client_cameras` (a client's key -> the
+    camera), :attr:`state_keys`, :attr:`action_dim` and :attr:`action_space` (in words, for errors), :attr:`video_keys`
+    (what a rollout's videos show), :attr:`fps`, :attr:`instruction` (the prompt), :attr:`steps` (since the reset)."""
 
     client_cameras: ClassVar[Mapping[str, str]]
     state_keys: ClassVar[tuple[str, ...]]
@@ -84,13 +75,10 @@ class Expert(Protocol):
 
 
 class Demonstrations(ABC):
-    """A simulator's scripted demonstrations as the one recorder (:func:`slurmvla.sim.record.record`) writes them:
-    which environment and expert, what each step records, when an episode ends and whether it is kept, the columns
-    and the files beside the data. Built as ``cls(task, height, width)``.
-
-    The recorder drives every episode the same way: reset to the seed, then per step ``observe`` (before acting),
-    the expert's action, the action executed (``perturb`` under ``--noise``), the environment's step, until
-    ``done`` or ``steps`` steps; ``episode`` turns the steps into arrays."""
+    """A simulator's scripted demonstrations, built as ``cls(task, height, width)``. The recorder
+    (:func:`slurmvla.sim.record.episode`) drives every episode alike: reset to the seed, then per step ``observe``,
+    the expert's action, the action executed (``perturb`` under ``--noise``), the step, until ``done`` or ``steps``;
+    ``episode`` turns the steps into arrays, ``keep`` decides, ``columns`` and ``files`` write them."""
 
     # Control steps an episode runs at most (the whole episode when ``done`` never ends it early).
     steps: int
