@@ -13,6 +13,10 @@ load, the checkpoint is moved aside (``.step_XXXXXXXX.corrupt``, kept for inspec
 resumes from the previous complete one. Loading uses safetensors and ``torch.load(weights_only=True)``:
 a checkpoint is data and never runs pickled code.
 
+``meta.json`` records the checkpoint format's version (``format``; slurmvla/formats.py): an older one is
+migrated when read (:func:`read_meta`), a newer or unknown one is refused in one line naming both versions,
+never taken for a damaged checkpoint and moved aside.
+
 Failures are rank-uniform: every rank reports whether its part was written (one small gather), so
 a full disk on one rank is an error on all of them, never a hang at a barrier. Pruning runs only
 after a rename, so the newest complete checkpoint is never deleted.
@@ -74,6 +78,7 @@ from slurmvla.engine.base import (
 )
 from slurmvla.engine.ema import EMA_FILE
 from slurmvla.errors import Failure
+from slurmvla.formats import CHECKPOINT, FormatError
 from slurmvla.parameters import has_adapters
 from slurmvla.registry import ENGINES
 
@@ -84,7 +89,6 @@ RANK_FILE = "rank_{rank:05d}.pt"
 META_FILE = "meta.json"
 # meta.json of a checkpoint without its frozen base (LoRA): what rebuilds the base (slurmvla.policy.lora.base_record).
 LORA_BASE = "lora_base"
-FORMAT = 2  # 2: meta.json lists every file with its size and SHA-256 (1: no checksums)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _MB = 1 << 20
 SYNCHRONOUS = Synchronous()
@@ -151,13 +155,27 @@ def _problems(directory: Path, listed: dict[str, dict[str, Any]], names: list[st
     return found
 
 
+def read_meta(directory: str | Path) -> dict[str, Any]:
+    """A checkpoint folder's ``meta.json``, migrated to this release's checkpoint format; a
+    :class:`slurmvla.formats.FormatError` (naming the file and both versions) for a format this release
+    cannot read: written by a newer one, or unknown."""
+    path = Path(directory) / META_FILE
+    meta = json.loads(path.read_text())
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: not a checkpoint's {META_FILE} (a JSON object)")
+    return CHECKPOINT.migrate(meta, CHECKPOINT.version(meta.get("format"), path), path)
+
+
 def verify(directory: str | Path, rank: int = 0, world: int = 1) -> list[str]:
     """What is wrong with a checkpoint folder (empty when it is intact). Checkpoints written before
     checksums existed (format 1) are taken as they are. With ``world`` > 1 each rank reads its share
-    of the files and every rank gets the whole answer (a collective); the defaults read all, alone."""
+    of the files and every rank gets the whole answer (a collective); the defaults read all, alone.
+    A format this release cannot read is no damage: a FormatError (never moved aside as corrupted)."""
     directory = Path(directory)
     try:
-        meta = json.loads((directory / META_FILE).read_text())
+        meta = read_meta(directory)
+    except FormatError:
+        raise
     except (OSError, ValueError) as e:
         return [f"{directory / META_FILE}: unreadable ({e})"]
     listed = meta.get("files")
@@ -561,7 +579,7 @@ class CheckpointManager:
             return None
         engine, ema = self.engine, self.ema
         self.strategy()  # known from now on (``background``), and said if async_save cannot be had
-        meta = json.loads((path / META_FILE).read_text())
+        meta = read_meta(path)
         if meta["engine"] != engine.name:
             raise ValueError(
                 f"checkpoint {path} was written by engine={meta['engine']!r}, this run uses engine={engine.name!r}; "
@@ -601,13 +619,12 @@ def load_model_file(checkpoint: Path, ema: bool = False) -> dict[str, torch.Tens
                              "trainer.ema_decay; use its trained weights (serve.weights=auto or trained; export "
                              "without --ema)")
         return load_file(str(checkpoint / EMA_FILE))
-    meta = json.loads((checkpoint / META_FILE).read_text())
-    return ENGINES.get(meta["engine"]).load_full_state(checkpoint)
+    return ENGINES.get(read_meta(checkpoint)["engine"]).load_full_state(checkpoint)
 
 
 def _meta(step: int, engine: StateIO) -> dict[str, Any]:
     meta = {"step": step, "engine": engine.name, "precision": engine.precision, "world_size": engine.env.world_size,
-            "format": FORMAT}
+            "format": CHECKPOINT.current}
     policy = engine.module
     if policy is not None and has_adapters(policy):
         from slurmvla.policy.lora import base_record

@@ -7,8 +7,9 @@
 
 A run with ``trainer.ema_decay`` is exported with the moving average of its weights, as serving it does
 (``serve.weights=auto``); ``--weights trained`` or ``--weights ema`` chooses. The file's metadata carries
-the step, the engine, which weights and, when the run directory has it, the resolved config, so the policy
-can be rebuilt without the run directory: the server and the evaluator load such a file (or a run
+the step, the engine, which weights, the exported-file format (``slurmvla_format``: slurmvla/formats.py) and,
+when the run directory has it, the resolved config (in this release's form: an older run's is migrated), so the
+policy can be rebuilt without the run directory: the server and the evaluator load such a file (or a run
 directory / checkpoint folder) with its config alone. A LeRobot pi0 / pi0.5
 checkpoint directory is a source too: its weights, statistics and config, loaded strictly.
 
@@ -27,12 +28,13 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from slurmvla.checkpoint import LORA_BASE, META_FILE, load_model_file, resolve_checkpoint
+from slurmvla.checkpoint import LORA_BASE, load_model_file, read_meta, resolve_checkpoint
 from slurmvla.cli import ArgumentParser, program
 from slurmvla.config.serve import SERVED_WEIGHTS
 from slurmvla.errors import boundary
+from slurmvla.formats import EXPORT, EXPORT_KEY
 from slurmvla.inference.lerobot_checkpoint import lerobot_type, not_lerobot_reason
-from slurmvla.inference.load import CONFIG_FILE, Loaded, load_exported, read_config, wants_average
+from slurmvla.inference.load import CONFIG_FILE, Loaded, load_exported, read_config, run_config, wants_average
 
 
 def export(source: str | Path, out: str | Path, overrides: list[str] | tuple[str, ...] = (), ema: bool | None = None,
@@ -60,12 +62,12 @@ def export(source: str | Path, out: str | Path, overrides: list[str] | tuple[str
     checkpoint = resolve_checkpoint(source)
     if ema is None:
         ema = wants_average("auto", checkpoint)
-    meta = json.loads((checkpoint / META_FILE).read_text())
+    meta = read_meta(checkpoint)
     metadata = {"step": str(meta["step"]), "engine": meta["engine"], "source": str(checkpoint.resolve()),
                 "weights": "moving average" if ema else "trained"}
     config = checkpoint.parent.parent / CONFIG_FILE
     if config.is_file():
-        metadata["config_yaml"] = config.read_text()
+        metadata["config_yaml"] = run_config(config.parent)  # in this release's form (an older run's migrated)
     lora = config.is_file() and read_config(metadata["config_yaml"], [], str(config)).policy.lora.enabled
     if lora and not adapters:
         # A LoRA run: its adapters folded into the base it was trained on, written as the plain policy.
@@ -97,6 +99,7 @@ def _write(state: dict[str, torch.Tensor], metadata: dict[str, str], out: str | 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
+    metadata = {**metadata, EXPORT_KEY: str(EXPORT.current)}  # the format this release writes (slurmvla/formats.py)
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
     tmp.replace(out)
     return out

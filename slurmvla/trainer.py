@@ -38,6 +38,7 @@ from slurmvla.engine.distributed import (
 from slurmvla.engine.ema import MovingAverage
 from slurmvla.engine.liveness import CollectiveFailure, Heartbeats, is_collective_failure
 from slurmvla.engine.precision import check_fp32_master_state
+from slurmvla.formats import run_dir_version, write_run_format
 from slurmvla.launch import DistEnv, SlurmJob
 from slurmvla.launch.grace import shortfalls
 from slurmvla.launch.preempt import FINISHED_MARKER, PreemptionFlag
@@ -96,6 +97,9 @@ class Trainer:
         try:
             self._join_job()
             self._lock_run_dir()
+            # A run directory a newer release wrote is refused before anything is built (every rank reads the
+            # file before rank 0 writes its own, after _build_data's barrier).
+            run_dir_version(self.run_dir)
             self._build_data()
             self._build_model()
             self._open_run_dir()
@@ -219,6 +223,7 @@ class Trainer:
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(config_dict))
+            write_run_format(self.run_dir)
             write_snapshot(self.run_dir, dataclasses.asdict(self.env), SlurmJob.from_environ().restart_count)
 
     # -- data -------------------------------------------------------------------------------------

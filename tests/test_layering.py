@@ -30,7 +30,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "slurmvla"
 # ``__init__`` is matched exactly: as a prefix it would place every new module, unread, at the bottom.
 LAYERS = (
     (0, ("slurmvla.registry", "slurmvla.errors", "slurmvla.cli", "slurmvla.garbage_collector", "slurmvla.collectives",
-         "slurmvla.droid_features", "slurmvla.parameters", "slurmvla.seeding", "slurmvla.units", "slurmvla.launch")),
+         "slurmvla.droid_features", "slurmvla.parameters", "slurmvla.seeding", "slurmvla.units", "slurmvla.formats",
+         "slurmvla.launch")),
     (1, ("slurmvla.config", "slurmvla.validators", "slurmvla.compose")),  # and every schema module: is_schema
     (2, ("slurmvla.data", "slurmvla.optim", "slurmvla.logger")),
     (3, ("slurmvla.policy", "slurmvla.engine")),

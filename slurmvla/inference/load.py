@@ -18,10 +18,11 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from slurmvla.checkpoint import EMA_FILE, LORA_BASE, META_FILE, load_model_file, resolve_checkpoint
+from slurmvla.checkpoint import EMA_FILE, LORA_BASE, load_model_file, read_meta, resolve_checkpoint
 from slurmvla.compose import check_override_keys, explain_config_error, to_config
 from slurmvla.config import Config
 from slurmvla.engine.materialize import has_meta_parameters
+from slurmvla.formats import EXPORT, EXPORT_KEY, RUN_DIR, run_dir_version, saved_config
 from slurmvla.inference.lerobot_checkpoint import lerobot_config, lerobot_type, not_lerobot_reason
 from slurmvla.parameters import checkpoint_keys
 from slurmvla.policy import Policy, build_policy
@@ -64,13 +65,14 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
                 metadata = f.metadata() or {}
         except Exception as e:  # safetensors raises its own error types for a file that is not one
             raise ValueError(f"{str(path)!r} is not a safetensors file written by slurmvla.export ({e})") from None
+        version = EXPORT.version(metadata.get(EXPORT_KEY), path)  # first: a newer file may keep its config elsewhere
         if "config_yaml" not in metadata:
             raise ValueError(f"{str(path)!r} carries no config in its metadata (exported from a checkpoint without "
                              f"its run directory's {CONFIG_FILE}); load the run directory instead")
-        config_yaml, step, origin = metadata["config_yaml"], int(metadata.get("step", -1)), str(path)
+        step, origin = int(metadata.get("step", -1)), str(path)
         base = json.loads(metadata[LORA_BASE]) if LORA_BASE in metadata else None
         where = f"the config in {path}'s metadata"
-        cfg = read_config(config_yaml, list(overrides), where)
+        cfg = read_config(saved_config(metadata["config_yaml"], EXPORT, version, where), list(overrides), where)
         weights = "ema" if metadata.get("weights") == "moving average" else "trained"
         if weights == "trained":
             _one_set_of_weights(cfg, path, "an exported file of the trained weights (python -m slurmvla.export "
@@ -84,8 +86,8 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
         if not config.is_file():
             raise ValueError(f"checkpoint {checkpoint} has no {CONFIG_FILE} in its run directory {config.parent}: "
                              "the policy cannot be rebuilt without its config")
-        cfg = read_config(config.read_text(), list(overrides), str(config))
-        meta = json.loads((checkpoint / META_FILE).read_text())
+        cfg = read_config(run_config(config.parent), list(overrides), str(config))
+        meta = read_meta(checkpoint)
         step, base = int(meta["step"]), meta.get(LORA_BASE)
         average = wants_average(cfg.serve.weights, checkpoint) if ema is None else ema
         weights = "ema" if average else "trained"
@@ -108,6 +110,13 @@ def load_exported(source: str | Path, overrides: list[str] | tuple[str, ...] = (
                          f"missing: {missing[:5]}, unexpected: {unexpected[:5]}")
     policy.load_state_dict(state, assign=deferred)
     return Loaded(policy.to(device).eval(), cfg, step, origin, weights)
+
+
+def run_config(run_dir: Path) -> str:
+    """A run directory's saved config (``config.resolved.yaml``) as this release reads it: its format checked
+    (:func:`slurmvla.formats.run_dir_version`) and migrated."""
+    config = run_dir / CONFIG_FILE
+    return saved_config(config.read_text(), RUN_DIR, run_dir_version(run_dir), config)
 
 
 def wants_average(weights: str, checkpoint: Path) -> bool:

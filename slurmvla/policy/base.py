@@ -309,6 +309,11 @@ def import_class(path: str, where: str = "policy.target") -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
+        from slurmvla.formats import moved_target
+
+        if (home := moved_target(path)) is not None:  # a command line of a run started before the policy move
+            raise ValueError(f"{where}={path!r}: this class moved; it is {home!r} in this release (a saved run or "
+                             "exported file naming the old home is read with the new one)") from None
         raise ValueError(f"{where}={path!r}: cannot import {module_name!r} ({e}); is the package that defines it "
                          "installed in this environment (pip install -e <your package>)?") from None
     if not hasattr(module, attribute):

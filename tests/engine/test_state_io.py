@@ -17,6 +17,7 @@ import torch
 from slurmvla.checkpoint import META_FILE, CheckpointManager
 from slurmvla.config.engine import EngineConfig
 from slurmvla.engine.base import (
+    BackgroundSave,
     Engine,
     SnapshotThenWrite,
     StateIO,
@@ -26,6 +27,7 @@ from slurmvla.engine.base import (
     WriteInBackground,
 )
 from slurmvla.engine.single import SingleEngine
+from slurmvla.formats import CHECKPOINT
 from slurmvla.launch import DistEnv
 from slurmvla.registry import ENGINES, EngineEntry
 
@@ -86,7 +88,9 @@ class Declares:
         self.strategy = strategy
 
     @property
-    def checkpointing(self) -> Synchronous | SnapshotThenWrite:
+    def checkpointing(self) -> Synchronous | SnapshotThenWrite | WriteInBackground:
+        if self.strategy == "background":
+            return WriteInBackground(self.start)
         return SnapshotThenWrite(self.snapshot) if self.strategy == "snapshot" else Synchronous()
 
     def save(self, directory: Path) -> None:
@@ -98,8 +102,12 @@ class Declares:
 
         return write
 
+    def start(self, directory: Path) -> BackgroundSave:
+        (directory / "weights.bin").write_bytes(b"written in the background")
+        return BackgroundSave(finish=lambda: ["weights.bin"], group=None)
 
-@pytest.mark.parametrize("strategy, background", [("snapshot", True), ("synchronous", False)])
+
+@pytest.mark.parametrize("strategy, background", [("snapshot", True), ("synchronous", False), ("background", True)])
 def test_the_checkpoint_layer_writes_by_the_declared_strategy(strategy, background, monkeypatch, tmp_path, caplog):
     monkeypatch.setitem(ENGINES._entries, Declares.name, EngineEntry(Declares.name, "x:y", background_save=True))
     manager = CheckpointManager(tmp_path, keep=2, engine=Declares(strategy), state=_Held(), rank_state=_Held(),
@@ -109,9 +117,13 @@ def test_the_checkpoint_layer_writes_by_the_declared_strategy(strategy, backgrou
             manager.save(step)
             manager.wait()
     final = tmp_path / "checkpoints" / "step_00000002"
-    expected = b"written from the snapshot" if background else b"written synchronously"
+    expected = {"snapshot": b"written from the snapshot", "synchronous": b"written synchronously",
+                "background": b"written in the background"}[strategy]
     assert (final / "weights.bin").read_bytes() == expected and manager.background == background
-    assert json.loads((final / META_FILE).read_text())["files"]["weights.bin"]["bytes"] == len(expected)
+    meta = json.loads((final / META_FILE).read_text())
+    assert meta["files"]["weights.bin"]["bytes"] == len(expected)
+    # Whichever strategy wrote it, the checkpoint records this release's checkpoint format (slurmvla/formats.py).
+    assert meta["format"] == CHECKPOINT.current
     said = caplog.text.count("engine=declares cannot save in the background")
     assert said == (0 if background else 1)
 
