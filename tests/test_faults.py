@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from slurmvla.checkpoint import META_FILE, CheckpointManager, list_checkpoints, resolve_checkpoint, verify
+from slurmvla.formats import CHECKPOINT
 from slurmvla.launch import SlurmJob
 from slurmvla.launch.runlock import LOCK_FILE, RunDirInUse, RunLock
 from slurmvla.registry import ENGINES
@@ -473,4 +474,6 @@ def test_a_kill_before_a_sharded_background_save_commits_leaves_the_previous_one
         str(out / f"{engine}.ema.safetensors"))
     assert all(torch.equal(ema[k], resumed_ema[k]) for k in ema)
     final = checkpoints / "step_00000003"
-    assert verify(final) == [] and json.loads((final / META_FILE).read_text())["save_seconds"] > 0
+    meta = json.loads((final / META_FILE).read_text())
+    assert verify(final) == [] and meta["save_seconds"] > 0
+    assert meta["format"] == CHECKPOINT.current  # the engine's own layout (DCP, ZeRO) under a versioned meta.json
