@@ -64,6 +64,10 @@ class Collective:
     before: str = ""
     # Issued on the compute stream: the next compute waits for it (ZeRO-1/2 without overlap_comm).
     blocking: bool = False
+    # Starts when the collective listed before it ends (HSDP's replica all-reduce of a reduce-scatter's output).
+    after_previous: bool = False
+    # The micro-batch (of trainer.grad_accum_steps) whose segments ``after`` and ``before`` name.
+    micro: int = 0
 
     def key(self) -> tuple[str, str, int, str, int]:
         return (self.phase, self.kind, self.group, self.dtype, self.bytes)
@@ -258,7 +262,7 @@ def step_collectives(cfg: Config, layout: Layout, world: int, gpus_per_node: int
     if world == 1 or kind == "single":
         return []
     if kind == "ddp":
-        return ddp_collectives(layout, world, low, reduce_wide, options.ddp_bucket_cap_mb)
+        return ddp_collectives(layout, world, low, reduce_wide, options.ddp_bucket_cap_mb, accum)
     if kind == "fsdp":
         hybrid = bool(entry_options.get("hybrid"))
         reshard = options.reshard_after_forward
@@ -304,7 +308,7 @@ def ddp_buckets(layout: Layout, low: bool, bucket_cap_mb: float | None) -> list[
 
 
 def ddp_collectives(layout: Layout, world: int, low: bool, reduce_wide: bool,
-                    bucket_cap_mb: float | None = None) -> list[Collective]:
+                    bucket_cap_mb: float | None = None, accum: int = 1) -> list[Collective]:
     """One all-reduce per bucket in backward, in the gradients' dtype (bf16 buckets widened to fp32 by the
     engine's comm hook when engine.reduce_dtype=fp32). The weights' norm is clipped on each rank's own (replicated)
     fp32 gradients: no collective."""
@@ -314,7 +318,7 @@ def ddp_collectives(layout: Layout, world: int, low: bool, reduce_wide: bool,
     for b, bucket in enumerate(ddp_buckets(layout, low, bucket_cap_mb)):
         n = sum(layout.numel(i) for i in bucket)
         out.append(Collective("backward", "all_reduce", world, "world", dtype, n * _size(dtype), f"bucket {b}",
-                              after=f"backward {unit_of[bucket[-1]]}", before="step"))
+                              after=f"backward {unit_of[bucket[-1]]}", before="step", micro=accum - 1))
     return out
 
 
@@ -349,29 +353,30 @@ def fsdp_collectives(layout: Layout, shard: int, replicate: int, low: bool, redu
     named = [("root", layout.root), *((f"unit {u}", p) for u, p in enumerate(layout.units))]
     named = [(name, params) for name, params in named if params]
     out = []
-    for _ in range(accum):  # every micro-batch gathers; only the last reduces
+    last = accum - 1
+    for m in range(accum):  # every micro-batch gathers; only the last reduces
         for name, params in named:
             out.append(Collective("forward", "all_gather", shard, "shard", dtype,
                                   fsdp_padded(layout, params, shard) * _size(dtype), f"{name}'s parameters",
-                                  before=f"forward {name}"))
-        if reshard:
-            out += [Collective("backward", "all_gather", shard, "shard", dtype,
-                               fsdp_padded(layout, params, shard) * _size(dtype), f"{name}'s parameters again",
-                               before=f"backward {name}") for name, params in reversed(named)]
-    for name, params in reversed(named):
-        grads = [i for i in params if layout.trainable[i]]
-        if grads:
-            n = fsdp_padded(layout, grads, shard)
-            out.append(Collective("backward", "reduce_scatter", shard, "shard", rdtype, n * _size(rdtype),
-                                  f"{name}'s gradients", after=f"backward {name}", before="step"))
-            if hybrid:
-                out.append(Collective("backward", "all_reduce", replicate, "replicate", rdtype,
-                                      n // shard * _size(rdtype), f"{name}'s gradient shard across replicas",
-                                      after=f"backward {name}", before="step"))
+                                  before=f"forward {name}", micro=m))
+        for name, params in reversed(named):
+            if reshard:
+                out.append(Collective("backward", "all_gather", shard, "shard", dtype,
+                                      fsdp_padded(layout, params, shard) * _size(dtype), f"{name}'s parameters again",
+                                      before=f"backward {name}", micro=m))
+            grads = [i for i in params if layout.trainable[i]]
+            if grads and m == last:
+                n = fsdp_padded(layout, grads, shard)
+                out.append(Collective("backward", "reduce_scatter", shard, "shard", rdtype, n * _size(rdtype),
+                                      f"{name}'s gradients", after=f"backward {name}", before="step", micro=m))
+                if hybrid:
+                    out.append(Collective("backward", "all_reduce", replicate, "replicate", rdtype,
+                                          n // shard * _size(rdtype), f"{name}'s gradient shard across replicas",
+                                          before="step", after_previous=True, micro=m))
     tensors = sum(layout.trainable)
     if tensors:
         out.append(Collective("clip", "all_reduce", shard, "shard", "float32", 4 * tensors,
-                              "per-tensor gradient norms", before="step"))
+                              "per-tensor gradient norms", after="backward", before="step", micro=last))
     return out
 
 
@@ -416,22 +421,26 @@ def zero12_collectives(layout: Layout, world: int, stage: int, low: bool, reduce
     unit_of = _unit_of(layout)
     blocking = not options.zero_option("overlap_comm", stage)
     out = []
-    for b, bucket in enumerate(_ipg_buckets(layout, order, cap, flush_empty=False) * (accum if stage == 2 else 1)):
-        n = sum(layout.numel(i) for i in bucket)
-        after = f"backward {unit_of[bucket[-1]]}" if hooks else "backward"
-        out.append(Collective("backward", "all_reduce", world, "world", rdtype, n * _size(rdtype),
-                              f"gradient bucket {b}", after=after, before="step", blocking=blocking))
+    buckets = _ipg_buckets(layout, order, cap, flush_empty=False)
+    for m in range(accum) if stage == 2 else [accum - 1]:
+        for b, bucket in enumerate(buckets):
+            n = sum(layout.numel(i) for i in bucket)
+            after = f"backward {unit_of[bucket[-1]]}" if hooks else "backward"
+            out.append(Collective("backward", "all_reduce", world, "world", rdtype, n * _size(rdtype),
+                                  f"gradient bucket {b}", after=after, before="step", blocking=blocking, micro=m))
+    last = accum - 1
     if low:
-        out.append(Collective("step", "all_reduce", world, "world", "uint8", 1, "overflow check", before="step"))
+        out.append(Collective("step", "all_reduce", world, "world", "uint8", 1, "overflow check", after="backward",
+                              before="step", micro=last))
     groups = [g for g in layout.groups if g]
     out += [Collective("step", "all_reduce", world, "world", "float32", 4, f"group {k}'s gradient norm",
-                       before="step") for k in range(len(groups))]
+                       after="backward", before="step", micro=last) for k in range(len(groups))]
     align = 2 * world
     dtype = _dtype(low)
     for k, g in enumerate(groups):
         n = sum(layout.numel(i) for i in g)
         out.append(Collective("step", "all_gather", world, "world", dtype, -(-n // align) * align * _size(dtype),
-                              f"group {k}'s updated parameters", after="step"))
+                              f"group {k}'s updated parameters", after="step", micro=last))
     return out
 
 
@@ -459,7 +468,8 @@ def zero3_gathers(layout: Layout, world: int, options: CommOptions, persistent: 
     stage3_prefetch_bucket_size elements and while fewer than stage3_max_live_parameters are available (another);
     after the call a parameter is released unless it is used again within stage3_max_reuse_distance elements of
     the trace. The backward's trace is taken as the forward's module calls reversed (autograd's order, in which
-    DeepSpeed's pre-backward hooks fire). Returns (phase, parameters, segment) per all-gather."""
+    DeepSpeed's pre-backward hooks fire). Returns (phase, parameters, segment) per all-gather: the phase it is
+    issued in, and the compute segment (``forward unit 3``) that first needs it."""
     calls = [("forward", c) for c in layout.module_calls] + [("backward", c) for c in reversed(layout.module_calls)]
     trace = [(step, i) for step, (_, c) in enumerate(calls) for i in sorted(set(c))]
     prefetch = int(options.zero_option("stage3_prefetch_bucket_size", 3))
@@ -491,7 +501,7 @@ def zero3_gathers(layout: Layout, world: int, options: CommOptions, persistent: 
         if prefetch > 0:
             limit = min(max_live - n_available, prefetch)
             chosen: list[int] = []
-            numel = 0
+            numel, needed = 0, None
             while head < len(queue) and numel < limit:
                 s, i = queue[head]
                 head += 1
@@ -499,8 +509,10 @@ def zero3_gathers(layout: Layout, world: int, options: CommOptions, persistent: 
                 if i not in available and i not in chosen:
                     chosen.append(i)
                     numel += layout.numel(i)
-            if chosen:
-                gathers.append((phase, chosen, segment))
+                    needed = s if needed is None else needed
+            if chosen:  # needed first by the call at trace step ``needed``
+                later_phase, later_call = calls[needed]
+                gathers.append((phase, chosen, f"{later_phase} {segment_of.get(tuple(sorted(set(later_call))), 'root')}"))
                 available.update(chosen)
                 n_available += numel
         # Release after the call (__params_to_release).
@@ -542,23 +554,27 @@ def zero3_collectives(layout: Layout, world: int, low: bool, reduce_wide: bool, 
     def padded(params: list[int]) -> int:
         return sum(-(-layout.numel(i) // world) for i in params) * world
 
-    for _ in range(accum):
-        for phase, params, segment in zero3_gathers(layout, world, options, persistent):
-            out.append(Collective(phase, "all_gather", world, "world", dtype, padded(params) * _size(dtype),
-                                  f"{len(params)} parameter(s) for {segment}", before=segment))
+    gathers = zero3_gathers(layout, world, options, persistent)
     cap = int(options.zero_option("reduce_bucket_size", 3))
     unit_of = _unit_of(layout)
-    for b, bucket in enumerate(_ipg_buckets(layout, zero3_ready(layout), cap, flush_empty=False) * accum):
-        out.append(Collective("backward", "reduce_scatter", world, "world", rdtype, padded(bucket) * _size(rdtype),
-                              f"gradient bucket {b}", after=f"backward {unit_of[bucket[-1]]}", before="step"))
+    buckets = _ipg_buckets(layout, zero3_ready(layout), cap, flush_empty=False)
+    for m in range(accum):
+        for phase, params, segment in gathers:
+            out.append(Collective(phase, "all_gather", world, "world", dtype, padded(params) * _size(dtype),
+                                  f"{len(params)} parameter(s) for {segment}", before=segment, micro=m))
+        for b, bucket in enumerate(buckets):
+            out.append(Collective("backward", "reduce_scatter", world, "world", rdtype,
+                                  padded(bucket) * _size(rdtype), f"gradient bucket {b}",
+                                  after=f"backward {unit_of[bucket[-1]]}", before="step", micro=m))
+    last = accum - 1
     sub_size = int(options.zero_option("sub_group_size", 3))
     for k, g in enumerate(g for g in layout.groups if g):
         for s in range(_sub_groups(layout, g, world, sub_size)):
             out.append(Collective("step", "all_reduce", world, "world", "float64", 8,
-                                  f"group {k}.{s}'s gradient norm", before="step"))
+                                  f"group {k}.{s}'s gradient norm", after="backward", before="step", micro=last))
     for i in sorted(persistent):
         out.append(Collective("step", "all_gather", world, "world", dtype, padded([i]) * _size(dtype),
-                              f"persistent {layout.names[i]}", after="step"))
+                              f"persistent {layout.names[i]}", after="step", micro=last))
     return out
 
 

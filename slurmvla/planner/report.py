@@ -122,3 +122,39 @@ def format_comparison(rows: list[dict[str, Any]]) -> str:
     lines += [f"{r['engine']}: {r['auto_recompute']}" for r in ok if r.get("auto_recompute")]
     return "\n".join(lines)
 
+
+
+def format_scaling(t: dict[str, Any]) -> str:
+    """The scaling table: every engine at every node count, the recommended one per node count marked ``*``."""
+    lines = [
+        f"ESTIMATE, not a measurement: policy={t['policy']}, precision={t['precision']}, {t['gpus_per_node']} x "
+        f"{t['gpu']} per node; micro-batch {t['micro_batch_size']} per GPU x accumulation {t['grad_accum_steps']} "
+        f"(weak scaling: the global batch grows with the nodes); compute at an assumed "
+        f"{100 * t['assumed_utilization']:.0f}% of the GPU's dense peak",
+        f"network {t['network_description']}",
+        f"{'nodes':>5s} {'GPUs':>5s}  {'engine':13s} {'shard':>5s}  {'fits':4s} {'step s':>9s} {'samples/s':>10s} "
+        f"{'per GPU':>9s} {'scaling':>7s}  {'exposed comm s':>19s}  bottleneck",
+    ]
+    for r in t["rows"]:
+        shard = "-" if r.get("shard_degree") is None or r["engine"] not in ("hsdp",) else str(r["shard_degree"])
+        head = f"{r['nodes']:5d} {r['world_size']:5d}  {r['engine']:13s} {shard:>5s}"
+        if "step_s" not in r:
+            lines.append(f"{head}  {r['refused']}")
+            continue
+        e = r["exposed_comm_s"]
+        exposed = f"{e['network']:.3g} / {e['nvlink']:.3g}"
+        scale = f"{100 * r['scaling_efficiency']:6.0f}%" if r.get("scaling_efficiency") else "      -"
+        mark = "*" if r.get("recommended") else " "
+        lines.append(f"{head}  {'yes' if r['fits'] else 'NO':4s} {r['step_s']:9.4g} {r['samples_per_s']:10.4g} "
+                     f"{r['samples_per_s_per_gpu']:9.4g} {scale}  {exposed:>19s} {mark}{r['bottleneck']}")
+    lines.append("exposed comm s: communication not hidden behind compute, network / NVLink; scaling: samples/s per GPU "
+                 "against the same engine at the fewest nodes; * the recommended engine at that node count (the "
+                 "fastest that fits)")
+    for nodes, rec in t["recommended"].items():
+        if rec is None:
+            lines.append(f"recommended at {nodes} node(s): none fits")
+        else:
+            shard = f", engine.shard_degree={rec['shard_degree']}" if rec["engine"] == "hsdp" else ""
+            lines.append(f"recommended at {nodes} node(s): engine={rec['engine']}{shard} ({rec['samples_per_s']:.4g} "
+                         f"samples/s, {rec['step_s']:.4g} s a step)")
+    return "\n".join(lines)

@@ -10,7 +10,8 @@ modules in the first.
 
 Beyond the engines' defaults, cases whose options make the bucketing show: DDP with 0.1 MiB buckets (the
 rebuilt order of ready gradients), ZeRO-1 / 2 with 50,000-element gradient buckets (group order; ready order),
-ZeRO-3 with nothing persistent and small prefetch buckets (the coordinator's prefetch), a frozen backbone
+ZeRO-3 with nothing persistent and small prefetch buckets (the coordinator's prefetch) or none and nothing kept for
+backward (every module gathered again in backward), a frozen backbone
 (FSDP's reduce-scatters skip frozen parameters; DDP's buckets hold trainable ones), gradient accumulation (FSDP
 and ZeRO-3 gather per micro-batch, ZeRO-2 reduces per micro-batch), a 7-dimensional action (odd sizes: FSDP's
 and DeepSpeed's padding) and hsdp as 2 x 2.
@@ -38,6 +39,10 @@ SMALL_ZERO = {"reduce_bucket_size": 50_000}
 ZERO3_GATHER = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 40_000,
                 "reduce_bucket_size": 50_000}
 ODD = ["policy.action_dim=7"]
+# Nothing persistent, nothing prefetched, nothing kept for backward: every module gathered in forward and again in
+# backward (the ZeRO paper's 1.5x; test_scaling.py).
+ZERO3_REGATHER = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
+                  "stage3_max_reuse_distance": 0}
 
 # name -> (engine, precision, overrides, options for the engine, DDP bucket_cap_mb)
 CASES_TWO = {
@@ -55,6 +60,7 @@ CASES_TWO = {
     "zero3.bf16": ("zero3", "bf16", [], {}, None),
     "zero3.bf16.gather.accum": ("zero3", "bf16", ["trainer.grad_accum_steps=2"],
                                 {"zero_options": ZERO3_GATHER}, None),
+    "zero3.fp32.regather": ("zero3", "fp32", [], {"zero_options": ZERO3_REGATHER}, None),
 }
 CASES_FOUR = {
     "ddp.bf16": ("ddp", "bf16", [], {}, None),
