@@ -38,10 +38,14 @@ def check_override_keys(overrides: list[str], groups: list[str], policy_name: st
     """
     for item in overrides:
         key = item.split("=", 1)[0]
-        if "=" not in item or key.startswith(("hydra", "+", "~")) or "@" in key:
+        if "=" in item and not key.lstrip("+~").split("@")[0].strip():  # Hydra's own words for it name nothing, or
+            # it fails inside Hydra (an assert: "+=${x}")
+            raise ValueError(f"the override {item!r} names no key: give key=value (+key=value adds a key, ~key "
+                             "removes one)")
+        if key.lstrip("+~") in groups and "@" not in key:
+            _check_group_option(key.lstrip("+~"), item)
             continue
-        if key in groups:
-            _check_group_option(key, item.split("=", 1)[1])
+        if "=" not in item or key.startswith(("hydra", "+", "~")) or "@" in key:
             continue
         if key.startswith("policy."):
             if policy_name is not None:
@@ -73,15 +77,48 @@ def did_you_mean(name: str, names, parent: str = "") -> str:
     return " (did you mean " + " or ".join(f"{parent}.{c}" if parent else c for c in close) + "?)"
 
 
-def _check_group_option(group: str, option: str) -> None:
-    """``group=option`` names a file of conf/<group>/ (Hydra would silently skip an optional group's missing
-    option: ``experiment=demoo`` would train the defaults). Sweeps and Hydra's functions pass."""
-    if option == "null" or not re.fullmatch(r"[\w.\-/]+", option):
+def _check_group_option(group: str, item: str) -> None:
+    """``item`` (``group=option``, ``+group=option``, ``~group``) names a file of conf/<group>/ (Hydra would
+    silently skip an optional group's missing option: ``experiment=demoo`` would train the defaults). A value that
+    names no file (a number, null, a list holding one) and the removal of a group every run needs are refused the
+    same way, with the options: Hydra's composition would fail over them without naming the group (``engine=1e5``,
+    ``experiment=null``) or with a TypeError (``data=[1,2]``), an AttributeError (``~checkpoint``
+    ``~checkpoint.every_steps``). Sweeps, Hydra's functions and what Hydra cannot parse (it says why) pass."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        override = OverridesParser.create().parse_overrides([item])[0]
+    except HydraException:
+        return
+    if override.is_sweep_override():
         return
     options = group_options(group)
-    if options and option not in options:
-        provider = POLICIES.provided_by(option) if group == "policy" else ""  # a plug-in's policy, not installed
-        raise ValueError(f"{group}={option} is not an option of {group}; choose one of {options}{provider}")
+    listed = f"; choose one of {options}" if options else ""
+    needed = group in required_groups()
+    if override.is_delete():
+        if needed:
+            raise ValueError(f"{item}: every run needs an option of {group}{listed}")
+        return
+    value = override.value()
+    if isinstance(value, dict):  # settings merged into the group's node: checked as keys by the composition
+        return
+    if value == [] and needed:
+        raise ValueError(f"{item} chooses no option of {group}, which every run needs{listed}")
+    for option in value if isinstance(value, list) else [value]:
+        if isinstance(option, str) and (not re.fullmatch(r"[\w.\-/]+", option) or not options or option in options):
+            continue
+        shown = item.split("=", 1)[1] if not isinstance(value, list) else "null" if option is None else str(option)
+        provider = POLICIES.provided_by(str(option)) if group == "policy" else ""  # a plug-in's policy, not installed
+        unset = f" (~{group} runs without one)" if option is None and not needed else ""
+        raise ValueError(f"{group}={shown} is not an option of {group}{listed}{provider}{unset}")
+
+
+def required_groups() -> set[str]:
+    """The config groups conf/config.yaml's defaults list chooses an option of for every run (not ``optional``)."""
+    defaults = OmegaConf.load(config_dir() / "config.yaml").get("defaults") or []
+    return {name.split("@")[0].strip() for entry in defaults if isinstance(entry, DictConfig) for name in entry
+            if not name.startswith(("optional ", "override "))}
 
 
 def _value(value: Any) -> str:
@@ -417,6 +454,7 @@ def to_config(cfg: DictConfig) -> Config:
         container = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as e:  # an interpolation that does not resolve (${oc.env:UNSET})
         raise ValueError(f"{getattr(e, 'full_key', '') or 'the config'}: {one_line(str(getattr(e, 'msg', e)))}") from None
+    refuse_nan(container)
     typed = OmegaConf.structured(Config)
     # The policy node takes the schema of the policy it names (a saved config re-validates the same way).
     policy = container.get("policy") or {}
@@ -428,6 +466,16 @@ def to_config(cfg: DictConfig) -> Config:
         return OmegaConf.to_object(OmegaConf.merge(typed, container))
     except OmegaConfBaseException as e:  # a saved config of another version: an unknown key, a wrong type
         raise ValueError(explain_config_error(e) or one_line(str(e))) from None
+
+
+def refuse_nan(value: Any, key: str = "") -> None:
+    """No setting is NaN (``optim.lr=nan``): every range check passes it (NaN compares false), and a run would train
+    on it. A ValueError names the key."""
+    if isinstance(value, float) and value != value:
+        raise ValueError(f"{key}=nan is not valid; it must be a number")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for k, v in items:
+        refuse_nan(v, f"{key}[{k}]" if isinstance(k, int) else f"{key}.{k}" if key else str(k))
 
 
 def check_policy_keys(name: str, keys) -> None:
