@@ -79,7 +79,11 @@ def fitted_picture(frame: av.VideoFrame, size: int | None, mode: str = "pad") ->
 def prepare_image(image: np.ndarray, size: int | None, name: str = "image", mode: str = "pad") -> np.ndarray:
     """An RGB image ``[H, W, 3]`` (uint8, or float in [0, 1] as openpi's client tools accept) -> the
     training layout ``[size, size, 3]`` uint8. A ValueError names ``name`` and what was expected."""
-    image = np.asarray(image)
+    try:
+        image = np.asarray(image)
+    except (ValueError, TypeError, OverflowError) as e:  # a ragged nested list, integers beyond int64
+        raise ValueError(f"{name}: expected an RGB image [H, W, 3] (uint8), got a {type(image).__name__} numpy cannot "
+                         f"read as an array ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     if image.ndim != 3 or image.shape[-1] != 3:
         raise ValueError(f"{name}: expected an RGB image [H, W, 3] (uint8), got shape {list(image.shape)}")
     if image.shape[0] < 2 or image.shape[1] < 2:
@@ -92,8 +96,12 @@ def prepare_image(image: np.ndarray, size: int | None, name: str = "image", mode
         raise ValueError(f"{name}: expected dtype uint8 (or float in [0, 1]), got {image.dtype}")
     if size is None or image.shape[:2] == (size, size):  # None: the policy resizes it itself
         return np.ascontiguousarray(image)
-    frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")
-    return resize_frame(frame, size, mode)
+    try:
+        frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")
+        return resize_frame(frame, size, mode)
+    except av.error.FFmpegError as e:  # libswscale's limits (a 2 x 3,000,000 image): its errno alone says nothing
+        raise ValueError(f"{name}: an image of {image.shape[0]}x{image.shape[1]} pixels cannot be resized to "
+                         f"{size}x{size} ({getattr(e, 'strerror', None) or e})") from None
 
 
 def text_fields(spec: SampleSpec, instruction: str) -> dict[str, torch.Tensor]:

@@ -47,6 +47,16 @@ class Observation:
     prompt: str
 
 
+def as_array(key: str, value: object) -> np.ndarray:
+    """A request's ``value`` of ``key`` as an array; a ValueError names the key (numpy's says only that a nested
+    list is ragged, or its integers overflow)."""
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise ValueError(f"{key}: expected an array of numbers, got a {type(value).__name__} numpy cannot read as one "
+                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
 class Processor:
     """The conventions between a robot (or a dataset) and one policy. ``data``: the run's data options;
     ``spec``: the policy's sample spec; ``serve``: the client's keys (None: a processor for training's samples,
@@ -120,7 +130,7 @@ class Processor:
                   for key in self.camera_keys]
         parts = []
         for key in serve.state:
-            value = np.asarray(obs[key])
+            value = as_array(key, obs[key])
             if value.dtype.kind not in "biuf":
                 raise ValueError(f"{key}: expected numbers, got dtype {value.dtype}")
             parts.append(value.astype(np.float32).reshape(-1))

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from slurmvla.data.processor import Observation, Processor
+from slurmvla.data.processor import Observation, Processor, as_array
 from slurmvla.inference.load import Loaded
 from slurmvla.policy.base import seeded_sample_actions, supports_rtc
 from slurmvla.policy.rtc import Guidance
@@ -121,13 +121,16 @@ class PolicyRunner:
         if not self.rtc:
             raise ValueError(f"prev_actions: this server's policy ({pc.target or pc.name}) does not support real-time "
                              "chunking (its metadata's execution_modes has no 'rtc'); send requests without it")
-        prev = np.asarray(prev)
+        prev = as_array("prev_actions", prev)
         if prev.dtype.kind not in "biuf" or prev.ndim != 2 or prev.shape[1] != pc.action_dim \
                 or not 1 <= prev.shape[0] <= horizon:
             raise ValueError(f"prev_actions: expected numbers shaped [k, {pc.action_dim}] with 1 <= k <= {horizon} "
                              f"(policy.action_horizon), got dtype {prev.dtype} shape {list(prev.shape)}")
+        # Checked as the policy reads them, float32: a float64 beyond its range (1e39) would be inf there.
+        with np.errstate(over="ignore"):
+            prev = prev.astype(np.float32)
         if not np.isfinite(prev).all():
-            raise ValueError("prev_actions hold NaN or inf")
+            raise ValueError("prev_actions hold NaN or inf (or values beyond float32's range)")
         k = prev.shape[0]
         if not 0 <= delay <= k or delay >= horizon:
             raise ValueError(f"delay={delay}: expected 0 <= delay <= {k} (the rows of prev_actions) and delay < "

@@ -41,10 +41,15 @@ def _unpack_hook(obj: dict) -> Any:
         except (KeyError, TypeError, ValueError) as e:
             raise BadRequest(f"an array in the request cannot be decoded ({e})") from None
     if b"__npgeneric__" in obj:
-        dtype = np.dtype(obj[b"dtype"])
-        if dtype.kind not in NUMERIC_KINDS:
-            raise BadRequest(f"a scalar in the request has dtype {dtype}, which is not numeric")
-        return dtype.type(obj[b"data"])
+        try:
+            dtype = np.dtype(obj[b"dtype"])
+            if dtype.kind not in NUMERIC_KINDS:
+                raise BadRequest(f"a scalar in the request has dtype {dtype}, which is not numeric")
+            return dtype.type(obj[b"data"])
+        except BadRequest:
+            raise
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # not "not a msgpack frame": it is one
+            raise BadRequest(f"a scalar in the request cannot be decoded ({type(e).__name__}: {e})") from None
     return obj
 
 
