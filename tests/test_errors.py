@@ -84,9 +84,10 @@ def cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def damaged(sample_root, tmp_path):
-    """A copy of the sample dataset to damage."""
+    """A copy of the sample dataset to damage, without its checksums (as LeRobot's own datasets come): the damage is
+    met where the file is read, not by slurmvla.data.checksums."""
     root = tmp_path / "damaged"
-    shutil.copytree(sample_root, root)
+    shutil.copytree(sample_root, root, ignore=shutil.ignore_patterns("checksums.json"))
     return root
 
 

@@ -40,6 +40,7 @@ import torch
 from slurmvla.collectives import gather_objects
 from slurmvla.config.data import DataConfig
 from slurmvla.data import DataError
+from slurmvla.data.checksums import verify
 from slurmvla.data.index import SampleIndex
 from slurmvla.data.lerobot_format import reading
 from slurmvla.data.source import Episode, LeRobotSource
@@ -207,10 +208,16 @@ def _check_video(path: Path, frames_needed: int) -> str | None:
     if not path.is_file():
         return "does not exist" if not path.exists() else "is not a file"
     try:
+        verify(path)
+    except DataError as e:
+        return str(e).removeprefix(f"{path}").lstrip(": ")
+    try:
         with av.open(str(path)) as container:
             if not container.streams.video:
                 return "has no video stream"
             stream = container.streams.video[0]
+            if stream.codec_context is None:
+                return "has a video stream whose codec cannot be opened"
             stream.thread_type = "AUTO"
             decoded = sum(1 for _ in container.decode(stream))
     except (OSError, av.error.FFmpegError) as e:

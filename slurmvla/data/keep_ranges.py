@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from slurmvla.data import DataError
+from slurmvla.data.checksums import verify
 
 GCS_ROOT = "gs://xembodiment_data/r2d2/r2d2-data-full"
 
@@ -62,6 +63,7 @@ def read_json(path: str | Path, what: str) -> object:
     """A JSON file's content; a file that is not JSON fails naming it, where, and ``what`` it should hold."""
     path = Path(path)
     try:
+        verify(path)  # a dataset's metadata: as written, where the dataset has checksums
         return json.loads(path.read_bytes())
     except json.JSONDecodeError as e:
         raise DataError(f"{path} is not JSON ({e.msg} at line {e.lineno} column {e.colno}); expected {what}") from None

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from slurmvla.data import DataError
+from slurmvla.data.checksums import require_listed, verify
 from slurmvla.data.keep_ranges import read_json
 
 SUPPORTED_VERSIONS = ("v2.1", "v3.0")
@@ -84,8 +85,10 @@ def _read_jsonl(path: Path) -> list[dict]:
 @contextlib.contextmanager
 def reading(path: Path, what: str = "parquet"):
     """A file the dataset names that is missing or cannot be read fails as a DataError naming it (pyarrow's and
-    the OS's own errors say neither the file nor, often, which dataset)."""
+    the OS's own errors say neither the file nor, often, which dataset). A file of a dataset with checksums is
+    checked against them first (:func:`slurmvla.data.checksums.verify`)."""
     try:
+        verify(path)
         yield
     except FileNotFoundError:
         raise DataError(f"{path} does not exist, but the dataset's metadata names it (an incomplete copy?)",
@@ -149,6 +152,7 @@ class LeRobotMetadata:
         info_path = self.root / "meta" / "info.json"
         if not self.root.is_dir():
             raise ValueError(f"data root {str(self.root)!r} does not exist or is not a directory")
+        require_listed(self.root)  # metadata files are globbed: one missing would lose its episodes unsaid
         if not info_path.is_file():
             raise ValueError(
                 f"data root {str(self.root)!r} is not a LeRobot dataset: it has no meta/info.json "

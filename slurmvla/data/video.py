@@ -23,6 +23,7 @@ import numpy as np
 
 from slurmvla import garbage_collector
 from slurmvla.data import DataError
+from slurmvla.data.checksums import verify
 from slurmvla.data.prepare import fitted_picture, resize_frame
 
 DECODER_THREADS = 1
@@ -41,6 +42,7 @@ class FrameReader:
         self.next = 0  # index (in the range) of the next frame read() returns
         self._container = None
         try:
+            verify(path)  # a byte changed in a packet may decode silently to other pixels: checksums tell
             self._container = av.open(str(path))
         except FileNotFoundError:
             raise DataError(f"video {path} does not exist, but the dataset's metadata names it (an incomplete "
@@ -52,6 +54,9 @@ class FrameReader:
             self.close()
             raise DataError(f"video {path} has no video stream", path)
         stream = self._container.streams.video[0]
+        if stream.codec_context is None:  # a damaged header: the stream's codec cannot be opened
+            self.close()
+            raise DataError(f"video {path}: its video stream's codec cannot be opened; the file is damaged", path)
         # One decoding thread per decoder: the cameras decode in parallel on read_concurrently's pool
         # and the loader's workers run side by side. FFmpeg's automatic count is one thread per core for
         # every open decoder, and a stream worker holds one per camera of each interleaved episode (24

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from slurmvla.data.checksums import write_checksums
 from slurmvla.droid_features import DROID_CAMERAS
 
 FPS = 15  # DROID's rate
@@ -350,6 +351,7 @@ def write_dataset(out: str | Path, per_episode: list, tasks: list[str], format: 
     num_frames = sum(row["length"] for _, _, row in per_episode)
     info = _info(format, len(per_episode), num_frames, len(tasks), codec, height, width, robot_type, layout)
     (tmp / "meta" / "info.json").write_text(json.dumps(info, indent=2))
+    write_checksums(tmp)  # last: every file as written, checked when read (slurmvla.data.checksums)
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)
     return out
