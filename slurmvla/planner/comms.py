@@ -160,30 +160,45 @@ def layout_of(cfg: Config, autocast: str = "cuda") -> Layout:
         batch = {k: (fake.from_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in sample.items()}
     else:
         batch = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in sample.items()}
-    counter = FlopCounterMode(display=False, custom_mapping=sdpa_flop_mapping())
+    # Each wrap unit's forward FLOPs, read off the counter around its calls (a module tracker's attribution of
+    # backward ops to modules is not reliable across the joint layers of pi0); its backward is taken in the
+    # same proportion of the backward's total.
+    forward_counter = FlopCounterMode(display=False, custom_mapping=sdpa_flop_mapping())
+    unit_forward = [0.0] * len(unit_modules)
+    started: dict[int, float] = {}
+
+    def unit_pre(u: int) -> Any:
+        def hook(_m: nn.Module, _a: Any) -> None:
+            started[u] = float(forward_counter.get_total_flops())
+        return hook
+
+    def unit_post(u: int) -> Any:
+        def hook(_m: nn.Module, _a: Any, _o: Any) -> None:
+            unit_forward[u] += float(forward_counter.get_total_flops()) - started.pop(u, 0.0)
+        return hook
+
+    for u, unit in enumerate(unit_modules):
+        hooks += [unit.register_forward_pre_hook(unit_pre(u)), unit.register_forward_hook(unit_post(u))]
+    backward_counter = FlopCounterMode(display=False, custom_mapping=sdpa_flop_mapping())
     try:
         cast = _Nothing() if not low else CudaAutocast(torch.bfloat16) if autocast == "cuda" else \
             torch.autocast("cpu", torch.bfloat16)
         place = (fake, _Nothing()) if fake is not None else (torch.device("meta"), CpuAttention())
-        with place[0], place[1], counter, cast:
-            out = policy(batch)
-            backward(out["loss"] if isinstance(out, dict) else out)
+        with place[0], place[1], cast:
+            with forward_counter:
+                out = policy(batch)
+            with backward_counter:
+                backward(out["loss"] if isinstance(out, dict) else out)
     finally:
         for h in hooks:
             h.remove()
-    counts = counter.get_flop_counts()
-    names = {id(m): n for n, m in policy.named_modules()}
-    prefix = type(policy).__name__
-
-    def flops_of(module: nn.Module) -> float:
-        fqn = f"{prefix}.{names[id(module)]}" if names[id(module)] else prefix
-        return float(sum(counts.get(fqn, {}).values()))
-
+    forward_total = float(forward_counter.get_total_flops())
+    total = forward_total + float(backward_counter.get_total_flops())
+    scale = total / forward_total if forward_total else 0.0
     pairs = [(index[id(m.weight)], index[id(m.bias)]) for m in policy.modules()
              if isinstance(m, nn.Linear) and m.bias is not None]
     return Layout([n for n, _ in named], [tuple(p.shape) for _, p in named], [p.requires_grad for _, p in named],
-                  units, root, groups, ready, calls, [flops_of(m) for m in unit_modules],
-                  float(counter.get_total_flops()), pairs)
+                  units, root, groups, ready, calls, [f * scale for f in unit_forward], total, pairs)
 
 
 class _Nothing:

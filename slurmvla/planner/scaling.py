@@ -257,6 +257,7 @@ def scaling_table(overrides: list[str], gpu: GPU, net: Network, nodes_list: list
     recommended (engine, shard degree): the fastest that fits."""
     from slurmvla.compose import compose
     from slurmvla.planner.fit import plan_engine, planner_for
+    from slurmvla.planner.recompute_choice import choose
 
     base = compose(overrides)
     gpn = net.gpus_per_node
@@ -277,6 +278,9 @@ def scaling_table(overrides: list[str], gpu: GPU, net: Network, nodes_list: list
             label = name if shard is None else f"{name}"
             try:
                 cfg = compose([*overrides, *extra])
+                # policy.gradient_checkpointing=auto: the setting training would choose on this GPU and world.
+                if cfg.policy.recompute_auto:
+                    cfg = choose(cfg, gpu, nodes, gpn, margin).setting.apply(cfg)
                 plan = plan_engine(planner_for(cfg), cfg, gpu, nodes, gpn, margin, utilization)
             except ValueError as e:  # a refused combination: said, not planned
                 rows.append({"engine": label, "shard_degree": shard, "nodes": nodes, "world_size": world,
@@ -291,6 +295,7 @@ def scaling_table(overrides: list[str], gpu: GPU, net: Network, nodes_list: list
             row = step_estimate(cfg, layout, gpu, net, nodes, est["model_flops_per_sample"],
                                 est["issued_flops_per_sample"], utilization, options)
             row.update(fits=plan["fits"], peak_bytes=plan["peak_bytes"], budget_bytes=plan["budget_bytes"],
+                       gradient_checkpointing=_recompute_setting(cfg),
                        mfu=est["model_flops_per_sample"] * row["micro_batch_size"] * accum
                        / (row["step_s"] * gpu.peak_flops(cfg.precision)))
             rows.append(row)
@@ -319,6 +324,13 @@ def scaling_table(overrides: list[str], gpu: GPU, net: Network, nodes_list: list
             "network_description": net.describe(), "gpus_per_node": gpn, "micro_batch_size": micro,
             "grad_accum_steps": accum, "assumed_utilization": utilization, "nodes": sorted(set(nodes_list)),
             "rows": rows, "recommended": recommended}
+
+
+def _recompute_setting(cfg: Config) -> str:
+    p = cfg.policy
+    if not p.gradient_checkpointing:
+        return "off"
+    return f"saves {p.checkpoint_saves}, every {p.checkpoint_every}"
 
 
 _LAYOUTS: dict[str, Layout] = {}
