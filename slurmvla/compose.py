@@ -105,10 +105,12 @@ def _check_group_option(group: str, item: str) -> None:
         return
     if value == [] and needed:
         raise ValueError(f"{item} chooses no option of {group}, which every run needs{listed}")
-    for option in value if isinstance(value, list) else [value]:
-        if isinstance(option, str) and (not re.fullmatch(r"[\w.\-/]+", option) or not options or option in options):
+    listed_many = isinstance(value, list)  # each item a file's name: Hydra takes no interpolation there
+    for option in value if listed_many else [value]:
+        if isinstance(option, str) and (not options or option in options
+                                        or not listed_many and not re.fullmatch(r"[\w.\-/]+", option)):
             continue
-        shown = item.split("=", 1)[1] if not isinstance(value, list) else "null" if option is None else str(option)
+        shown = item.split("=", 1)[1] if not listed_many else "null" if option is None else str(option)
         provider = POLICIES.provided_by(str(option)) if group == "policy" else ""  # a plug-in's policy, not installed
         unset = f" (~{group} runs without one)" if option is None and not needed else ""
         raise ValueError(f"{group}={shown} is not an option of {group}{listed}{provider}{unset}")
