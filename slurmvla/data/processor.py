@@ -133,7 +133,8 @@ class Processor:
             value = as_array(key, obs[key])
             if value.dtype.kind not in "biuf":
                 raise ValueError(f"{key}: expected numbers, got dtype {value.dtype}")
-            parts.append(value.astype(np.float32).reshape(-1))
+            with np.errstate(over="ignore"):  # beyond float32 is inf, refused below: no warning per request
+                parts.append(value.astype(np.float32).reshape(-1))
         state = np.concatenate(parts)
         if self.state_dim is not None and state.shape[0] != self.state_dim:
             got = ", ".join(f"{k}: {p.shape[0]}" for k, p in zip(serve.state, parts))
