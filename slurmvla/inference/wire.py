@@ -45,7 +45,8 @@ def _unpack_hook(obj: dict) -> Any:
             dtype = np.dtype(obj[b"dtype"])
             if dtype.kind not in NUMERIC_KINDS:
                 raise BadRequest(f"a scalar in the request has dtype {dtype}, which is not numeric")
-            return dtype.type(obj[b"data"])
+            with np.errstate(over="ignore"):  # beyond the dtype's range is inf, refused where the value is read
+                return dtype.type(obj[b"data"])
         except BadRequest:
             raise
         except (KeyError, TypeError, ValueError, OverflowError) as e:  # not "not a msgpack frame": it is one
