@@ -42,7 +42,7 @@ from slurmvla.errors import one_line
 from tests.conftest import policy_spec
 from tests.properties import DEPTHS, Tally, run
 
-BUDGET = {"default": 30, "deep": 600}
+BUDGET = {"default": 50, "deep": 2000}
 READ_TIMEOUT_S = 60  # one read of the whole dataset takes under a second
 COMPARED = ("images", "image_mask", "state", "actions", "action_mask", "instruction")
 READERS = ("validation", "stream", "map")
