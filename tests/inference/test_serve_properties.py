@@ -44,7 +44,11 @@ BUDGET = {"default": 250, "deep": 4000}
 # The server's memory over a second pass of every input the run tried (the process's RSS: the server runs in this
 # thread's process, beside Hypothesis, whose own memory grows with the inputs it has drawn; a second pass draws
 # none). Each request is under 20 MiB; a request that left 4 KiB behind would add 16 MiB over the deep run's.
-RSS_GROWTH = 16 * MiB
+RSS_GROWTH = {"deep": 16 * MiB,
+              # The default run's 254 inputs cannot show a 4 KiB leak (1 MiB); its RSS over a second pass moves by
+              # 10-35 MiB with the allocator's arenas (measured in suite runs, where other tests share the process):
+              # here the bound catches a request that leaves its own size behind, the deep run the small leaks.
+              "default": 96 * MiB}
 TIMEOUT_S = 30
 
 rng = np.random.default_rng(0)
@@ -272,4 +276,4 @@ def test_any_request_gets_actions_or_a_bad_request_and_the_server_goes_on(served
     assert server.pending == 0 and not server.admitted, (server.pending, server.admitted)
     print(tally.line(f"server [{depth}]"), f"in {took:.0f} s; crashes 0, hangs 0; RSS {before / MiB:.0f} -> "
           f"{after / MiB:.0f} MiB over a second pass of the {len(tried)} inputs")
-    assert after - before < RSS_GROWTH, f"RSS grew {(after - before) / MiB:.1f} MiB over {len(tried)} requests again"
+    assert after - before < RSS_GROWTH[depth], f"RSS grew {(after - before) / MiB:.1f} MiB over {len(tried)} requests again"

@@ -48,6 +48,8 @@ NOT_POLICY = {
     ("rollout.py", "server.policy"): "the server's InferencePolicy (a Runner)",
     ("plan.py", "c.policy"): "a Config's policy node",
     ("sim/metaworld/expert.py", "self.policy"): "Meta-World's scripted expert (get_action)",
+    ("formats.py", "policy"): "a saved config's policy mapping (migrated on load)",
+    ("planner/scaling.py", "base.policy"): "a Config's policy node",
 }
 # Other names under which the library reads a built policy (none today: it is always a ``policy``), and where.
 ALIASES: dict[str, str] = {}
