@@ -288,6 +288,12 @@ class SimulatorEntry(Entry):
     task_default: str = ""
     # "module:function" raising a ValueError that names a task the simulator lacks: f(task, key).
     task_check: str | None = None
+    # "module:function" expanding rollout.task into the tasks an environment runs one at a time, f(task, key) ->
+    # [task, ...] (a suite: Meta-World's MT50, where rollout.task names a group or null for all fifty); None: one
+    # task, rollout.task itself.
+    suite: str | None = None
+    # "module:attribute": the suite's groups (name -> tasks), which summaries and the table report apart.
+    groups: str | None = None
     # The recorder's defaults: demonstrations, and the frames' height and width.
     demo_episodes: int = 100
     demo_height: int = 180
@@ -301,11 +307,24 @@ class SimulatorEntry(Entry):
         names the choices, e.g. ``rollout.env=pick`` and ``rollout.task``), or None."""
         if not task:
             return f"{env_key} needs {task_key} ({self.task_hint})" if self.task_required else None
+        if self.suite:
+            try:
+                self.tasks_of(task, task_key)
+            except ValueError as e:
+                return str(e)
         if self.tasks is not None and task not in self.tasks:
             default = f" or null ({self.task_default})" if not self.task_required else ""
             return (f"{task_key}={task!r} is not a variant of {self.description} ({env_key}); choose one of "
                     f"{list(self.tasks)}{default}")
         return None
+
+    def tasks_of(self, task: str | None, task_key: str = "rollout.task") -> list[str | None]:
+        """The tasks ``task`` runs, one environment each: the suite's expansion, else ``[task]``."""
+        return list(import_target(self.suite)(task, task_key)) if self.suite else [task]
+
+    def group_table(self) -> dict[str, list[str]]:
+        """The suite's groups (name -> tasks); empty without a suite."""
+        return dict(import_target(self.groups)) if self.groups else {}
 
     def check_task(self, task: str | None, task_key: str) -> None:
         """The simulator's own check of ``task`` (importing the simulator), where it has one."""

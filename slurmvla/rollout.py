@@ -43,6 +43,7 @@ from slurmvla.inference.closed_loop import (
     close_client,
     connect,
     execution_of,
+    groups_of,
     history_warning,
     require_sim,
     run_episodes,
@@ -124,7 +125,7 @@ def run(source: str, overrides: list[str], shard: tuple[int, int] | None = None,
         seeds = shard_seeds(cfg, shard)
         start = time.perf_counter()
         episodes = run_served(server, cfg, seeds, out)
-    summary = summarize(episodes, time.perf_counter() - start)
+    summary = summarize(episodes, time.perf_counter() - start, groups_of(cfg))
     summary.update({"source": where, "step": step, "weights": weights, "max_steps": cfg.max_steps,
                     **execution_of(cfg), "shard": f"{shard[0]}/{shard[1]}", "host": socket.gethostname()})
     out.mkdir(parents=True, exist_ok=True)
@@ -160,13 +161,20 @@ def merge(paths: list[Path], out: Path) -> dict:
             raise ValueError(f"{p}: not a rollout summary ({e})") from None
     episodes = [e for part in parts for e in part["episodes"]]
     wall = max(part["rollout/wall_s"] for part in parts)
-    summary = summarize(episodes, wall)
-    summary.update({k: parts[0][k] for k in ("source", "step", "max_steps", "execution", "delay")
+    summary = summarize(episodes, wall, _groups(parts[0].get("env")))
+    summary.update({k: parts[0][k] for k in ("source", "step", "max_steps", "env", "task", "execution", "delay")
                     if k in parts[0]})
     summary["shards"] = len(parts)
     summary["hosts"] = sorted({part.get("host", "?") for part in parts})
     out.write_text(json.dumps(summary, indent=1))
     return summary | {"out": str(out)}
+
+
+def _groups(env: str | None) -> dict[str, list[str]]:
+    """The groups of simulator ``env`` (a summary's header; none when it names none)."""
+    from slurmvla.registry import SIMULATORS
+
+    return SIMULATORS.get(env).group_table() if env in SIMULATORS else {}
 
 
 def _line(summary: dict) -> str:
@@ -175,7 +183,15 @@ def _line(summary: dict) -> str:
             f"{summary['rollout/success_ci95_high']:.3f}), mean return {summary['rollout/mean_return']:.2f}, mean length "
             f"{summary['rollout/mean_length']:.1f} steps, {summary['rollout/wall_s']:.1f} s "
             f"({summary['rollout/steps_per_s']:.1f} steps/s, {summary['rollout/requests_per_s']:.1f} requests/s): "
-            f"{summary['out']}{_failures_line(summary.get('failures'))}")
+            f"{summary['out']}{_groups_line(summary.get('groups'))}{_failures_line(summary.get('failures'))}")
+
+
+def _groups_line(groups: dict | None) -> str:
+    if not groups:
+        return ""
+    parts = [f"{name} {g['success_rate']:.3f} ({g['successes']}/{g['episodes']})" for name, g in groups.items()]
+    mean = sum(g["success_rate"] for g in groups.values()) / len(groups)
+    return f"\nby group: {', '.join(parts)}; mean of the groups {mean:.3f}"
 
 
 def _failures_line(failures: dict | None) -> str:

@@ -49,8 +49,11 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def summarize(episodes: list[dict], wall_s: float) -> dict:
-    """The metrics of a set of episodes (``rollout/*``) with the episodes themselves."""
+def summarize(episodes: list[dict], wall_s: float, groups: dict[str, list[str]] | None = None) -> dict:
+    """The metrics of a set of episodes (``rollout/*``) with the episodes themselves; episodes of a suite's tasks
+    (each with its ``task``) also per task (``tasks``) and per group of ``groups`` (name -> tasks:
+    ``rollout/<group>/success_rate``, and ``rollout/group_mean_success_rate``, the mean of the groups' rates, as
+    the MT50 table averages)."""
     n = len(episodes)
     wins = sum(e["success"] for e in episodes)
     lo, hi = wilson_interval(wins, n)
@@ -66,9 +69,40 @@ def summarize(episodes: list[dict], wall_s: float) -> dict:
         "rollout/wall_s": wall_s, "rollout/steps_per_s": steps / max(wall_s, 1e-9),
         "rollout/requests_per_s": requests / max(wall_s, 1e-9),
         **_jumps(episodes),
+        **per_task(episodes, groups or {}),
         **failures(episodes),
-        "episodes": sorted(episodes, key=lambda e: e["seed"]),
+        "episodes": sorted(episodes, key=lambda e: (e.get("task") or "", e["seed"])),
     }
+
+
+def per_task(episodes: list[dict], groups: dict[str, list[str]]) -> dict:
+    """A suite's episodes by task (``tasks``: successes, episodes, rate, and the failures' diagnostics) and by
+    group (``rollout/<group>/success_rate`` over the group's episodes, ``groups``: each with its interval, and
+    ``rollout/group_mean_success_rate``); nothing for single-task episodes."""
+    tasks: dict[str, list[dict]] = {}
+    for e in episodes:
+        if e.get("task") is not None:
+            tasks.setdefault(e["task"], []).append(e)
+    if not tasks:
+        return {}
+    out: dict = {"tasks": {t: {"successes": sum(e["success"] for e in mine), "episodes": len(mine),
+                               "success_rate": sum(e["success"] for e in mine) / len(mine), **failures(mine)}
+                           for t, mine in sorted(tasks.items())}}
+    rates, table = [], {}
+    for group, names in groups.items():
+        mine = [e for t in names for e in tasks.get(t, [])]
+        if not mine:
+            continue
+        wins = sum(e["success"] for e in mine)
+        lo, hi = wilson_interval(wins, len(mine))
+        table[group] = {"successes": wins, "episodes": len(mine), "tasks": sum(t in tasks for t in names),
+                        "of_tasks": len(names), "success_rate": wins / len(mine), "ci95": [lo, hi]}
+        out[f"rollout/{group}/success_rate"] = wins / len(mine)
+        rates.append(wins / len(mine))
+    if table:
+        out["groups"] = table
+        out["rollout/group_mean_success_rate"] = float(np.mean(rates))
+    return out
 
 
 def failures(episodes: list[dict]) -> dict:
@@ -125,14 +159,28 @@ def client_class() -> Any:
     return WebsocketClientPolicy
 
 
-def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: Path | None = None) -> list[dict]:
+def run_episodes(client: Any, cfg: RolloutConfig, seeds: list, video_dir: Path | None = None) -> list[dict]:
     """Run one episode per seed of ``rollout.env`` against ``client`` (anything with openpi's
-    ``infer(obs) -> {"actions"}`` and ``get_server_metadata()``); returns one dict per episode."""
+    ``infer(obs) -> {"actions"}`` and ``get_server_metadata()``); returns one dict per episode. ``seeds``: each an
+    environment seed of ``rollout.task``, or a ``(task, seed)`` pair (:func:`shard_seeds`: a suite's tasks, one
+    environment each, its episodes then carrying their ``task``); the first ``rollout.videos`` episodes of each
+    task are filmed into ``video_dir``."""
     from slurmvla.data.writer import encode_video
-    from slurmvla.sim import make_env
 
     metadata = client.get_server_metadata() or {}
-    env = make_env(cfg.env, cfg.task, cfg.height, cfg.width, cfg.max_steps)
+    plan = [(cfg.task, s, False) if isinstance(s, int) else (s[0], s[1], True) for s in seeds]
+    results, filmed = [], {}
+    for task in dict.fromkeys(t for t, _, _ in plan):
+        mine = [(seed, named) for t, seed, named in plan if t == task]
+        results += _task_episodes(client, metadata, cfg, task, mine, video_dir, filmed, encode_video)
+    return results
+
+
+def _task_episodes(client: Any, metadata: dict, cfg: RolloutConfig, task: str | None, seeds: list[tuple[int, bool]],
+                   video_dir: Path | None, filmed: dict, encode_video: Any) -> list[dict]:
+    from slurmvla.sim import make_env
+
+    env = make_env(cfg.env, task, cfg.height, cfg.width, cfg.max_steps)
     try:
         wanted, state_keys = _requested(env, metadata)
         prompt_key = metadata.get("prompt") or "prompt"
@@ -143,9 +191,14 @@ def run_episodes(client: Any, cfg: RolloutConfig, seeds: list[int], video_dir: P
                              f"{modes}); serve a policy that supports it, or use rollout.execution=async")
         video_keys = [k for k in env.video_keys if k in env.client_cameras]
         executor = executor_of(_Checked(client, env), cfg, replan, env.fps)
-        return [_episode(env, executor, cfg, seed, wanted, state_keys, prompt_key, video_keys,
-                         video_dir if video_dir is not None and i < cfg.videos else None, encode_video)
-                for i, seed in enumerate(seeds)]
+        out = []
+        for seed, named in seeds:
+            film = video_dir is not None and filmed.get(task, 0) < cfg.videos
+            filmed[task] = filmed.get(task, 0) + film
+            result = _episode(env, executor, cfg, seed, wanted, state_keys, prompt_key, video_keys,
+                              video_dir if film else None, encode_video, task if named else None)
+            out.append(result | ({"task": task} if named else {}))
+        return out
     finally:
         env.close()
 
@@ -190,7 +243,8 @@ def _requested(env: Any, metadata: dict) -> tuple[list[str], list[str]]:
 
 
 def _episode(env: Any, executor: Executor, cfg: RolloutConfig, seed: int, wanted: list[str], state_keys: list[str],
-             prompt_key: str, video_keys: list[str], video_dir: Path | None, encode_video: Any) -> dict:
+             prompt_key: str, video_keys: list[str], video_dir: Path | None, encode_video: Any,
+             task: str | None = None) -> dict:
     env.reset(seed)
     # Before its first chunk the arm rests (the pick task: still, the gripper where it starts).
     executor.reset(rest=env.rest_action())
@@ -224,10 +278,11 @@ def _episode(env: Any, executor: Executor, cfg: RolloutConfig, seed: int, wanted
     if (diagnostics := env.diagnostics()) is not None:
         result["diagnostics"] = diagnostics
     if video_dir is not None and frames:
-        path = video_dir / f"episode_{seed}.mp4"
+        path = video_dir / (f"{task}_episode_{seed}.mp4" if task else f"episode_{seed}.mp4")
         encode_video(path, np.stack(frames), codec="h264", fps=env.fps)
         result["video"] = path.name
-    log.info("episode seed %d: %s in %d steps (return %.2f)", seed, "success" if success else "failure", env.steps, total)
+    log.info("episode %sseed %d: %s in %d steps (return %.2f)", f"{task} " if task else "", seed,
+             "success" if success else "failure", env.steps, total)
     return result
 
 
@@ -334,7 +389,7 @@ def in_training(policy: Any, cfg: Any, step: int, run_dir: Path, rank: int, worl
     everyone = gather_objects(mine)
     if rank != 0:
         return None
-    summary = summarize([e for part in everyone for e in part], time.perf_counter() - start)
+    summary = summarize([e for part in everyone for e in part], time.perf_counter() - start, groups_of(rcfg))
     summary.update({"source": str(run_dir), "step": step, "weights": weights, "max_steps": rcfg.max_steps,
                     **execution_of(rcfg)})
     out.mkdir(parents=True, exist_ok=True)
@@ -343,8 +398,9 @@ def in_training(policy: Any, cfg: Any, step: int, run_dir: Path, rank: int, worl
 
 
 def execution_of(cfg: RolloutConfig) -> dict:
-    """How the chunks ran, for a summary's header."""
-    return {"execution": cfg.execution, "delay": "measured" if cfg.delay == "measured" else cfg.delay_steps}
+    """How the chunks ran and in which simulator, for a summary's header."""
+    return {"env": cfg.env, "task": cfg.task, "execution": cfg.execution,
+            "delay": "measured" if cfg.delay == "measured" else cfg.delay_steps}
 
 
 def close_client(client: Any) -> None:
@@ -357,7 +413,22 @@ def close_client(client: Any) -> None:
         ws.close()
 
 
-def shard_seeds(cfg: RolloutConfig, shard: tuple[int, int]) -> list[int]:
-    """The environment seeds of shard ``(I, N)``: every N-th episode from the I-th."""
+def shard_seeds(cfg: RolloutConfig, shard: tuple[int, int]) -> list:
+    """The episodes of shard ``(I, N)``: every N-th from the I-th of ``rollout.episodes`` environment seeds (from
+    ``rollout.first_seed``) of ``rollout.task``; for a suite (``rollout.env=mt50``) of each of its tasks in turn, as
+    ``(task, seed)`` pairs."""
+    from slurmvla.registry import SIMULATORS
+
     index, count = shard
-    return [cfg.first_seed + e for e in range(cfg.episodes) if e % count == index]
+    entry = SIMULATORS.get(cfg.env)
+    if not entry.suite:
+        return [cfg.first_seed + e for e in range(cfg.episodes) if e % count == index]
+    plan = [(task, cfg.first_seed + e) for task in entry.tasks_of(cfg.task) for e in range(cfg.episodes)]
+    return [p for i, p in enumerate(plan) if i % count == index]
+
+
+def groups_of(cfg: RolloutConfig) -> dict[str, list[str]]:
+    """The groups a summary of ``rollout.env`` reports apart (a suite's; none for one task)."""
+    from slurmvla.registry import SIMULATORS
+
+    return SIMULATORS.get(cfg.env).group_table()

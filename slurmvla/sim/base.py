@@ -74,20 +74,51 @@ class Expert(Protocol):
     def act(self, env: Any) -> np.ndarray: ...
 
 
-class Demonstrations(ABC):
-    """A simulator's scripted demonstrations, built as ``cls(task, height, width)``. The recorder
-    (:func:`slurmvla.sim.record.episode`) drives every episode alike: reset to the seed, then per step ``observe``,
-    the expert's action, the action executed (``perturb`` under ``--noise``), the step, until ``done`` or ``steps``;
-    ``episode`` turns the steps into arrays, ``keep`` decides, ``columns`` and ``files`` write them."""
+class Recording(ABC):
+    """What the one recorder (:func:`slurmvla.sim.record.record`) writes, built as ``cls(task, height, width)``:
+    the :meth:`parts` recorded one after the other into one dataset (a single task's :class:`Demonstrations` is
+    its own one part; a suite of tasks, e.g. Meta-World's MT50, has one part per task), the dataset's task strings,
+    layout, summary and the files beside it."""
 
-    # Control steps an episode runs at most (the whole episode when ``done`` never ends it early).
-    steps: int
     # Demonstrations written into one data file (LeRobot v3.0).
     episodes_per_file: int = 8
     robot_type: str = "sim"
 
     def __init__(self, task: str | None, height: int, width: int):
         self.task, self.height, self.width = task, height, width
+
+    @abstractmethod
+    def parts(self) -> list[Demonstrations]:
+        """The demonstrations recorded in turn, ``--episodes`` each, each writing its episodes' task index."""
+
+    @abstractmethod
+    def tasks(self) -> list[str]:
+        """The dataset's task strings (``meta/tasks``)."""
+
+    def layout(self) -> Layout | None:
+        """The dataset's cameras and features (default DROID's: :func:`slurmvla.data.writer.droid_layout`)."""
+        return None
+
+    @abstractmethod
+    def summary(self, tried: list[tuple[dict[str, Any], bool]], noise: float, frames: int) -> dict[str, Any]:
+        """The recording's summary (every episode tried with whether it was kept), written beside the data."""
+
+    @abstractmethod
+    def files(self, summary: dict[str, Any], kept: list[dict[str, Any]]) -> dict[str, str]:
+        """Files beside ``meta/`` (name -> text): the summary, and whatever the data layer reads of this simulator."""
+
+
+class Demonstrations(Recording):
+    """A simulator's scripted demonstrations of one task, built as ``cls(task, height, width)``. The recorder
+    (:func:`slurmvla.sim.record.episode`) drives every episode alike: reset to the seed, then per step ``observe``,
+    the expert's action, the action executed (``perturb`` under ``--noise``), the step, until ``done`` or ``steps``;
+    ``episode`` turns the steps into arrays, ``keep`` decides, ``columns`` and ``files`` write them."""
+
+    # Control steps an episode runs at most (the whole episode when ``done`` never ends it early).
+    steps: int
+
+    def parts(self) -> list[Demonstrations]:
+        return [self]
 
     @abstractmethod
     def environment(self) -> Environment:
@@ -126,19 +157,3 @@ class Demonstrations(ABC):
     def columns(self, episode: dict[str, Any], episode_index: int, start_index: int) -> tuple[dict, dict, dict]:
         """One kept episode for :func:`slurmvla.data.writer.write_dataset`: its columns, its frames (video key ->
         frames) and its ``meta/episodes`` row."""
-
-    @abstractmethod
-    def tasks(self) -> list[str]:
-        """The dataset's task strings (``meta/tasks``)."""
-
-    def layout(self) -> Layout | None:
-        """The dataset's cameras and features (default DROID's: :func:`slurmvla.data.writer.droid_layout`)."""
-        return None
-
-    @abstractmethod
-    def summary(self, tried: list[tuple[dict[str, Any], bool]], noise: float, frames: int) -> dict[str, Any]:
-        """The recording's summary (every episode tried with whether it was kept), written beside the data."""
-
-    @abstractmethod
-    def files(self, summary: dict[str, Any], kept: list[dict[str, Any]]) -> dict[str, str]:
-        """Files beside ``meta/`` (name -> text): the summary, and whatever the data layer reads of this simulator."""

@@ -5,6 +5,10 @@ environment and its expert the same way and writing through the project's writer
     python -m slurmvla.sim.record --out DIR [--episodes 100] [--first-seed 0] [--height 180 --width 320]
     python -m slurmvla.sim.record --task two_cubes --out DIR      # the pick task with a red and a blue cube
     python -m slurmvla.sim.record --env metaworld --task assembly-v3 --out DIR [--episodes 10] [--noise 0.1]
+    python -m slurmvla.sim.record --env mt50 --out DIR [--task easy] [--episodes 10] [--height 128 --width 128]
+
+``--env mt50`` records every task ``--task`` names (null: Meta-World's fifty, in LeRobot's regime) into one dataset,
+``--episodes`` each, each episode under its task's instruction, in ``lerobot/metaworld_mt50``'s layout.
 
 Episode ``e`` is tried from the environment's seed ``first_seed + e`` on; the simulator decides which episodes it
 keeps (the pick task: every one; Meta-World: those where the task succeeded on at least 5 steps, 3D Diffusion
@@ -26,7 +30,7 @@ import numpy as np
 from slurmvla.cli import ArgumentParser, program
 from slurmvla.data.writer import out_folder_problem, write_dataset
 from slurmvla.registry import SIMULATORS, SimulatorEntry
-from slurmvla.sim.base import Demonstrations, Environment
+from slurmvla.sim.base import Demonstrations, Environment, Recording
 
 
 def episode(demos: Demonstrations, env: Environment, seed: int, steps: int | None = None, render: bool = True,
@@ -57,29 +61,34 @@ def record(out: str | Path, env: str = "pick", task: str | None = None, episodes
     ``first_seed + 1``, ...: each kept or skipped as the simulator says, at most ``max_tries`` seeds tried (default
     the simulator's). ``options``: the simulator's own (Meta-World's ``steps``, an episode's length). Returns the
     summary written beside the data."""
-    demos: Demonstrations = SIMULATORS.get(env).load_demonstrations()(task, height, width, **options)
-    environment = demos.environment()
-    max_tries = demos.max_tries(episodes) if max_tries is None else max_tries
+    recording: Recording = SIMULATORS.get(env).load_demonstrations()(task, height, width, **options)
     per_episode, tried, kept = [], [], []
-    start, seed = 0, first_seed
-    try:
-        while len(per_episode) < episodes and len(tried) < max_tries:
-            ep = episode(demos, environment, seed, noise=noise)
-            ok = demos.keep(ep)
-            tried.append((ep, ok))
-            if ok:
-                per_episode.append(demos.columns(ep, len(per_episode), start))
-                kept.append(ep)
-                start += len(ep["action"])
-            seed += 1
-    finally:
-        environment.close()
-    if len(per_episode) < episodes:
-        raise ValueError(f"the scripted expert of {env}{f' {task}' if task else ''} succeeded on {len(per_episode)} of "
-                         f"{len(tried)} seeds from {first_seed}; {episodes} demonstrations were asked for")
-    summary = demos.summary(tried, noise, start)
-    write_dataset(out, per_episode, demos.tasks(), episodes_per_file=demos.episodes_per_file,
-                  extra_files=demos.files(summary, kept), robot_type=demos.robot_type, layout=demos.layout())
+    start = 0
+    for demos in recording.parts():
+        environment = demos.environment()
+        tries = demos.max_tries(episodes) if max_tries is None else max_tries
+        mine, seed, done = 0, first_seed, 0
+        try:
+            while done < episodes and mine < tries:
+                ep = episode(demos, environment, seed, noise=noise)
+                ok = demos.keep(ep)
+                tried.append((ep, ok))
+                mine += 1
+                if ok:
+                    per_episode.append(demos.columns(ep, len(per_episode), start))
+                    kept.append(ep)
+                    start += len(ep["action"])
+                    done += 1
+                seed += 1
+        finally:
+            environment.close()
+        if done < episodes:
+            where = f" {demos.task}" if demos.task else ""
+            raise ValueError(f"the scripted expert of {env}{where} succeeded on {done} of {mine} seeds from "
+                             f"{first_seed}; {episodes} demonstrations were asked for")
+    summary = recording.summary(tried, noise, start)
+    write_dataset(out, per_episode, recording.tasks(), episodes_per_file=recording.episodes_per_file,
+                  extra_files=recording.files(summary, kept), robot_type=recording.robot_type, layout=recording.layout())
     return summary
 
 
@@ -88,6 +97,11 @@ def _problem(args: argparse.Namespace, entry: SimulatorEntry | None) -> str | No
         return f"--env={args.env!r} is not valid; choose one of {list(SIMULATORS)}"
     if (problem := entry.task_problem(args.task, env_key=f"--env {args.env}", task_key="--task")) is not None:
         return problem
+    if entry.suite:
+        try:
+            entry.tasks_of(args.task, "--task")
+        except ValueError as e:
+            return str(e)
     if args.episodes < 1:
         return f"--episodes={args.episodes} must be >= 1"
     if args.noise < 0:
@@ -103,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="output folder (must not hold a dataset yet)")
     parser.add_argument("--env", default="pick", help=f"the simulator, one of {list(SIMULATORS)} (default pick)")
     parser.add_argument("--task", help="the simulator's task: for Meta-World one of its v3 tasks (e.g. assembly-v3); "
-                                       "for the pick task two_cubes, or none (one cube)")
+                                       "for mt50 a group (easy, medium, hard, very_hard) or tasks, comma-separated, or "
+                                       "none (all fifty); for the pick task two_cubes, or none (one cube)")
     parser.add_argument("--episodes", type=int, default=None, help="demonstrations (default: the simulator's; pick 100, "
                                                                     "Meta-World 10)")
     parser.add_argument("--first-seed", type=int, default=0, help="episode e is tried from the environment's seed "
@@ -135,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
-    print(f"wrote {args.episodes} expert episodes ({summary['frames']} frames) to {out}; expert success rate "
+    each = f" of each of {len(entry.tasks_of(args.task, '--task'))} tasks" if entry.suite else ""
+    print(f"wrote {args.episodes} expert episodes{each} ({summary['frames']} frames) to {out}; expert success rate "
           f"{summary['expert_success_rate']:.2f}")
 
 

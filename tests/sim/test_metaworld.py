@@ -183,7 +183,7 @@ def test_noisy_demonstrations_record_the_experts_command_for_the_state_the_noise
 
 
 def test_rollout_settings_name_the_embodiment_and_its_task():
-    with pytest.raises(ValueError, match=r"rollout.env='libero' is not valid; choose one of \['metaworld', 'pick'\]"):
+    with pytest.raises(ValueError, match=r"rollout.env='libero' is not valid; choose one of \['metaworld', 'mt50', 'pick'\]"):
         RolloutConfig(env="libero")
     with pytest.raises(ValueError, match=r"rollout.env=metaworld needs rollout.task"):
         RolloutConfig(env="metaworld")

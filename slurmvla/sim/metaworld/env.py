@@ -15,6 +15,12 @@ package now ships where DP3 used v2:
   gripper's effort, each in [-1, 1];
 - 200 control steps an episode; an episode succeeds when the task's ``success`` flag is raised at any step.
 
+``regime=LEROBOT`` (``rollout.env=mt50``, :mod:`slurmvla.sim.metaworld.mt50`) observes and runs a task as LeRobot's
+Meta-World benchmark does (LeRobot 0.6.1's ``envs/metaworld.py``), the regime the VLA field's MT50 table is measured
+in: corner2 moved to [0.75, 0.075, 0.7] and its frame flipped on both axes (it renders upside down), the state
+Meta-World's first 4 numbers (the hand's position and the gripper's opening), episodes of up to 500 steps, each task
+asked with LeRobot's instruction.
+
 Under openpi's client the observation is ``observation/image`` (the camera), ``observation/state`` (the 9 numbers)
 and the prompt (openpi's LIBERO client's names, the nearest published single-arm layout). The full environment
 state (Meta-World's 39 numbers: hand, gripper opening, objects, goal) is offered as ``observation/env_state`` for
@@ -23,6 +29,8 @@ the same server and client, check every convention here without learning anythin
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import mujoco  # slurmvla.sim (imported first) chose the offscreen backend
 import numpy as np
@@ -69,6 +77,27 @@ INSTRUCTIONS = {
 }
 
 
+
+
+@dataclass(frozen=True)
+class Regime:
+    """How a task is observed and run: where the corner2 camera stands, whether its frame is flipped on both axes,
+    the state's numbers (9: DP3's hand and fingertips; 4: Meta-World's own first four, the hand and the gripper's
+    opening), an episode's steps at most, and which instruction each task is asked with."""
+
+    name: str
+    camera_position: tuple[float, float, float]
+    flip: bool
+    state_dim: int
+    steps: int
+
+
+# 3D Diffusion Policy's (the v2 table's, ``rollout.env=metaworld``).
+DP3 = Regime("dp3", CAMERA_POSITION, flip=False, state_dim=STATE_DIM, steps=EPISODE_STEPS)
+# LeRobot's Meta-World benchmark (``rollout.env=mt50``): envs/metaworld.py moves corner2 there and flips its frame.
+LEROBOT = Regime("lerobot", (0.75, 0.075, 0.7), flip=True, state_dim=4, steps=500)
+
+
 def tasks() -> list[str]:
     """Every Meta-World v3 task this package ships."""
     from metaworld.env_dict import ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE
@@ -84,7 +113,12 @@ def check_task(task: str | None, where: str = "rollout.task") -> str:
     return task
 
 
-def instruction(task: str) -> str:
+def instruction(task: str, regime: Regime = DP3) -> str:
+    """What ``task`` is asked with: LeRobot's instruction in its regime, else the v2 table's (or the task's name)."""
+    if regime.name == LEROBOT.name:
+        from slurmvla.sim.metaworld.mt50 import INSTRUCTIONS as LEROBOT_INSTRUCTIONS
+
+        return LEROBOT_INSTRUCTIONS[task]
     return INSTRUCTIONS.get(task, task.removesuffix("-v3").replace("-", " "))
 
 
@@ -100,11 +134,12 @@ class MetaWorld(Environment):
     video_keys = (IMAGE_KEY,)
 
     def __init__(self, task: str, height: int = IMAGE_SIZE, width: int = IMAGE_SIZE,
-                 max_steps: int = EPISODE_STEPS):
+                 max_steps: int = EPISODE_STEPS, regime: Regime = DP3):
         from metaworld.env_dict import ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE
 
         self.task = check_task(task)
-        self.instruction = instruction(task)
+        self.regime = regime
+        self.instruction = instruction(task, regime)
         self.env = ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE[f"{task}-goal-observable"](seed=0)
         # A new object and goal at each reset, drawn from the environment's generator (seeded per episode).
         self.env._freeze_rand_vec = False
@@ -112,7 +147,7 @@ class MetaWorld(Environment):
         # Meta-World's own limit (500) would end an episode early with a truncation; the loop keeps the count.
         self.env.max_path_length = max(max_steps, self.env.max_path_length)
         model = self.env.model
-        model.cam_pos[model.camera(CAMERA).id] = CAMERA_POSITION
+        model.cam_pos[model.camera(CAMERA).id] = regime.camera_position
         self.fps = round(1.0 / (self.env.frame_skip * model.opt.timestep))  # 80 Hz
         self.height, self.width = height, width
         self._renderer: mujoco.Renderer | None = None
@@ -165,7 +200,10 @@ class MetaWorld(Environment):
         return dict(self._diagnostics)
 
     def state(self) -> np.ndarray:
-        """DP3's ``agent_pos``: the end effector's position, then the right and the left fingertip's."""
+        """DP3's ``agent_pos``: the end effector's position, then the right and the left fingertip's; in LeRobot's
+        regime Meta-World's own first 4 numbers (the hand's position, the gripper's opening)."""
+        if self.regime.state_dim == 4:
+            return np.asarray(self._obs[:4], np.float32).copy()
         env = self.env
         return np.concatenate([env.get_endeff_pos(), env._get_site_pos("rightEndEffector"),
                                env._get_site_pos("leftEndEffector")]).astype(np.float32)
@@ -187,7 +225,8 @@ class MetaWorld(Environment):
             self._renderer = mujoco.Renderer(self.env.model, self.height, self.width)
             self._renderer.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = False
         self._renderer.update_scene(self.env.data, camera)
-        return self._renderer.render().copy()
+        frame = self._renderer.render()
+        return np.ascontiguousarray(frame[::-1, ::-1]) if self.regime.flip else frame.copy()
 
     def close(self) -> None:
         if self._renderer is not None:
@@ -199,3 +238,8 @@ class MetaWorld(Environment):
 def make(task: str | None, height: int, width: int, max_steps: int) -> MetaWorld:
     """Meta-World's ``task`` as the closed loop runs it, the camera at ``height`` x ``width``."""
     return MetaWorld(task, height=height, width=width, max_steps=max_steps)
+
+
+def make_lerobot(task: str | None, height: int, width: int, max_steps: int) -> MetaWorld:
+    """Meta-World's ``task`` in LeRobot's regime (:data:`LEROBOT`), as ``rollout.env=mt50`` runs each task."""
+    return MetaWorld(task, height=height, width=width, max_steps=max_steps, regime=LEROBOT)
