@@ -17,6 +17,7 @@ from slurmvla.policy.base import register_normalization
 from slurmvla.policy.baselines import chunk_mse
 from slurmvla.policy.flow_matching import flow_matching_loss, noise_and_time, noisy_actions
 from slurmvla.policy.rtc import Guidance, conditioning, delay_draws, delayed_chunk, integrate
+from slurmvla.policy.tokenizer import VOCAB_SIZE, ByteTokenizer
 
 
 class SpatialSoftmax(nn.Module):
@@ -97,6 +98,25 @@ def keypoint_backbone(encoder: str, keypoints: int, width: int) -> list[nn.Modul
     raise ValueError(f"policy.kwargs.encoder={encoder!r} is not valid; choose one of {list(ENCODERS)}")
 
 
+class InstructionEncoder(nn.Module):
+    """The instruction's bytes (the byte tokenizer's ids, ``policy.max_text_len`` of them, the same prompt path as
+    the reference VLA's: the dataset's task string in training, openpi's ``prompt`` when served) -> ``dim``
+    features: an embedding per byte, a convolution over five neighbours (the words' spellings), the maximum over
+    the instruction's bytes, a linear map."""
+
+    def __init__(self, dim: int = 64, width: int = 128):
+        super().__init__()
+        self.dim = dim
+        self.embed = nn.Embedding(VOCAB_SIZE, 32)
+        self.conv = nn.Conv1d(32, width, kernel_size=5, padding=2)
+        self.out = nn.Linear(width, dim)
+
+    def forward(self, text: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(self.embed(text).transpose(1, 2)))  # [B, width, L]
+        h = h.masked_fill(~mask.bool()[:, None, :], float("-inf")).amax(dim=2)
+        return self.out(h)
+
+
 class KeypointEncoding(nn.Module):
     """The keypoint policies' observation encoder: per camera (and history frame) a backbone (by default three
     convolutions) and a spatial softmax (``keypoints`` image positions), with the normalized state; ``features(batch)`` ->
@@ -106,32 +126,46 @@ class KeypointEncoding(nn.Module):
     load and act as they did (docs/benchmarks.md#meta-world: what it changes, measured).
     ``encoder`` (``policy.kwargs.encoder``): ``conv`` (the default) or ``resnet18``, Diffusion Policy's image trunk
     (:func:`resnet18`, ``width`` channels in its first stage: 64 is ResNet-18's own, ~25x the ``conv`` encoder's
-    multiply-adds at 96 px)."""
+    multiply-adds at 96 px).
+    ``prompt`` (``policy.kwargs.prompt=true``): the features also hold the instruction's
+    (:class:`InstructionEncoder`), so one policy is told its task in words (Meta-World's MT50); off by default: the
+    policy reads no instruction, as every single-task run so far."""
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, keypoints: int = 16,  # noqa: ANN001
-                 spatial_norm: bool = False, encoder: str = "conv", width: int = 64):
+                 spatial_norm: bool = False, encoder: str = "conv", width: int = 64, prompt: bool = False):
         super().__init__()
         self.horizon, self.action_dim = cfg.action_horizon, cfg.action_dim
         frames = cfg.num_obs_history * cfg.num_cameras
         self.encoders = nn.ModuleList(nn.Sequential(
             *keypoint_backbone(encoder, keypoints, width), SpatialSoftmax(keypoints if spatial_norm else None))
             for _ in range(frames))
-        self.feature_dim = frames * 2 * keypoints + cfg.num_obs_history * cfg.state_dim
+        if not isinstance(prompt, bool):
+            raise ValueError(f"policy.kwargs.prompt={prompt!r} is not valid; choose true (the policy reads the "
+                             "instruction) or false")
+        self.instruction = InstructionEncoder() if prompt else None
+        self.feature_dim = (frames * 2 * keypoints + cfg.num_obs_history * cfg.state_dim
+                            + (self.instruction.dim if prompt else 0))
         register_normalization(self, cfg, stats)
+
+    @staticmethod
+    def tokenizer(cfg) -> ByteTokenizer | None:  # noqa: ANN001 - a PolicyConfig
+        """The byte tokenizer when the policy reads the instruction (``policy.kwargs.prompt``), else None."""
+        return ByteTokenizer(cfg.max_text_len) if cfg.kwargs.get("prompt", False) is True else None
 
     def features(self, batch: dict) -> torch.Tensor:
         images = batch["images"]  # [B, frames, H, W, 3] uint8
         x = images.permute(0, 1, 4, 2, 3).float() / 127.5 - 1.0
         # A masked (missing) camera contributes zeros.
         points = [enc(x[:, f]) * batch["image_mask"][:, f, None] for f, enc in enumerate(self.encoders)]
-        return torch.cat([*points, self.normalized_state(batch)], dim=1)
+        words = [self.instruction(batch["text"], batch["text_mask"])] if self.instruction is not None else []
+        return torch.cat([*points, self.normalized_state(batch), *words], dim=1)
 
     def normalized_state(self, batch: dict) -> torch.Tensor:
         """The batch's state by the data's statistics, its history frames side by side: ``[B, history * D]``."""
         return ((batch["state"].float() - self.state_offset) / self.state_scale).reshape(batch["state"].shape[0], -1)
 
     def wrap_units(self) -> list[nn.Module]:
-        return [*self.encoders, self.head]
+        return [*self.encoders, *([self.instruction] if self.instruction is not None else []), self.head]
 
 
 class KeypointPolicy(KeypointEncoding):
@@ -143,8 +177,9 @@ class KeypointPolicy(KeypointEncoding):
     """
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, keypoints: int = 16,  # noqa: ANN001
-                 hidden: int = 256, spatial_norm: bool = False, encoder: str = "conv", width: int = 64):
-        super().__init__(cfg, stats, keypoints, spatial_norm, encoder, width)
+                 hidden: int = 256, spatial_norm: bool = False, encoder: str = "conv", width: int = 64,
+                 prompt: bool = False):
+        super().__init__(cfg, stats, keypoints, spatial_norm, encoder, width, prompt)
         self.head = nn.Sequential(
             nn.Linear(self.feature_dim, hidden), nn.ReLU(),
             nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, self.horizon * self.action_dim))
@@ -226,8 +261,8 @@ class KeypointFlowPolicy(KeypointEncoding):
 
     def __init__(self, cfg, stats: dict[str, torch.Tensor] | None = None, keypoints: int = 16,  # noqa: ANN001
                  hidden: int = 256, blocks: int = 3, prediction: str = "sample", spatial_norm: bool = False,
-                 encoder: str = "conv", width: int = 64):
-        super().__init__(cfg, stats, keypoints, spatial_norm, encoder, width)
+                 encoder: str = "conv", width: int = 64, prompt: bool = False):
+        super().__init__(cfg, stats, keypoints, spatial_norm, encoder, width, prompt)
         if prediction not in PREDICTIONS:
             raise ValueError(f"policy.kwargs.prediction={prediction!r} is not valid; choose one of {list(PREDICTIONS)}")
         self.prediction = prediction
@@ -240,9 +275,9 @@ class KeypointFlowPolicy(KeypointEncoding):
     @classmethod
     def sample_spec(cls, cfg) -> SampleSpec:  # noqa: ANN001 - a PolicyConfig
         # The noise and time are drawn per sample by the data pipeline: the training randomness is a
-        # function of the sample on any world size. The instruction is not read: no tokenizer.
+        # function of the sample on any world size. The instruction is read only under policy.kwargs.prompt.
         return SampleSpec(image_size=cfg.image_size, action_horizon=cfg.action_horizon,
-                          num_obs_history=cfg.num_obs_history,
+                          num_obs_history=cfg.num_obs_history, tokenizer=cls.tokenizer(cfg),
                           draws=(Draw("noise", "normal", (cfg.action_horizon, cfg.action_dim)),
                                  Draw("time_u", "uniform"), *delay_draws(cfg)))
 
