@@ -38,13 +38,15 @@ from slurmvla.config.policy import (
     policy_schema,
 )
 from slurmvla.config.rollout import RolloutConfig
+from slurmvla.config.rollout_array import RolloutArrayConfig
 from slurmvla.config.serve import ServeConfig
 from slurmvla.registry import ENGINES, SCHEDULERS
 from slurmvla.validators import check_choice, check_positive
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "EngineConfig", "KeepRangesConfig", "LoggingConfig", "LoraConfig",
-    "MixtureMember", "OptimConfig", "PolicyConfig", "ProfileConfig", "RTCTrainingConfig", "RolloutConfig",
+    "MixtureMember", "OptimConfig", "PolicyConfig", "ProfileConfig", "RTCTrainingConfig", "RolloutArrayConfig",
+    "RolloutConfig",
     "SchedulerConfig", "ServeConfig", "TrainerConfig", "TransformerPolicyConfig", "WandbConfig", "check_choice",
     "check_delta_actions", "check_positive", "policy_options", "policy_schema",
 ]
@@ -224,6 +226,8 @@ class Config:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    # trainer.rollout_every_steps as a SLURM job array per checkpoint, off the training job.
+    rollout_array: RolloutArrayConfig = field(default_factory=RolloutArrayConfig)
     # bf16: bf16 compute with fp32 master weights and fp32 optimizer state, on every engine.
     precision: str = "fp32"
     name: str = "debug"
@@ -237,12 +241,17 @@ class Config:
                 f"corrupt gradients; use it with one of {list(ENGINES.names(activation_checkpointing=True))}, or "
                 "turn it off"
             )
-        if self.trainer.rollout_every_steps and not ENGINES.get(self.engine.name).whole_model:
+        if self.rollout_array.enabled and not self.trainer.rollout_every_steps:
+            raise ValueError("rollout_array.enabled=true evaluates the checkpoints of trainer.rollout_every_steps, which "
+                             "is 0: set it (e.g. trainer.rollout_every_steps=1000), or rollout_array.enabled=false")
+        # Off the job, the array evaluates a saved checkpoint, which any engine can be served from.
+        if (self.trainer.rollout_every_steps and not self.rollout_array.enabled
+                and not ENGINES.get(self.engine.name).whole_model):
             raise ValueError(
                 f"trainer.rollout_every_steps={self.trainer.rollout_every_steps} runs closed-loop episodes on each rank's "
                 f"copy of the model, which engine={self.engine.name!r} shards; use one of "
-                f"{list(ENGINES.names(whole_model=True))}, or set it to 0 and roll out a checkpoint with "
-                "python -m slurmvla.rollout RUN_DIR"
+                f"{list(ENGINES.names(whole_model=True))}, evaluate each checkpoint off the job "
+                "(rollout_array.enabled=true), or set it to 0 and roll out a checkpoint with python -m slurmvla.rollout RUN_DIR"
             )
         if self.trainer.rollout_every_steps and self.serve.weights == "ema" and self.trainer.ema_decay is None:
             raise ValueError(
