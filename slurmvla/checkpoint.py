@@ -264,6 +264,9 @@ class CheckpointManager:
         # Whether this run's saves go to the background: async_save until the first save or load, then
         # whether the engine can.
         self.background = async_save
+        # Steps whose checkpoints pruning keeps beyond the newest ``keep`` (asked at each prune, on rank 0):
+        # checkpoints an evaluation still reads (slurmvla.launch.eval_array).
+        self.protected: Callable[[], set[int]] = set
 
     @property
     def pending(self) -> bool:
@@ -564,10 +567,16 @@ class CheckpointManager:
         return f"checkpoint step {step} not saved: {type(e).__name__}: {e}; {self._previous()}"
 
     def _prune(self) -> None:
+        kept = self.protected()
         for old in list_checkpoints(self.root)[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if int(_STEP_DIR.match(old.name).group(1)) not in kept:
+                shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".step_*.tmp*"):
             shutil.rmtree(stale, ignore_errors=True)
+
+    def prune(self) -> None:
+        """Rank 0, no save in flight: drop the checkpoints past the newest ``keep`` that nothing protects any more."""
+        self._prune()
 
     # -- loading ----------------------------------------------------------------------------------
 

@@ -21,13 +21,16 @@ class MetricLogger:
         self.config = config
         self.run_dir = Path(run_dir)
         self._wandb = None
+        self._late_axis = False
+        self._late: list[dict[str, float]] = []  # log_at's rows not yet written to wandb
 
-    def start(self, resumed_step: int) -> None:
-        """Open the sinks; on resume, drop records past the checkpoint so steps never repeat."""
+    def start(self, resumed_step: int | None) -> None:
+        """Open the sinks; on resume, drop records past the checkpoint so steps never repeat (``None``: keep every
+        record: a program adding to a finished run's metrics, python -m slurmvla.eval_array gather)."""
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
+        if self.path.exists() and resumed_step is not None:
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= resumed_step]
             self.path.write_text("".join(f"{line}\n" for line in kept))
@@ -51,9 +54,32 @@ class MetricLogger:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
+            row = dict(metrics)
+            if self._late and not any(k.startswith("rollout/") for k in row):
+                row.update(self._late.pop(0))  # one earlier step's metrics rides along this row (log_at)
+            self._wandb.log(row, step=step)
+
+    def log_at(self, step: int, metrics: dict[str, float]) -> None:
+        """Metrics of an earlier step, known only now (an evaluation gathered from a SLURM job array while training
+        went on): metrics.jsonl gets them at ``step`` at once. wandb's steps only go up, so there they are drawn
+        against their own axis, ``rollout/step`` (``wandb.define_metric``: every ``rollout/*`` chart), and written
+        with the next training row that has no ``rollout/*`` of its own, one earlier step per row (at ``close``:
+        the rest, one row each)."""
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self._wandb is not None:
+            if not self._late_axis:
+                self._wandb.define_metric("rollout/step")
+                self._wandb.define_metric("rollout/*", step_metric="rollout/step")
+                self._late_axis = True
+            self._late.append({**metrics, "rollout/step": step})
 
     def close(self) -> None:
         if self._wandb is not None:
+            for row in self._late:
+                self._wandb.log(row)
+            self._late = []
             self._wandb.finish()
             self._wandb = None
