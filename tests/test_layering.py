@@ -39,7 +39,7 @@ LAYERS = (
     (5, ("slurmvla.trainer", "slurmvla.inference")),
     (6, PROGRAMS := ("slurmvla.train", "slurmvla.serve", "slurmvla.evaluate", "slurmvla.export", "slurmvla.profile",
                      "slurmvla.inspect", "slurmvla.check", "slurmvla.rollout",
-                     "slurmvla.plan", "slurmvla.table")),
+                     "slurmvla.plan", "slurmvla.table", "slurmvla.eval_array")),
 )
 # Siblings in one layer that must not import each other (the engine reads a policy through the contract only;
 # the trainer gets the closed loop handed in by ``train``).
