@@ -39,7 +39,7 @@ def run(cfg: DictConfig) -> float | None:
         with boundary():
             config = to_config(cfg)
             closed_loop = None
-            if config.trainer.rollout_every_steps:
+            if config.trainer.rollout_every_steps and not config.rollout_array.enabled:  # else: job arrays
                 from slurmvla.inference.closed_loop import in_training, require_sim
 
                 require_sim(config.rollout.env)  # at start-up, not after the first N steps

@@ -40,6 +40,7 @@ from slurmvla.engine.liveness import CollectiveFailure, Heartbeats, is_collectiv
 from slurmvla.engine.precision import check_fp32_master_state
 from slurmvla.formats import run_dir_version, write_run_format
 from slurmvla.launch import DistEnv, SlurmJob
+from slurmvla.launch.eval_array import ArraySettings, EvalArrays, check_submission
 from slurmvla.launch.grace import shortfalls
 from slurmvla.launch.preempt import FINISHED_MARKER, PreemptionFlag
 from slurmvla.launch.runlock import RunDirInUse, RunLock
@@ -75,8 +76,10 @@ class Trainer:
         """``closed_loop``: what ``trainer.rollout_every_steps`` calls, as
         ``closed_loop(policy, cfg, step, run_dir, rank, world_size, weights=...)`` on every rank (``weights``:
         ``ema`` when the policy holds the moving average, ``serve.weights``), returning the
-        metrics on rank 0 (``python -m slurmvla.train`` passes :func:`slurmvla.inference.closed_loop.in_training`)."""
-        if cfg.trainer.rollout_every_steps and closed_loop is None:
+        metrics on rank 0 (``python -m slurmvla.train`` passes :func:`slurmvla.inference.closed_loop.in_training`).
+        With ``rollout_array.enabled`` the evaluations run off the job instead, as SLURM job arrays
+        (slurmvla.launch.eval_array), and need no ``closed_loop``."""
+        if cfg.trainer.rollout_every_steps and closed_loop is None and not cfg.rollout_array.enabled:
             raise ValueError(f"trainer.rollout_every_steps={cfg.trainer.rollout_every_steps} needs the closed loop: "
                              "python -m slurmvla.train provides it; a Trainer built in code takes "
                              "closed_loop=slurmvla.inference.closed_loop.in_training")
@@ -94,6 +97,7 @@ class Trainer:
         self._fit_start: tuple[float, int] | None = None  # (time, step) when fit began: the step time
         self.heartbeats = None
         self.run_lock: RunLock | None = None
+        self.evaluations: EvalArrays | None = None  # rank 0, with rollout_array.enabled
         try:
             self._join_job()
             self._lock_run_dir()
@@ -103,9 +107,12 @@ class Trainer:
             self._build_data()
             self._build_model()
             self._open_run_dir()
+            self._open_evaluations()
             self.resumed_from: Path | None = None
             if cfg.checkpoint.resume:
                 self._resume()
+            if self.evaluations is not None:
+                self.evaluations.resumed_at(self.step)
             self.logger.start(self.step)
         except BaseException:
             self._unlock_run_dir()
@@ -225,6 +232,28 @@ class Trainer:
             (self.run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(config_dict))
             write_run_format(self.run_dir)
             write_snapshot(self.run_dir, dataclasses.asdict(self.env), SlurmJob.from_environ().restart_count)
+
+    def _open_evaluations(self) -> None:
+        """``rollout_array.enabled``: rank 0 reads the run's evaluation arrays (a requeued run continues them), asks
+        sbatch whether it would take one (``--test-only``: no sbatch, a partition or time the cluster refuses stop the
+        run here, on every rank, not at the first evaluation), and keeps their checkpoints from rotation."""
+        if not self.cfg.rollout_array.enabled:
+            return
+        problem: list = [None]
+        if self.env.is_main:
+            settings = ArraySettings.of(self.cfg.rollout_array)
+            out_root = Path(self.cfg.rollout.out) if self.cfg.rollout.out else None
+            try:
+                problem[0] = check_submission(settings, self.run_dir, self.cfg.name)
+                self.evaluations = EvalArrays(self.run_dir, settings, self.cfg.name, self.logger.log_at, out_root)
+            except ValueError as e:
+                problem[0] = str(e)
+        if self.env.is_distributed:
+            torch.distributed.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            raise ValueError(problem[0])
+        if self.evaluations is not None:
+            self.checkpoints.protected = self.evaluations.pinned
 
     # -- data -------------------------------------------------------------------------------------
 
@@ -347,10 +376,17 @@ class Trainer:
                 self.validate()  # agrees on a stop at every batch: a signal ends the pass
                 if self.stopped_for_requeue:
                     break
-            if self._rollout_due():
+            evaluate = self._rollout_due()
+            off_job = evaluate and self.cfg.rollout_array.enabled
+            if evaluate and not off_job:
                 self.closed_loop()
-            if self.cfg.checkpoint.every_steps and self.step % self.cfg.checkpoint.every_steps == 0:
+            if off_job or (self.cfg.checkpoint.every_steps and self.step % self.cfg.checkpoint.every_steps == 0):
+                if off_job and self.evaluations is not None:
+                    # Recorded before the save: rotation keeps this checkpoint until its array is gathered.
+                    self.evaluations.plan(self.step, self.checkpoints.root / f"step_{self.step:08d}")
                 self.save()
+            if self.evaluations is not None and (off_job or self.step % tcfg.log_every_steps == 0):
+                self.evaluations.poll()  # submits a committed checkpoint's array, logs the gathered ones
             if self.step % tcfg.signal_check_every_steps == 0 and self._preemption_agreed():
                 break
         bar.close()
@@ -363,6 +399,8 @@ class Trainer:
             self._say_stopped()
         if self.step >= tcfg.max_steps and self.env.is_main:
             (self.run_dir / FINISHED_MARKER).write_text(f"{self.step}\n")
+        if self.cfg.rollout_array.enabled:
+            self._gather_evaluations(wait=self.step >= tcfg.max_steps and not self.stopped_for_requeue)
         return last
 
     def _validation_due(self) -> bool:
@@ -412,6 +450,35 @@ class Trainer:
                      metrics["rollout/success_rate"], metrics["rollout/success_ci95_low"],
                      metrics["rollout/success_ci95_high"], metrics["rollout/episodes"])
         return metrics
+
+    def _gather_evaluations(self, wait: bool) -> None:
+        """Every rank, after the last save: rank 0 gathers the arrays still running (up to ``rollout_array.wait_s``
+        when training is over) while the others wait with it (one small all-reduce a second: none meets the shutdown
+        barrier before rank 0 is done), until a stop signal on any rank; then rank 0 prunes the checkpoints they
+        released and names what is still pending. A run stopped for requeue does not wait: the state file holds its
+        arrays for the resumed run."""
+        settings = self.cfg.rollout_array
+        arrays = self.evaluations
+        deadline = time.monotonic() + (settings.wait_s if wait else 0.0)
+        if wait and arrays is not None and arrays.pending():
+            log.info("training finished; waiting up to %g s for %d evaluation array(s)", settings.wait_s,
+                     len(arrays.pending()))
+        while True:
+            busy = False
+            if arrays is not None:
+                arrays.poll()
+                busy = bool(arrays.pending()) and time.monotonic() < deadline
+            agreed = agree({"busy": busy, "stop": self.preempt.is_set()})
+            if not agreed["busy"] or agreed["stop"]:
+                break
+            time.sleep(min(1.0, settings.poll_s))
+        if arrays is None:
+            return
+        self.checkpoints.prune()
+        if pending := arrays.pending():
+            log.warning("evaluations still pending: %s; python -m slurmvla.eval_array gather %s logs them at their "
+                        "steps once they finish%s", arrays.describe(pending), self.run_dir,
+                        "" if self.stopped_for_requeue else " (the checkpoints they read are kept until then)")
 
     def _preemption_agreed(self) -> bool:
         """All ranks stop at the same point if any rank got the signal (then ``fit`` saves and returns).
