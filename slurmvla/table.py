@@ -44,34 +44,46 @@ PUBLISHED = "published.json"
 FINAL = Path("rollout") / "final"
 
 
-def read_run(run: Path) -> dict | None:
-    """One run's task, policy, seed and evaluations (step -> success rate), or None for a folder that is no run."""
+def read_run(run: Path) -> list[dict] | None:
+    """One run's task, policy, seed and evaluations (step -> success rate), or None for a folder that is no run. A
+    run over a suite of tasks (``rollout.env=mt50``: its summaries report ``groups``) counts once per group, the
+    group standing for the task, as the MT50 table reports it."""
     from omegaconf import OmegaConf
 
     config = run / "config.resolved.yaml"
     if not config.is_file():
         return None
     cfg = OmegaConf.load(config)
-    evaluations = {}
-    for path in sorted(run.glob("rollout/step_*/rollout.json")):
-        summary = json.loads(path.read_text())
-        evaluations[int(summary["step"])] = {"success_rate": float(summary["rollout/success_rate"]),
-                                             "episodes": int(summary["rollout/episodes"])}
-    final = None
-    if (run / FINAL / "rollout.json").is_file():
-        summary = json.loads((run / FINAL / "rollout.json").read_text())
-        final = {"step": int(summary["step"]), "success_rate": float(summary["rollout/success_rate"]),
-                 "episodes": int(summary["rollout/episodes"])}
-    policy = cfg.policy.get("size") or cfg.policy.get("name")
-    task = cfg.rollout.get("task") or cfg.rollout.get("env", "pick")
-    return {"run": str(run), "task": str(task), "policy": str(policy), "seed": int(cfg.trainer.seed),
-            "evaluations": dict(sorted(evaluations.items())), "final": final}
+    summaries = {int(s["step"]): s for s in (json.loads(p.read_text()) for p in sorted(run.glob("rollout/step_*/rollout.json")))}
+    final = json.loads((run / FINAL / "rollout.json").read_text()) if (run / FINAL / "rollout.json").is_file() else None
+    policy = str(cfg.policy.get("size") or cfg.policy.get("name"))
+    seed = int(cfg.trainer.seed)
+    groups = list(dict.fromkeys(g for s in [*summaries.values(), final or {}] for g in s.get("groups", {})))
+
+    def rate(summary: dict, group: str | None) -> dict | None:
+        if group is None:
+            return {"success_rate": float(summary["rollout/success_rate"]), "episodes": int(summary["rollout/episodes"])}
+        if group not in summary.get("groups", {}):
+            return None
+        g = summary["groups"][group]
+        return {"success_rate": float(g["success_rate"]), "episodes": int(g["episodes"])}
+
+    runs = []
+    for group in groups or [None]:
+        evaluations = {step: r for step, s in sorted(summaries.items()) if (r := rate(s, group)) is not None}
+        last = None if final is None else rate(final, group)
+        task = group or cfg.rollout.get("task") or cfg.rollout.get("env", "pick")
+        runs.append({"run": str(run), "task": str(task), "policy": policy, "seed": seed, "evaluations": evaluations,
+                     "final": None if last is None else {"step": int(final["step"]), **last},
+                     **({"suite": str(cfg.rollout.env)} if group else {})})
+    return runs
 
 
 def runs_of(sweep: Path) -> list[dict]:
-    """Every run under ``sweep`` (its own folder included), with at least one evaluation."""
+    """Every run under ``sweep`` (its own folder included), with at least one evaluation; a suite's run once per
+    group."""
     found = [read_run(p.parent) for p in sorted(sweep.rglob("config.resolved.yaml"))]
-    return [r for r in found if r is not None and r["evaluations"]]
+    return [r for runs in found if runs is not None for r in runs if r["evaluations"]]
 
 
 def best_mean(rates: list[float], best: int) -> float:
@@ -105,7 +117,8 @@ def gather(runs: list[dict], best: int = 5) -> list[dict]:
                          "success": 100 * r["final"]["success_rate"], "episodes": r["final"]["episodes"],
                          "step": r["final"]["step"]}} for r in members]
         finals = [s["final_checkpoint"] for s in per_seed if s["final_checkpoint"] is not None]
-        rows.append({"task": task, "policy": policy, "seeds": [s["seed"] for s in per_seed], "per_seed": per_seed,
+        rows.append({"task": task, "policy": policy, **({"suite": members[0]["suite"]} if "suite" in members[0] else {}),
+                     "seeds": [s["seed"] for s in per_seed], "per_seed": per_seed,
                      "best": mean_std([s["best"] for s in per_seed]), "final": mean_std([s["final"] for s in per_seed]),
                      "final_checkpoint": None if not finals else {
                          "success": mean_std([f["success"] for f in finals]), "seeds": len(finals),
@@ -140,6 +153,7 @@ def over_tasks(rows: list[dict], reference: dict | None) -> list[dict]:
         checkpoints = [s["final_checkpoint"] for s in per_seed if s["final_checkpoint"] is not None]
         tasks = [r["task"] for r in members]
         means.append({"policy": policy, "tasks": tasks, "seeds": seeds, "per_seed": per_seed,
+                      "groups": bool(members[0].get("suite")),
                       "best": mean_std([s["best"] for s in per_seed]), "final": mean_std([s["final"] for s in per_seed]),
                       "final_checkpoint": None if not checkpoints else {
                           "success": mean_std([c["success"] for c in checkpoints]), "seeds": len(checkpoints),
@@ -158,7 +172,7 @@ def markdown(rows: list[dict], ref: dict | None, best: int, means: list[dict] = 
         published = []
         for name in names:
             value = ref["rows"][name].get(row["task"])
-            published.append(f"{value[0]} ± {value[1]}" if value else "-")
+            published.append("-" if not value else f"{value[0]}" if value[1] is None else f"{value[0]} ± {value[1]}")
         lines.append("| " + " | ".join([
             row["task"], row["policy"], ",".join(map(str, row["seeds"])),
             f"{row['best'][0]:.1f} ± {row['best'][1]:.1f}", f"{row['final'][0]:.1f} ± {row['final'][1]:.1f}",
@@ -166,11 +180,12 @@ def markdown(rows: list[dict], ref: dict | None, best: int, means: list[dict] = 
     for mean in means:
         published = [f"{mean['published'][name]:.1f}" if name in mean["published"] else "-" for name in names]
         lines.append("| " + " | ".join([
-            f"mean of {len(mean['tasks'])} tasks", mean["policy"], ",".join(map(str, mean["seeds"])),
+            f"mean of {len(mean['tasks'])} {'groups' if mean.get('groups') else 'tasks'}", mean["policy"], ",".join(map(str, mean["seeds"])),
             f"{mean['best'][0]:.1f} ± {mean['best'][1]:.1f}", f"{mean['final'][0]:.1f} ± {mean['final'][1]:.1f}",
             _final_cell(mean["final_checkpoint"], len(mean["seeds"])), *published]) + " |")
     if means:
-        lines += ["", "The means over tasks: per seed that every task has, then mean ± std over those seeds; "
+        lines += ["", "The means over tasks (over a suite's groups, each group's rate over its tasks' episodes, as the "
+                  "MT50 table averages): per seed that every task has, then mean ± std over those seeds; "
                   f"{', '.join(sorted(SANITY))} (a sanity check) left out."]
     if ref:
         lines += ["", f"Published: {ref['source']}."]
@@ -231,11 +246,12 @@ def read_published(path: Path) -> dict[str, dict]:
         raise ValueError(f"--published={str(path)!r} does not read as JSON ({e})") from None
     ok = isinstance(published, dict) and published and all(
         isinstance(r, dict) and isinstance(r.get("source"), str) and isinstance(r.get("rows"), dict)
-        and all(isinstance(v, dict) and all(isinstance(x, list) and len(x) == 2 for x in v.values())
+        and all(isinstance(v, dict) and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], (int, float))
+                                            for x in v.values())
                 for v in r["rows"].values()) for r in published.values())
     if not ok:
         raise ValueError(f"--published={str(path)!r} is not a published-figures file: "
-                         '{"<reference>": {"source": "...", "rows": {"<row>": {"<task>": [mean, std], ...}}}}')
+                         '{"<reference>": {"source": "...", "rows": {"<row>": {"<task>": [mean, std or null], ...}}}}')
     return published
 
 

@@ -117,3 +117,46 @@ def test_mistakes_are_one_line_naming_the_value(tmp_path):
                           ([str(tmp_path), "--best", "0"], "--best=0 must be at least 1")):
         done = run(*args)
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
+
+
+MT50_PUBLISHED = PUBLISHED.parents[1] / "mt50" / "published.json"
+
+
+def write_suite_run(root, name: str, seed: int, groups_by_step: dict[int, dict[str, tuple[int, int]]]):
+    """A run over MT50 (rollout.env=mt50): each evaluation's rollout.json reports its groups' successes/episodes."""
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "config.resolved.yaml").write_text(
+        f"policy:\n  name: keypoints_flow\ntrainer:\n  seed: {seed}\nrollout:\n  env: mt50\n  task: null\n")
+    for step, groups in groups_by_step.items():
+        folder = run / "rollout" / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        wins, n = sum(w for w, _ in groups.values()), sum(e for _, e in groups.values())
+        (folder / "rollout.json").write_text(json.dumps({
+            "step": step, "rollout/success_rate": wins / n, "rollout/episodes": n,
+            "groups": {g: {"successes": w, "episodes": e, "success_rate": w / e} for g, (w, e) in groups.items()}}))
+    return run
+
+
+def test_a_suite_run_is_reported_per_group_and_averaged_over_groups_as_mt50_is(tmp_path):
+    sweep = tmp_path / "mt50"
+    # Seed 0's last evaluation: easy 210/280 = 75 %, medium 44/110 = 40 %, hard 18/60 = 30 %, very hard 10/50 = 20 %:
+    # the MT50 average is the mean of the groups, 41.25 %, not the 282/500 = 56.4 % of its episodes.
+    write_suite_run(sweep, "s0", 0, {1000: {"easy": (100, 280), "medium": (10, 110), "hard": (0, 60), "very_hard": (0, 50)},
+                                     2000: {"easy": (210, 280), "medium": (44, 110), "hard": (18, 60), "very_hard": (10, 50)}})
+    # Seed 1: easy 70 %, medium 30 %, hard 20 %, very hard 40 % -> 40 %.
+    write_suite_run(sweep, "s1", 1, {2000: {"easy": (196, 280), "medium": (33, 110), "hard": (12, 60), "very_hard": (20, 50)}})
+    main([str(sweep), "--no-plot", "--best", "1", "--published", str(MT50_PUBLISHED)])
+    table = json.loads((sweep / "table.json").read_text())
+    rows = {r["task"]: r for r in table["rows"]}
+    assert set(rows) == {"easy", "medium", "hard", "very_hard"} and rows["easy"]["seeds"] == [0, 1]
+    assert rows["easy"]["final"] == pytest.approx([72.5, 2.5])
+    assert rows["very_hard"]["final"] == pytest.approx([30.0, 10.0])
+    [mean] = table["means"]
+    assert mean["groups"] and sorted(mean["tasks"]) == sorted(rows)
+    assert mean["final"] == pytest.approx([40.625, 0.625])  # 41.25 and 40.0
+    # SmolVLA (0.45B)'s published groups average to its published 57.3.
+    assert mean["published"]["SmolVLA (0.45B)"] == pytest.approx(57.325)
+    text = (sweep / "table.md").read_text()
+    assert "| mean of 4 groups | keypoints_flow | 0,1 |" in text and "| easy | keypoints_flow | 0,1 |" in text
+    assert "| 82.5 |" in text  # a published figure without a spread
