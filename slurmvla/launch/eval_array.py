@@ -182,7 +182,8 @@ def queued_elements(job: str) -> dict[int, str] | None:
     """Elements of array ``job`` still in the queue (pending, running, requeued, completing) -> state; {} when none
     is (or the controller no longer knows the job); None when squeue cannot be asked."""
     try:
-        res = subprocess.run(["squeue", "-h", "-r", "-j", job, "-o", "%a|%T"], capture_output=True, text=True,
+        # %K: the element's array index (%a would be the account).
+        res = subprocess.run(["squeue", "-h", "-r", "-j", job, "-o", "%K|%T"], capture_output=True, text=True,
                              timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -448,8 +449,8 @@ class EvalArrays:
         step, out, job, shards = entry["step"], Path(entry["out"]), entry["job"], entry["shards"]
         states = self.states(job)
         python = self.settings.python or sys.executable
-        reruns = [f"{shlex.quote(python)} -m slurmvla.eval_array element {shlex.quote(entry['checkpoint'])} --shards "
-                  f"{shards} --index {i} --out {shlex.quote(str(out))}" for i in missing]
+        reruns = [element_command(python, Path(entry["checkpoint"]), out, shards, self.settings.overrides)
+                  .removeprefix("exec ") + f" --index {i}" for i in missing]
         elements = [f"{job}_{i} ({states.get(i, 'no longer queued')}; log {out}/slurm-{job}_{i}.out)" for i in missing]
         write_json(out / MISSING, {"step": step, "job": job, "shards": shards, "missing": missing,
                                    "states": {str(i): states.get(i) for i in missing}, "rerun": reruns,

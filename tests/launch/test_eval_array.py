@@ -370,6 +370,6 @@ def test_the_trainer_submits_each_evaluation_trains_on_and_its_results_land_at_t
     state = json.loads((run / STATE_FILE).read_text())["steps"]
     assert (state["2"]["status"], state["4"]["status"], state["4"]["missing"]) == (DONE, INCOMPLETE, [1])
     # python -m slurmvla.table reads the merged summary like an in-job evaluation's.
-    from slurmvla.table import read_run
+    from slurmvla.table import runs_of
 
-    assert read_run(run)["evaluations"] == {2: {"success_rate": pytest.approx(2 / 3), "episodes": 3}}
+    assert [r["evaluations"] for r in runs_of(run)] == [{2: {"success_rate": pytest.approx(2 / 3), "episodes": 3}}]
