@@ -579,3 +579,91 @@ def test_sbatch_rollout_serves_on_the_first_node_and_runs_environments_on_the_jo
     assert "server on node1:18555" in log and "success rate 1.000" in log
     server_log = (out / "server.log").read_text()
     assert "serving" in server_log and "Traceback" not in server_log, server_log[-3000:]
+
+
+def test_checkpoint_evaluations_as_job_arrays_requeue_a_killed_element_and_report_a_cancelled_one(cluster, tmp_path):
+    """rollout_array.enabled: a one-node sbatch training run (the replay policy on the pick task) submits each
+    evaluated checkpoint (steps 2 and 4, checkpoint.keep=1) as a two-element job array from inside its job and trains
+    on. Element 0 of step 2's array is requeued (``scontrol requeue``, as a preemption does) while it runs: it runs
+    again and writes its shard once; the run's metrics.jsonl then holds rollout/* at step 2, equal to an in-process
+    ``python -m slurmvla.rollout`` of the checkpoint on the same seeds, and step 2's checkpoint outlived the rotation
+    until its array was gathered, then went. Element 1 of step 4's array is cancelled (``scancel``) before it can
+    finish: step 4 is reported incomplete (rollout/missing_shards=1, no success rate; the log names the element and
+    its state), its checkpoint kept."""
+    pytest.importorskip("slurmvla.sim.pick.env", reason="the [sim] extra (MuJoCo)")
+    from slurmvla.launch.eval_array import STATE_FILE
+    from slurmvla.rollout import run as rollout
+    from slurmvla.sim.record import record
+    from tests.sim.test_sim import HEIGHT, WIDTH
+
+    t0 = time.monotonic()
+    demos, run = tmp_path / "demos", tmp_path / "run"
+    record(demos, "pick", episodes=3, height=HEIGHT, width=WIDTH)
+    episodes = ["rollout.first_seed=0", "rollout.episodes=3", f"rollout.height={HEIGHT}", f"rollout.width={WIDTH}",
+                "rollout.videos=0"]
+    args = ["experiment=sim_pick", f"data.root={demos}", "data.num_workers=0", "logging.wandb.mode=disabled",
+            "trainer.progress_bar=false", "trainer.global_batch_size=8", "trainer.log_every_steps=1",
+            "data.val_fraction=0", "trainer.val_every_steps=0", "policy=custom",
+            "policy.target=slurmvla.policy.baselines.ReplayPolicy", f"+policy.kwargs={{root: '{demos}'}}",
+            "trainer.max_steps=4", "trainer.rollout_every_steps=2", "checkpoint.every_steps=1", "checkpoint.keep=1",
+            *episodes, "rollout_array.enabled=true", "rollout_array.shards=2", "rollout_array.cpus_per_task=1",
+            "rollout_array.time=10", "rollout_array.poll_s=2", "rollout_array.wait_s=240"]
+    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", f"--output={tmp_path}/%j.out", "sbatch/train.sh", *args],
+                         cwd=REPO, env={**cluster, "NPROC_PER_NODE": "1", "RUN_DIR": str(run)}, capture_output=True,
+                         text=True, check=True).stdout.strip().split(";")[0]
+    out = tmp_path / f"{job}.out"
+    requeued = cancelled = None
+    try:
+        deadline = time.monotonic() + 180
+        while not (requeued and cancelled):  # the arrays' job ids as the trainer's state file names them
+            assert time.monotonic() < deadline and job_state(cluster, job), out.read_text()[-3000:] if out.exists() else ""
+            state = json.loads((run / STATE_FILE).read_text())["steps"] if (run / STATE_FILE).is_file() else {}
+            step2, step4 = (state.get(k, {}).get("job") for k in ("2", "4"))
+            if step4 and not cancelled:
+                subprocess.run(["scancel", f"{step4}_1"], env=cluster, check=True, capture_output=True)
+                cancelled = step4
+            element_log = run / "rollout" / "step_00000002" / f"slurm-{step2}_0.out"
+            if step2 and not requeued and "slurmvla: element 0 of 2" in (element_log.read_text()
+                                                                         if element_log.exists() else ""):
+                t_requeue = time.monotonic()
+                subprocess.run(["scontrol", "requeue", f"{step2}_0"], env=cluster, check=True, capture_output=True)
+                requeued = step2
+            time.sleep(0.05)
+        wait_gone(cluster, job, 240)
+    finally:
+        subprocess.run(["scancel", job], env=cluster, capture_output=True)
+    log = out.read_text()
+    assert sacct_state(cluster, job).startswith("COMPLETED"), log[-4000:]
+    # Element 0 ran twice (restart 0, killed before its shard; restart 1 wrote it).
+    text = element_log.read_text()
+    assert f"(array job {requeued}, restart 0," in text and f"(array job {requeued}, restart 1," in text, text[-3000:]
+    assert text.count("shard written") == 1 and text.index("shard written") > text.index("restart 1,"), text[-3000:]
+    assert sacct_state(cluster, f"{requeued}_0").startswith("COMPLETED")
+    # rollout/* at the checkpoint's step, after training had gone on to step 4 (its loss logged first).
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "rollout/success_rate" in r]
+    assert [r["step"] for r in evaluated] == [2], records
+    assert records.index(evaluated[0]) > [r["step"] for r in records].index(4), "training waited for the array"
+    # The independent reference: the checkpoint rolled out in this process on the same seeds (the replay policy's
+    # actions do not depend on the training steps: the checkpoints of steps 2 and 4 act alike).
+    reference = rollout(str(run / "checkpoints" / "step_00000004"), episodes, out=str(tmp_path / "reference"))
+    assert reference["rollout/successes"] == 3  # the demonstrations' seeds: the replay succeeds as the expert did
+    assert evaluated[0]["rollout/missing_shards"] == 0, evaluated
+    for key in ("rollout/success_rate", "rollout/successes", "rollout/episodes", "rollout/mean_return",
+                "rollout/mean_length", "rollout/success_ci95_low", "rollout/success_ci95_high"):
+        assert evaluated[0][key] == pytest.approx(reference[key]), key
+    merged = json.loads((run / "rollout" / "step_00000002" / "rollout.json").read_text())
+    assert merged["step"] == 2 and merged["shards"] == 2 and sorted(e["seed"] for e in merged["episodes"]) == [0, 1, 2]
+    # Step 4: one element cancelled for good, reported, never averaged over.
+    assert [r for r in records if r["step"] == 4 and "rollout/missing_shards" in r] == \
+        [{"step": 4, "rollout/missing_shards": 1.0, "rollout/shards": 2.0}], records
+    train_log = (run / "train.log").read_text()
+    assert f"evaluation array job {cancelled} is incomplete: 1 of 2 elements wrote no shard: {cancelled}_1 (CANCELLED" \
+        in train_log, train_log[-3000:]
+    assert not (run / "rollout" / "step_00000004" / "rollout.json").exists()
+    assert json.loads((run / "rollout" / "step_00000004" / "missing.json").read_text())["missing"] == [1]
+    state = json.loads((run / STATE_FILE).read_text())["steps"]
+    assert (state["2"]["status"], state["4"]["status"]) == ("done", "incomplete")
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000004"]
+    print(f"evaluation arrays: submit -> finished {time.monotonic() - t0:.1f}s; requeued element 0 -> training job "
+          f"done {time.monotonic() - t_requeue:.1f}s")
