@@ -78,6 +78,8 @@ class MetricLogger:
 
     def close(self) -> None:
         if self._wandb is not None:
+            if self._late:
+                self._wandb.log({}, commit=True)  # the open training row first: each rest on a row of its own
             for row in self._late:
                 self._wandb.log(row)
             self._late = []
