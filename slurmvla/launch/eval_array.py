@@ -203,6 +203,14 @@ def queued_elements(job: str) -> dict[int, str] | None:
     return found
 
 
+def cancel(job: str) -> None:
+    """scancel ``job`` (best effort: a job already gone, or no SLURM here, is no error)."""
+    try:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+
+
 def element_states(job: str) -> dict[int, str]:
     """Each element's accounting state and exit code (``sacct``), where the cluster keeps accounting; {} otherwise."""
     try:
@@ -338,8 +346,11 @@ class EvalArrays:
         later = [s for s in self.entries if s > step]
         for s in later:
             entry = self.entries.pop(s)
+            if entry.get("job") and entry["status"] == SUBMITTED:
+                cancel(entry["job"])  # its checkpoint is no longer the run's: its results would be another run's
             log.warning("evaluation of step %d (%s%s) dropped: the run resumed from step %d", s, entry["status"],
-                        f", array job {entry['job']}" if entry.get("job") else "", step)
+                        f", array job {entry['job']} cancelled" if entry.get("job") and entry["status"] == SUBMITTED
+                        else "", step)
         lost = [s for s, e in self.entries.items()
                 if e["status"] == TO_SUBMIT and not (Path(e["checkpoint"]) / COMMITTED).is_file()]
         for s in lost:
@@ -352,7 +363,12 @@ class EvalArrays:
 
     def plan(self, step: int, checkpoint: Path) -> None:
         """Step ``step`` is to be evaluated from ``checkpoint`` (before that checkpoint is saved: pinned from then)."""
-        self.entries[step] = {"step": step, "checkpoint": str(Path(checkpoint).resolve()), "out": str(self.step_dir(step)),
+        out = self.step_dir(step)
+        if out.exists():  # an earlier lineage's evaluation of this step (a run resumed from before it): kept aside
+            aside = out.with_name(f".{out.name}.superseded.{int(self.clock())}")
+            os.replace(out, aside)
+            log.warning("step %d: %s held an earlier evaluation of this step; moved aside to %s", step, out, aside)
+        self.entries[step] = {"step": step, "checkpoint": str(Path(checkpoint).resolve()), "out": str(out),
                               "shards": self.settings.shards, "status": TO_SUBMIT, "job": None, "jobs": []}
         self._write()
 

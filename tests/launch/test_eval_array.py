@@ -139,6 +139,11 @@ def test_a_planned_evaluation_pins_its_checkpoint_is_submitted_once_committed_an
     again.resumed_at(40)
     assert set(again.entries) == {20} and again.entries[20]["job"] == "777"
     assert set(_arrays(run, logged).entries) == {20}
+    # Planned again (a lineage that reached step 20 anew), the step's folder of the earlier evaluation goes aside:
+    # none of its shards counts for the new one.
+    (arrays.step_dir(20) / shard_name(0, 2)).write_text("{}")
+    again.plan(20, ckpt)
+    assert not arrays.step_dir(20).exists() and len(list(arrays.out_root.glob(".step_00000020.superseded.*"))) == 1
 
 
 def test_a_complete_evaluation_is_merged_and_logged_at_its_step_and_its_checkpoint_released(tmp_path):
@@ -360,7 +365,7 @@ def test_the_trainer_submits_each_evaluation_trains_on_and_its_results_land_at_t
     (out2 / shard_name(0, 2)).write_text(json.dumps(_summary([100000, 100002], [True, False], step=2)))
     (out2 / shard_name(1, 2)).write_text(json.dumps(_summary([100001], [True], step=2)))
     (out4 / shard_name(0, 2)).write_text(json.dumps(_summary([100000], [True], step=4)))
-    eval_array_main(["gather", str(run), "--wait", "5"])
+    eval_array_main(["gather", str(run), "--wait", "60"])  # returns once nothing is pending
     late = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][4:]
     reference = _summary([100000, 100002, 100001], [True, False, True], step=2)
     assert late[0]["step"] == 2 and late[0]["rollout/success_rate"] == pytest.approx(reference["rollout/success_rate"])
