@@ -379,3 +379,33 @@ def test_the_trainer_submits_each_evaluation_trains_on_and_its_results_land_at_t
     from slurmvla.table import runs_of
 
     assert [r["evaluations"] for r in runs_of(run)] == [{2: {"success_rate": pytest.approx(2 / 3), "episodes": 3}}]
+
+
+def test_a_requeued_training_run_picks_up_its_pending_evaluations(make_cfg, tmp_path, monkeypatch):
+    """The training stops after step 2 (as for a requeue) with step 2's array running; the resumed run reads the state
+    file, finds the array's shards complete at its first log step and logs rollout/* at step 2, once."""
+    from slurmvla.trainer import Trainer
+
+    _stand_ins(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    run = tmp_path / "run"
+    cfg = make_cfg("trainer.max_steps=4", "trainer.rollout_every_steps=2", "trainer.log_every_steps=1",
+                   "checkpoint.every_steps=2", "rollout_array.enabled=true", "rollout_array.shards=2",
+                   "rollout_array.wait_s=0")
+    trainer = Trainer(cfg, run)
+    trainer.fit(stop_at=2)
+    trainer.close()
+    assert json.loads((run / STATE_FILE).read_text())["steps"]["2"]["status"] == SUBMITTED
+    out = run / "rollout" / "step_00000002"
+    (out / shard_name(0, 2)).write_text(json.dumps(_summary([100000], [True], step=2)))
+    (out / shard_name(1, 2)).write_text(json.dumps(_summary([100001], [False], step=2)))
+    trainer = Trainer(cfg, run)
+    assert trainer.resumed_from is not None and trainer.step == 2
+    trainer.fit()
+    trainer.close()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "rollout/success_rate" in r]
+    assert [(r["step"], r["rollout/success_rate"]) for r in evaluated] == [(2, 0.5)], records
+    assert records.index(evaluated[0]) == [r["step"] for r in records].index(3) + 1, "not at the first log step"
+    state = json.loads((run / STATE_FILE).read_text())["steps"]
+    assert state["2"]["status"] == DONE and state["4"]["status"] == SUBMITTED
