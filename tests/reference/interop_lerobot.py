@@ -14,6 +14,9 @@ episode (where the action chunk runs past the end):
 2. LeRobot -> slurmvla: a dataset recorded by LeRobot's own writer (``create``, ``add_frame``,
    ``save_episode``, video, no instruction columns so the task table gives the instruction) reads in
    slurmvla with the same values.
+3. A Meta-World MT50 recording (``python -m slurmvla.sim.record --env mt50``: several tasks in one dataset, each
+   episode under its instruction, lerobot/metaworld_mt50's features) opens in LeRobot with the same values, task
+   strings and frames.
 
 Numbers and strings must be equal exactly; frames to the codec's tolerance (both sides decode the same
 stream; only the YUV -> RGB conversions of the two decoders' libraries may differ). Exits non-zero on a
@@ -40,7 +43,6 @@ from slurmvla.data.synthetic import write_droid_sample
 HERE = Path(__file__).resolve().parent
 SIDE = HERE / "lerobot_interop_side.py"
 HORIZON = 16
-CAMERAS = ["observation.images.exterior_1_left", "observation.images.exterior_2_left", "observation.images.wrist_left"]
 # Decoded frames, uint8: both sides decode the same AV1 / H.264 stream (AV1 decoding is bit-exact by the
 # standard); the YUV 4:2:0 -> RGB conversion differs between libswscale builds by a level or two.
 FRAME_MEAN_ABS, FRAME_MAX_ABS = 1.0, 12
@@ -60,8 +62,9 @@ def lerobot_view(python: str, root: Path, frames: list[tuple[int, int]], out: Pa
     return arrays, json.loads(out.with_suffix(".json").read_text())
 
 
-def slurmvla_source(root: Path, state_keys: list[str], action_keys: list[str], instruction_keys: list[str]) -> LeRobotSource:
-    cfg = compose([f"data.root={root}", f"data.state_keys=[{','.join(state_keys)}]",
+def slurmvla_source(root: Path, state_keys: list[str], action_keys: list[str], instruction_keys: list[str],
+                    cameras: list[str]) -> LeRobotSource:
+    cfg = compose([f"data.root={root}", f"data.cameras=[{','.join(cameras)}]", f"data.state_keys=[{','.join(state_keys)}]",
                    f"data.action_keys=[{','.join(action_keys)}]", f"data.instruction_keys=[{','.join(instruction_keys)}]",
                    "data.num_workers=0"]).data
     return LeRobotSource(dataset_specs(cfg)[0], cfg, SampleSpec(image_size=None, action_horizon=HORIZON), seed=0)
@@ -101,9 +104,10 @@ def compare(name: str, root: Path, python: str, work: Path, state_keys: list[str
     meta = LeRobotMetadata(root)
     frames = frames_to_check(meta)
     theirs, info = lerobot_view(python, root, frames, work / f"{name}.npz")
-    src = slurmvla_source(root, state_keys, action_keys, instruction_keys)
+    cameras = [k for k, f in meta.features.items() if f["dtype"] == "video"]
+    src = slurmvla_source(root, state_keys, action_keys, instruction_keys, cameras)
     check = Check(name)
-    scalar_keys = [k for k, f in meta.features.items() if f["dtype"] in ("float32", "float64", "int64", "bool")]
+    scalar_keys = [k for k, f in meta.features.items() if f["dtype"] in ("float32", "float64", "int16", "int64", "bool")]
     string_keys = [k for k, f in meta.features.items() if f["dtype"] == "string"]
     chunked = [k for k in meta.features if k == "action" or k.startswith("action.")]
     for pos in sorted({e for e, _ in frames}):
@@ -133,7 +137,7 @@ def compare(name: str, root: Path, python: str, work: Path, state_keys: list[str
             check.equal(f"{at} state", sample["state"].numpy(), state)
             if not instruction_keys:
                 check.equal(f"{at} instruction (the task)", sample["instruction"], strings["task"])
-            for c, cam in enumerate(CAMERAS):
+            for c, cam in enumerate(cameras):
                 check.frame(f"{at} {cam}", sample["images"][c].numpy(), lr[cam])
     return check, info
 
@@ -160,6 +164,11 @@ def main() -> None:
     subprocess.run([args.lerobot_python, str(SIDE), "write", str(written)], check=True)
     checks.append(compare("lerobot_written", written, args.lerobot_python, work, droid_state,
                           ["action"], []))
+    from slurmvla.sim.record import record
+
+    mt50 = work / "slurmvla_mt50"
+    record(mt50, "mt50", "reach-v3,push-v3,push-back-v3", episodes=2, height=64, width=64)
+    checks.append(compare("slurmvla_mt50", mt50, args.lerobot_python, work, ["observation.state"], ["action"], []))
     print(f"LeRobot side: {checks[0][1]['versions']}, video backend {checks[0][1]['video_backend']}")
     failures = []
     for check, _ in checks:
