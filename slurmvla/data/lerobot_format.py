@@ -29,6 +29,8 @@ from slurmvla.data.checksums import require_listed, verify
 from slurmvla.data.keep_ranges import read_json
 
 SUPPORTED_VERSIONS = ("v2.1", "v3.0")
+IMAGE_DTYPES = ("image",)  # a camera whose frames are encoded images in the data files' column
+CAMERA_DTYPES = ("video", *IMAGE_DTYPES)
 
 
 def _system_pool_in_child() -> None:
@@ -52,9 +54,15 @@ class VideoLocation:
 
 
 def to_numpy(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """Vectors as ``[n, dim]`` float32 (or their integer dtype), strings as object arrays, scalars as-is."""
+    """Vectors as ``[n, dim]`` float32 (or their integer dtype), strings as object arrays, scalars as-is;
+    an image column (``datasets``' ``Image()``: ``struct<bytes, path>``, or plain binary) as an object array
+    of each frame's encoded bytes (None where a frame has none)."""
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
+    if pa.types.is_struct(col.type) and col.type.get_field_index("bytes") >= 0:
+        col = col.field("bytes")
+    if pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type):
+        return np.asarray(col.to_pylist(), dtype=object)
     if pa.types.is_list(col.type) or pa.types.is_fixed_size_list(col.type) or pa.types.is_large_list(col.type):
         flat = np.asarray(col.flatten())
         return flat.reshape(len(col), -1).astype(np.float32 if flat.dtype.kind == "f" else flat.dtype)
@@ -129,7 +137,8 @@ def _read_rows(f: pq.ParquetFile, keys: list[str], where: tuple[str, int, int] |
     groups = list(range(f.num_row_groups))
     if where is not None:
         name, lo, hi = where
-        col = f.schema_arrow.get_field_index(name)
+        # The statistics are per leaf column: an image column (struct<bytes, path>) before it holds two.
+        col = next(i for i in range(len(f.schema)) if f.schema.column(i).path == name)
 
         def overlaps(g: int) -> bool:
             stats = f.metadata.row_group(g).column(col).statistics
@@ -197,6 +206,34 @@ class LeRobotMetadata:
     @property
     def video_keys(self) -> list[str]:
         return [k for k, f in self.features.items() if f.get("dtype") == "video"]
+
+    @property
+    def image_keys(self) -> list[str]:
+        """Cameras stored as images inside the data files (LeRobot's ``dtype: image``, e.g. lerobot/metaworld_mt50)."""
+        return [k for k, f in self.features.items() if f.get("dtype") in IMAGE_DTYPES]
+
+    @property
+    def camera_keys(self) -> list[str]:
+        """Every camera: stored as video or as images."""
+        return [k for k, f in self.features.items() if f.get("dtype") in CAMERA_DTYPES]
+
+    def frame_hw(self, key: str) -> tuple[int, int]:
+        """``(height, width)`` of camera ``key``'s frames from its info.json shape: channels last (``[H, W, 3]``,
+        LeRobot's videos and older image datasets) or first (``[3, H, W]``, e.g. lerobot/metaworld_mt50), as its
+        ``names`` say (or, without them, wherever the 3 channels are)."""
+        shape, names = self.features[key].get("shape"), self.features[key].get("names")
+        where = f"{self.root / 'meta' / 'info.json'}: feature {key!r}"
+        if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(x, int) and x > 0 for x in shape)):
+            raise DataError(f"{where} has shape {shape!r}; a camera's is [height, width, channels] or "
+                            "[channels, height, width]")
+        names = [str(n).lower() for n in names] if isinstance(names, list) and len(names) == 3 else None
+        if names is not None and names[0].startswith("channel"):
+            return shape[1], shape[2]
+        if names is not None and names[2].startswith("channel"):
+            return shape[0], shape[1]
+        if shape[0] in (1, 3, 4) and shape[2] not in (1, 3, 4):
+            return shape[1], shape[2]
+        return shape[0], shape[1]
 
     def require_features(self, keys: list[str], needed_by: str) -> None:
         missing = [k for k in keys if k not in self.features]
@@ -315,17 +352,26 @@ class LeRobotMetadata:
 
     def read_episode(self, pos: int, keys: list[str]) -> dict[str, np.ndarray]:
         """Frame columns of the episode at position ``pos`` (in episode order), in frame order."""
-        lo, hi = int(self.episodes["dataset_from_index"][pos]), int(self.episodes["dataset_to_index"][pos])
+        return self.read_frames(pos, keys)
+
+    def read_frames(self, pos: int, keys: list[str], first: int = 0, end: int | None = None) -> dict[str, np.ndarray]:
+        """Frame columns of frames ``[first, end)`` of the episode at position ``pos`` (the whole episode by
+        default), in frame order; only the row groups that hold them are read (an image camera's bytes)."""
+        start, stop = int(self.episodes["dataset_from_index"][pos]), int(self.episodes["dataset_to_index"][pos])
+        whole = first == 0 and (end is None or end >= stop - start)
+        end = stop - start if end is None else min(end, stop - start)
         path = self.episode_data_path(pos)
         if self.version == "v2.1":
-            columns = read_rows(path, ["frame_index", *keys])
+            columns = read_rows(path, ["frame_index", *keys], None if whole else ("frame_index", first, end))
             order = np.argsort(columns["frame_index"], kind="stable")
         else:
-            columns = read_rows(path, ["index", *keys], ("index", lo, hi))
+            columns = read_rows(path, ["index", *keys], ("index", start + first, start + end))
             order = np.argsort(columns["index"], kind="stable")
-        if len(order) != hi - lo:
-            raise DataError(f"{path}: episode {int(self.episodes['episode_index'][pos])} has {len(order)} rows, "
-                            f"its metadata says {hi - lo}", path)
+        if len(order) != end - first:
+            episode = int(self.episodes["episode_index"][pos])
+            raise DataError(f"{path}: episode {episode} has {len(order)} rows, its metadata says {stop - start}"
+                            if whole else f"{path}: episode {episode} has {len(order)} rows for its frames "
+                            f"{first}..{end - 1}, its metadata says {end - first}", path)
         return {k: columns[k][order] for k in keys}
 
     def episode_constant_from_stats(self, key: str) -> np.ndarray | None:
