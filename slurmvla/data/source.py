@@ -25,9 +25,10 @@ from slurmvla.config.data import JOINT_MODE, SAMPLE_MODES, DataConfig, KeepRange
 from slurmvla.data.augment import Augmenter
 from slurmvla.data.delta import chunk_action_stats, chunk_actions
 from slurmvla.data.facts import cached_arrays, episode_values
+from slurmvla.data.images import ImageReader, decode_images
 from slurmvla.data.index import SampleIndex, build_index, keep_range_keys
 from slurmvla.data.keep_ranges import load_keep_ranges, read_json
-from slurmvla.data.lerobot_format import LeRobotMetadata
+from slurmvla.data.lerobot_format import CAMERA_DTYPES, LeRobotMetadata
 from slurmvla.data.processor import Processor
 from slurmvla.data.spec import DataFeatures, SampleSpec
 from slurmvla.data.video import FrameReader, decode_range, read_concurrently
@@ -111,7 +112,7 @@ class EpisodeWindow(Episode):
                  labels: np.ndarray | None = None):
         super().__init__(pos, state, action, instructions, np.zeros((0,), np.uint8), first_frame, present, labels)
         self.frame_shape = (len(present), *frame_shape)  # [cams, H, W, 3] of one frame
-        self.readers = readers  # per camera: a FrameReader, or None for an absent camera (black, masked)
+        self.readers = readers  # per camera: a FrameReader or ImageReader, or None for an absent camera (black, masked)
         self.end = first_frame + num_frames
         # (first frame, frames, per camera its pictures [n, h, w, 3] without the padding, or None), oldest
         # first: a padded 16:9 frame is 44 % black, which the window need not hold (the samples' images pad).
@@ -178,17 +179,18 @@ class LeRobotSource:
         missing = [c for c in cfg.cameras if c not in meta.features]
         if missing and cfg.missing_cameras == "fail":
             raise ValueError(
-                f"dataset {str(meta.root)!r} has no camera {missing[0]!r} (data.cameras={list(cfg.cameras)}); its video "
-                f"features: {meta.video_keys}. Set data.cameras to those, or data.missing_cameras=pad to pad "
-                "absent cameras with a masked black image"
+                f"dataset {str(meta.root)!r} has no camera {missing[0]!r} (data.cameras={list(cfg.cameras)}); its "
+                f"cameras (video or image features): {meta.camera_keys}. Set data.cameras to those, or "
+                "data.missing_cameras=pad to pad absent cameras with a masked black image"
             )
         if not self.cameras:
-            raise ValueError(f"dataset {str(meta.root)!r} has none of data.cameras={list(cfg.cameras)}; its video "
-                             f"features: {meta.video_keys}")
+            raise ValueError(f"dataset {str(meta.root)!r} has none of data.cameras={list(cfg.cameras)}; its cameras "
+                             f"(video or image features): {meta.camera_keys}")
         for cam in self.cameras:
-            if meta.features[cam].get("dtype") != "video":
-                raise ValueError(f"feature {cam!r} in {meta.root} is not a video feature; video features: "
-                                 f"{meta.video_keys}")
+            if meta.features[cam].get("dtype") not in CAMERA_DTYPES:
+                raise ValueError(f"feature {cam!r} in {meta.root} is not a camera (dtype "
+                                 f"{meta.features[cam].get('dtype')!r}, not one of {list(CAMERA_DTYPES)}); its cameras "
+                                 f"(video or image features): {meta.camera_keys}")
         self.present = np.asarray([c in meta.features for c in cfg.cameras])
         self.frame_hw = self._frame_hw(sample_spec.image_size)
         # Frame offsets of the observation history, oldest first, the current frame last.
@@ -203,7 +205,10 @@ class LeRobotSource:
         self.label_dim = sum(meta.feature_dim(k) for k in cfg.label_keys)
         check_delta_actions(cfg.delta_actions, self.action_dim, self.state_dim,
                             f"{list(cfg.action_keys)} of {str(meta.root)!r}", f"{list(cfg.state_keys)}")
-        self.videos = {cam: meta.video_location(cam) for cam in self.cameras}
+        # Per camera where its frames are: a video's file and time range per episode, or (image cameras, LeRobot's
+        # dtype "image") the data files' column, read through the episode's rows (slurmvla.data.images).
+        self.videos = {cam: meta.video_location(cam) for cam in self.cameras if cam not in meta.image_keys}
+        self.images = [cam for cam in self.cameras if cam in meta.image_keys]
         self.index = self._build_index()
         if self.index.num_samples == 0:
             raise ValueError(f"no samples left in {meta.root} after filtering (success_only={spec.success_only}, "
@@ -344,7 +349,7 @@ class LeRobotSource:
         policy resizes them itself (``SampleSpec.image_size=None``; every camera must share it)."""
         if size is not None:
             return size, size
-        shapes = {cam: tuple(int(x) for x in self.meta.features[cam]["shape"][:2]) for cam in self.cameras}
+        shapes = {cam: self.meta.frame_hw(cam) for cam in self.cameras}
         if len(set(shapes.values())) > 1:
             raise ValueError(f"dataset {str(self.meta.root)!r}: the cameras' frames differ in size ({shapes}); this "
                              "policy resizes frames itself from their recorded size, so a batch needs one size: choose "
@@ -370,6 +375,9 @@ class LeRobotSource:
             if not self.present[c]:
                 frames[:, c] = 0
                 continue
+            if cam in self.images:
+                decode_images(meta, pos, cam, lo, hi - lo, size, out=frames[:, c], resize=cfg.image_resize)
+                continue
             loc = self.videos[cam]
             t0 = float(loc.from_ts[pos]) + lo / meta.fps
             # Decoded straight into this camera's slot: no second copy of the frames.
@@ -387,9 +395,14 @@ class LeRobotSource:
         readers = []
         try:
             for c, cam in enumerate(cfg.cameras):
-                loc = self.videos.get(cam)
-                readers.append(None if not self.present[c] else FrameReader(
-                    loc.paths[pos], float(loc.from_ts[pos]) + lo / meta.fps, hi - lo, meta.fps, size, cfg.image_resize))
+                if not self.present[c]:
+                    readers.append(None)
+                elif cam in self.images:
+                    readers.append(ImageReader(meta, pos, cam, lo, hi - lo, size, cfg.image_resize, ImageReader.CHUNK))
+                else:
+                    loc = self.videos[cam]
+                    readers.append(FrameReader(loc.paths[pos], float(loc.from_ts[pos]) + lo / meta.fps, hi - lo,
+                                               meta.fps, size, cfg.image_resize))
         except Exception:
             for r in readers:
                 if r is not None:
