@@ -6,8 +6,9 @@
 
 --scan: check every data file of every dataset instead, each once: every video opened and all its frames
 decoded (not converted; threads in parallel; about the time one epoch spends decoding, so minutes to hours
-on DROID), every data parquet read whole. Prints each damaged file with its reason and the episodes it
-holds and exits 1 when there is any (0 when every file reads): what data.on_damaged=skip would skip.
+on DROID), every data parquet read whole and the frames of its image cameras (LeRobot's dtype "image")
+decoded. Prints each damaged file with its reason and the episodes it holds and exits 1 when there is
+any (0 when every file reads): what data.on_damaged=skip would skip.
 
 Per dataset: format version, episodes and frames in total, episodes and frames kept by the filters,
 episodes whose keep-ranges key could not be built, samples per epoch under each keep-ranges

@@ -41,8 +41,9 @@ from slurmvla.collectives import gather_objects
 from slurmvla.config.data import DataConfig
 from slurmvla.data import DataError
 from slurmvla.data.checksums import verify
+from slurmvla.data.images import decode_image
 from slurmvla.data.index import SampleIndex
-from slurmvla.data.lerobot_format import reading
+from slurmvla.data.lerobot_format import reading, to_numpy
 from slurmvla.data.source import Episode, LeRobotSource
 from slurmvla.errors import one_line
 
@@ -227,19 +228,37 @@ def _check_video(path: Path, frames_needed: int) -> str | None:
     return None
 
 
-def _check_parquet(path: Path) -> str | None:
+def _check_parquet(path: Path, image_keys: Sequence[str] = ()) -> tuple[str | None, list[int] | None]:
+    """``(None, None)`` when the file reads whole and every frame of its image cameras (``image_keys``) decodes; else
+    why not, and the episodes of the frames that do not (None: all the file's, when the file itself does not read)."""
     try:
         with reading(path):
-            pq.read_table(path, use_threads=False)
+            table = pq.read_table(path, use_threads=False)
     except DataError as e:
-        return str(e).removeprefix(f"{path} ")
-    return None
+        return str(e).removeprefix(f"{path} "), None
+    bad: dict[int, str] = {}  # episode -> its first damaged frame's reason
+    present = [k for k in image_keys if k in table.column_names]
+    if present:
+        episodes, frames = (to_numpy(table[c]) if c in table.column_names else np.full(table.num_rows, -1)
+                            for c in ("episode_index", "frame_index"))
+        for key in present:
+            for row, data in enumerate(to_numpy(table[key])):
+                try:
+                    decode_image(data)
+                except ValueError as e:
+                    bad.setdefault(int(episodes[row]), f"frame {int(frames[row])} of episode {int(episodes[row])}, "
+                                                       f"camera {key!r}: {e}")
+    if not bad:
+        return None, None
+    first = bad[min(bad)]
+    return (first if len(bad) == 1 else f"{first} (and frames of {len(bad) - 1} more episodes)"), sorted(bad)
 
 
 def scan(sources: Sequence[LeRobotSource], threads: int = 4) -> list[Finding]:
-    """Every video (header and every frame decoded) and every data parquet (read whole) of ``sources``,
-    each file once; the damaged ones, with their reason and the episodes they hold."""
-    jobs: list[tuple[Callable[[], str | None], Path, str, list[int]]] = []
+    """Every video (header and every frame decoded) and every data parquet (read whole, and every frame of an image
+    camera decoded) of ``sources``, each file once; the damaged ones, with their reason and the episodes they hold
+    (an image camera's: the episodes of its damaged frames)."""
+    jobs: list[tuple[Callable[[], str | None | tuple], Path, str, list[int]]] = []
     for source in sources:
         meta = source.meta
         episode_ids = meta.episodes["episode_index"]
@@ -247,7 +266,8 @@ def scan(sources: Sequence[LeRobotSource], threads: int = 4) -> list[Finding]:
         for pos in range(meta.num_episodes):
             held.setdefault(meta.episode_data_path(pos), []).append(pos)
         for path, positions in held.items():
-            jobs.append((lambda p=path: _check_parquet(p), path, source.name, [int(episode_ids[i]) for i in positions]))
+            jobs.append((lambda p=path, k=tuple(source.images): _check_parquet(p, k), path, source.name,
+                         [int(episode_ids[i]) for i in positions]))
         for loc in source.videos.values():
             held = {}
             for pos, path in enumerate(loc.paths):
@@ -257,6 +277,10 @@ def scan(sources: Sequence[LeRobotSource], threads: int = 4) -> list[Finding]:
                 jobs.append((lambda p=path, n=needed: _check_video(p, n), path, source.name,
                              [int(episode_ids[i]) for i in positions]))
     with ThreadPoolExecutor(max_workers=threads) as pool:  # PyAV and pyarrow release the GIL
-        reasons = list(pool.map(lambda job: job[0](), jobs))
-    return [Finding(path, reason, name, episodes) for (_, path, name, episodes), reason in zip(jobs, reasons)
-            if reason is not None]
+        results = list(pool.map(lambda job: job[0](), jobs))
+    found = []
+    for (_, path, name, episodes), result in zip(jobs, results):
+        reason, which = result if isinstance(result, tuple) else (result, None)
+        if reason is not None:
+            found.append(Finding(path, reason, name, episodes if which is None else which))
+    return found
