@@ -68,6 +68,12 @@ _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
                    "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "OMPI_MCA_orte_precondition_transports")
 
 
+# sacct states of an element that has not ended (its accounting record lags the queue), and how many looks at an
+# array whose missing elements are gone from the queue wait for that record.
+_NOT_ENDED = ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "RESIZING", "SUSPENDED", "REQUEUE")
+_MAX_LOOKS = 5
+
+
 class SubmitError(Failure):
     """sbatch refused or could not be run; the message is its one line."""
 
@@ -192,14 +198,18 @@ def queued_elements(job: str) -> dict[int, str] | None:
     found = {}
     for line in res.stdout.splitlines():
         index, _, state = line.strip().partition("|")
-        if index.isdigit():
-            found[int(index)] = state
-        elif index:  # a range of pending elements not yet split (e.g. [0-3]); -r normally expands it
-            for part in index.strip("[]").split("%")[0].split(","):
-                a, _, b = part.partition("-")
-                if a.isdigit():
-                    for i in range(int(a), int(b or a) + 1):
-                        found[i] = state
+        for i in _indices(index):  # one index; or pending elements not yet split (e.g. [0-3]), -r normally expands
+            found[i] = state
+    return found
+
+
+def _indices(text: str) -> list[int]:
+    """Array indices as SLURM writes them: 3, [1-3], [0,2,5-6%2] (the %N is a limit on running elements)."""
+    found = []
+    for part in text.strip().strip("[]").split("%")[0].split(","):
+        a, _, b = part.partition("-")
+        if a.isdigit() and (not b or b.isdigit()):
+            found += range(int(a), int(b or a) + 1)
     return found
 
 
@@ -221,9 +231,10 @@ def element_states(job: str) -> dict[int, str]:
     found = {}
     for line in res.stdout.splitlines():
         parts = line.split("|")
-        m = re.fullmatch(rf"{job}_(\d+)", parts[0].strip()) if len(parts) == 3 else None
-        if m:
-            found[int(m.group(1))] = f"{parts[1].strip()} {parts[2].strip()}"
+        # JOB_I, or JOB_[I-K] for elements cancelled before they were split from the pending array.
+        m = re.fullmatch(rf"{job}_(\S+)", parts[0].strip()) if len(parts) == 3 else None
+        for i in _indices(m.group(1)) if m else []:
+            found[i] = f"{parts[1].strip()} {parts[2].strip()}"
     return found
 
 
@@ -314,6 +325,7 @@ class EvalArrays:
         self.entries: dict[int, dict[str, Any]] = self._read()
         self._asked: dict[int, float] = {}  # step -> when the queue was last asked about it
         self._gone: dict[int, set[int]] = {}  # step -> elements seen out of the queue without a shard, last check
+        self._looks: dict[int, int] = {}  # step -> looks at which its missing elements were confirmed gone
         self._refused: dict[int, float] = {}  # step -> when sbatch last refused its array (tried again after poll_s)
 
     # -- the state file ---------------------------------------------------------------------------
@@ -443,8 +455,16 @@ class EvalArrays:
         confirmed = gone & self._gone.get(step, set())
         self._gone[step] = gone
         if queued or not gone or confirmed != gone:
+            self._looks[step] = 0
             return False
-        return self._incomplete(entry, sorted(gone))
+        # Gone at two looks. Where the cluster keeps accounting, its record of each missing element's end is waited
+        # for too (slurmdbd writes it a moment after the controller lets go; a few looks at most).
+        self._looks[step] = self._looks.get(step, 0) + 1
+        states = self.states(entry["job"])
+        ended = all(i in states and not states[i].startswith(_NOT_ENDED) for i in gone)
+        if states and not ended and self._looks[step] < _MAX_LOOKS:
+            return False
+        return self._incomplete(entry, sorted(gone), states)
 
     def _done(self, entry: dict[str, Any]) -> bool:
         step, out = entry["step"], Path(entry["out"])
@@ -461,9 +481,8 @@ class EvalArrays:
                  metrics["rollout/episodes"], entry["job"], entry["shards"], out / MERGED)
         return True
 
-    def _incomplete(self, entry: dict[str, Any], missing: list[int]) -> bool:
+    def _incomplete(self, entry: dict[str, Any], missing: list[int], states: dict[int, str]) -> bool:
         step, out, job, shards = entry["step"], Path(entry["out"]), entry["job"], entry["shards"]
-        states = self.states(job)
         python = self.settings.python or sys.executable
         reruns = [element_command(python, Path(entry["checkpoint"]), out, shards, self.settings.overrides)
                   .removeprefix("exec ") + f" --index {i}" for i in missing]

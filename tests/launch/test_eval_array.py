@@ -62,7 +62,7 @@ class Clock:
 
 
 def _arrays(run: Path, logged: list, queue=lambda job: {}, submitted: list | None = None, clock=None,
-            **settings) -> EvalArrays:
+            states=lambda job: {1: "FAILED 1:0"}, **settings) -> EvalArrays:
     def submitter(cmd):
         if submitted is not None:
             submitted.append(cmd)
@@ -70,7 +70,7 @@ def _arrays(run: Path, logged: list, queue=lambda job: {}, submitted: list | Non
 
     return EvalArrays(run, ArraySettings(**{"shards": 2, "poll_s": 10.0, **settings}), "demo",
                       lambda step, m: logged.append((step, m)), merge=_merge, queue=queue,
-                      states=lambda job: {1: "FAILED 1:0"}, submitter=submitter, clock=clock or Clock())
+                      states=states, submitter=submitter, clock=clock or Clock())
 
 
 def _checkpoint(run: Path, step: int) -> Path:
@@ -172,8 +172,9 @@ def test_a_complete_evaluation_is_merged_and_logged_at_its_step_and_its_checkpoi
 
 def test_an_element_that_failed_for_good_is_reported_missing_never_averaged_over(tmp_path, caplog):
     run, logged, clock = tmp_path / "run", [], Clock()
-    queue = {"777": {1: "RUNNING"}}
-    arrays = _arrays(run, logged, queue=lambda job: dict(queue[job]), clock=clock)
+    queue, accounting = {"777": {1: "RUNNING"}}, {"777": {1: "RUNNING 0:0"}}
+    arrays = _arrays(run, logged, queue=lambda job: dict(queue[job]), clock=clock,
+                     states=lambda job: dict(accounting[job]))
     arrays.plan(20, _checkpoint(run, 20))
     arrays.poll()
     out = arrays.step_dir(20)
@@ -185,6 +186,9 @@ def test_an_element_that_failed_for_good_is_reported_missing_never_averaged_over
     assert arrays.poll() == [], "decided at the first look (a shard may show late on a network filesystem)"
     clock.t += 5
     assert arrays.poll() == [], "the queue asked again before poll_s"
+    clock.t += 10
+    assert arrays.poll() == [], "decided before the accounting recorded the element's end"
+    accounting["777"] = {1: "FAILED 1:0"}
     clock.t += 10
     with caplog.at_level(logging.ERROR, logger="slurmvla"):
         assert arrays.poll() == [20]
@@ -206,7 +210,7 @@ def test_an_incomplete_evaluation_is_resubmitted_as_an_array_of_its_missing_elem
     arrays.plan(20, _checkpoint(run, 20))
     arrays.poll()
     (arrays.step_dir(20) / shard_name(1, 3)).write_text(json.dumps(_summary([101], [True])))
-    for _ in range(2):
+    for _ in range(6):  # accounting knows nothing of elements 0 and 2: decided after a few looks
         clock.t += 100
         arrays.poll()
     assert arrays.entries[20]["status"] == INCOMPLETE and arrays.entries[20]["missing"] == [0, 2]
@@ -409,3 +413,25 @@ def test_a_requeued_training_run_picks_up_its_pending_evaluations(make_cfg, tmp_
     assert records.index(evaluated[0]) == [r["step"] for r in records].index(3) + 1, "not at the first log step"
     state = json.loads((run / STATE_FILE).read_text())["steps"]
     assert state["2"]["status"] == DONE and state["4"]["status"] == SUBMITTED
+
+
+@pytest.mark.parametrize("squeue, expected", [
+    ("echo '0|RUNNING'; echo '[1-2%1]|PENDING'", {0: "RUNNING", 1: "PENDING", 2: "PENDING"}),
+    ("echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1", {}),  # the controller forgot the job
+    ("echo 'slurm_load_jobs error: Unable to contact slurm controller' >&2; exit 1", None),  # nothing decided
+])
+def test_what_squeue_and_sacct_say_of_an_array(squeue, expected, tmp_path, monkeypatch):
+    """Their outputs as SLURM 22.05 writes them (an element cancelled before it was split from the pending array is
+    JOB_[I] in sacct, or absent until the rest has started)."""
+    from slurmvla.launch.eval_array import element_states, queued_elements
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\n{squeue}\n")
+    (bin_dir / "sacct").write_text("#!/bin/sh\nprintf '7_0|COMPLETED|0:0\\n7_[1]|CANCELLED by 0|0:0\\n"
+                                   "7_[2-3]|PENDING|0:0\\n70_1|FAILED|1:0\\n'\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    assert queued_elements("7") == expected
+    assert element_states("7") == {0: "COMPLETED 0:0", 1: "CANCELLED by 0 0:0", 2: "PENDING 0:0", 3: "PENDING 0:0"}

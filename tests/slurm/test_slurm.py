@@ -587,8 +587,8 @@ def test_checkpoint_evaluations_as_job_arrays_requeue_a_killed_element_and_repor
     on. Element 0 of step 2's array is requeued (``scontrol requeue``, as a preemption does) while it runs: it runs
     again and writes its shard once; the run's metrics.jsonl then holds rollout/* at step 2, equal to an in-process
     ``python -m slurmvla.rollout`` of the checkpoint on the same seeds, and step 2's checkpoint outlived the rotation
-    until its array was gathered, then went. Element 1 of step 4's array is cancelled (``scancel``) before it can
-    finish: step 4 is reported incomplete (rollout/missing_shards=1, no success rate; the log names the element and
+    until its array was gathered, then went. Element 1 of step 4's array is cancelled (``scancel``) while it runs:
+    step 4 is reported incomplete (rollout/missing_shards=1, no success rate; the log names the element and
     its state), its checkpoint kept."""
     pytest.importorskip("slurmvla.sim.pick.env", reason="the [sim] extra (MuJoCo)")
     from slurmvla.launch.eval_array import STATE_FILE
@@ -619,7 +619,9 @@ def test_checkpoint_evaluations_as_job_arrays_requeue_a_killed_element_and_repor
             assert time.monotonic() < deadline and job_state(cluster, job), out.read_text()[-3000:] if out.exists() else ""
             state = json.loads((run / STATE_FILE).read_text())["steps"] if (run / STATE_FILE).is_file() else {}
             step2, step4 = (state.get(k, {}).get("job") for k in ("2", "4"))
-            if step4 and not cancelled:
+            # Cancelled once running (it runs for seconds): SLURM's accounting records an element cancelled while
+            # pending only once the rest of its array has started, and the log line should name the state.
+            if step4 and not cancelled and job_state(cluster, f"{step4}_1") == "RUNNING":
                 subprocess.run(["scancel", f"{step4}_1"], env=cluster, check=True, capture_output=True)
                 cancelled = step4
             element_log = run / "rollout" / "step_00000002" / f"slurm-{step2}_0.out"
