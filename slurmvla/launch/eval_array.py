@@ -17,7 +17,8 @@ file ``python -m slurmvla.table`` reads, as it reads the in-job evaluation's.
 The trainer gathers at its log steps and, at the end of training, waits up to ``rollout_array.wait_s``: a step whose
 ``rollout.json`` is there is logged (``rollout/*`` at step S, however far training has gone) and its checkpoint is
 released to rotation. An element that left the queue (``squeue``) without its shard, seen so at two queue checks
-``poll_s`` apart (a shard written on another node may show late on a network filesystem), failed for good: when no
+``poll_s`` apart (a shard written on another node may show late on a network filesystem) and, where the cluster keeps
+accounting, recorded as ended there (``sacct``), failed for good: when no
 element of the array is left in the queue the step is *incomplete*: ``rollout/missing_shards`` is logged at step S, no
 success rate (never an average over fewer episodes), one error line names the array job, each missing element, its
 state (``sacct``, where there is accounting) and log, and ``STEP_DIR/missing.json`` says how to rerun it; the
