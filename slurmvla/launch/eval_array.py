@@ -33,6 +33,7 @@ Foundation (layer 0): no torch, nothing above; the rollout and the merge run as 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -392,7 +393,8 @@ class EvalArrays:
         if self.clock() - self._refused.get(entry["step"], float("-inf")) < self.settings.poll_s:
             return False
         out.mkdir(parents=True, exist_ok=True)
-        cmd = sbatch_command(self.settings, checkpoint, out, f"{self.job_name}-eval-{entry['step']}", indices)
+        settings = dataclasses.replace(self.settings, shards=entry["shards"])  # as planned (a resubmission too)
+        cmd = sbatch_command(settings, checkpoint, out, f"{self.job_name}-eval-{entry['step']}", indices)
         try:
             job = self.submitter(cmd)
         except SubmitError as e:
@@ -402,6 +404,8 @@ class EvalArrays:
             return False
         entry.update(status=SUBMITTED, job=job, jobs=[*entry.get("jobs", []), job], submitted=self.clock())
         self._write()
+        self._gone.pop(entry["step"], None)  # a new array: its elements are looked at afresh
+        self._looks.pop(entry["step"], None)
         which = "elements " + indices_spec(indices) if indices is not None else f"{entry['shards']} elements"
         log.info("step %d: evaluation array job %s submitted (%s, %s; logs %s/slurm-%s_*.out)", entry["step"], job,
                  which, checkpoint, out, job)
