@@ -50,8 +50,29 @@ class KeypointsFlowConfig(KeypointsConfig):
     size: str = "keypoints_flow"
 
 
+def prompt_kwargs() -> dict[str, Any]:
+    """policy=keypoints_flow_prompt's: the instruction read, standardized maps, 32 keypoints and a 512-wide head (one
+    policy for fifty tasks' objects: twice a single task's keypoints)."""
+    return {**keypoint_kwargs(), "prompt": True, "spatial_norm": True, "keypoints": 32, "hidden": 512}
+
+
+@dataclass
+class KeypointsFlowPromptConfig(KeypointsFlowConfig):
+    """policy=keypoints_flow_prompt: policy=keypoints_flow told its task in words (``policy.kwargs.prompt``: the
+    instruction's byte tokens, up to max_text_len, read by a small convolution into the features the action head
+    reads), sized for many tasks (:func:`prompt_kwargs`); experiment=mt50's policy."""
+
+    name: str = "keypoints_flow_prompt"
+    size: str = "keypoints_flow_prompt"
+    # The longest MT50 instruction is 58 bytes.
+    max_text_len: int = 64
+    kwargs: dict[str, Any] = field(default_factory=prompt_kwargs)
+
+
 # What policy.name selects (slurmvla.registry.POLICIES finds this folder's ENTRIES).
 ENTRIES = (PolicyEntry("keypoints", "slurmvla.policy.keypoints.model:KeypointPolicy",
                        schema="slurmvla.policy.keypoints.config:KeypointsConfig"),
            PolicyEntry("keypoints_flow", "slurmvla.policy.keypoints.model:KeypointFlowPolicy",
-                       schema="slurmvla.policy.keypoints.config:KeypointsFlowConfig"))
+                       schema="slurmvla.policy.keypoints.config:KeypointsFlowConfig"),
+           PolicyEntry("keypoints_flow_prompt", "slurmvla.policy.keypoints.model:KeypointFlowPolicy",
+                       schema="slurmvla.policy.keypoints.config:KeypointsFlowPromptConfig"))
