@@ -18,6 +18,8 @@ from slurmvla.data.source import LeRobotSource, dataset_specs
 from slurmvla.trainer import Trainer
 from tests.conftest import policy_spec
 
+REPO = Path(__file__).resolve().parents[1]
+
 GROUPS = sorted(p.name for p in config_dir().iterdir() if p.is_dir() and not p.name.startswith("_"))
 
 
@@ -335,3 +337,44 @@ def test_a_policy_config_built_by_hand_must_be_its_policys_schema():
     assert policy_schema("pi05") is Pi05Config and Pi05Config().state_input == "discrete"
     with pytest.raises(ValueError, match="policy.name='pi05' has the schema Pi05Config, not FlowVLAConfig"):
         FlowVLAConfig(name="pi05")
+
+
+def test_every_experiment_serves_what_it_trained_on():
+    """A policy with observation history reads, when served in its experiment's rollout, the frames training showed
+    it (closed_loop.history_warning has nothing to say): experiment=metaworld trains its two frames 3 steps apart,
+    as the rollout asks every 3 steps."""
+    from slurmvla.inference.closed_loop import history_warning
+
+    for path in sorted((config_dir() / "experiment").glob("*.yaml")):
+        extra = ["data.root=/d", "policy.pretrained_path=/ckpt"] if path.stem.startswith("pi05") else []
+        cfg = compose([f"experiment={path.stem}", *extra])
+        assert history_warning(cfg.data, cfg.serve, cfg.rollout.replan_steps) is None, path.stem
+    v2 = compose(["experiment=metaworld", "data.history_interval=1", "serve.request_interval=1"])
+    assert "frames 3 steps apart" in history_warning(v2.data, v2.serve, v2.rollout.replan_steps)
+
+
+def test_the_v2_tables_command_composes_the_configuration_its_runs_trained_with():
+    """The Meta-World v2 table's command (docs/benchmarks.md), with the two options that keep its regime, composes
+    today the configuration a committed run of that table saved, option for option (its policy's target moved
+    since: slurmvla.formats migrates it; the evaluation array's options are new and off)."""
+    from omegaconf import OmegaConf
+
+    run = REPO / "benchmarks" / "results" / "metaworld_labelled_4000" / "hammer-v3_s2"
+    pytest.importorskip("slurmvla_metaworld_study", reason="pip install -e examples/metaworld_study")
+    cfg = compose(["experiment=metaworld", "policy=keypoints_flow_labelled", "policy.image_size=128",
+                   "rollout.task=hammer-v3", "trainer.max_steps=4000", "trainer.rollout_every_steps=500",
+                   "trainer.seed=2", "rollout.videos=0", "data.history_interval=1", "serve.request_interval=1"])
+
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return out
+
+    saved = flat(OmegaConf.to_container(OmegaConf.load(run / "config.resolved.yaml")))
+    now = flat(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    moved = {"policy.name", "policy.target", "data.root", "data.cache_dir"}
+    differ = {k: (saved.get(k), now.get(k)) for k in set(saved) | set(now)
+              if saved.get(k) != now.get(k) and k not in moved and not k.startswith("rollout_array.")}
+    assert not differ
+    assert saved["policy.target"].endswith("LabelledKeypointFlowPolicy") and now["policy.name"] == "keypoints_flow_labelled"

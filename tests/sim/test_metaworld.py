@@ -101,16 +101,18 @@ def test_demonstrations_read_back_through_the_data_layer_replay_the_episode(tmp_
     finally:
         env.close()
     sample = source.sample(source.load_episode(0), 10, epoch=0)
-    # Sample at frame 10: its history is frames 9 and 10, its chunk actions 10..13.
-    np.testing.assert_allclose(sample["state"].numpy(), again["state"][9:11], atol=1e-6)
+    # Sample at frame 10: its history is frames 7 and 10 (experiment=metaworld: 3 steps apart, as the rollout asks
+    # every 3 steps), its chunk actions 10..13.
+    history = [7, 10]
+    np.testing.assert_allclose(sample["state"].numpy(), again["state"][history], atol=1e-6)
     np.testing.assert_allclose(sample["actions"].numpy(), again["action"][10:14], atol=1e-6)
     assert sample["instruction"] == "press the button"
     frames = sample["images"].numpy()  # [history x cameras, H, W, 3] at the policy's size
-    assert np.abs(frames.astype(int) - again["frames"][9:11].astype(int)).mean() < 6
+    assert np.abs(frames.astype(int) - again["frames"][history].astype(int)).mean() < 6
     # The environment's 39 numbers as training labels (data.label_keys, which experiment=metaworld sets): the same
     # frames as the state's, raw; the state and everything else as without them. A dataset without the key fails by
     # name.
-    np.testing.assert_allclose(sample["labels"].numpy(), again["env_state"][9:11], atol=1e-6)
+    np.testing.assert_allclose(sample["labels"].numpy(), again["env_state"][history], atol=1e-6)
     assert sample["labels"].shape == (2, 39) and source.label_dim == 39
     plain = make_cfg("experiment=metaworld", f"rollout.task={TASK}", f"data.root={tmp_path / 'demo'}",
                      "data.num_workers=0", "policy.image_size=64", "data.label_keys=[]")
