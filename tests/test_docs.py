@@ -150,4 +150,5 @@ def test_every_relative_link_and_anchor_resolves():
 def test_benchmarks_md_is_the_results_as_they_stand():
     """The history of how a figure was reached lives beside its result files, not in the results page."""
     lines = (REPO / "docs" / "benchmarks.md").read_text().count("\n")
-    assert lines <= 379, f"docs/benchmarks.md has {lines} lines: move the history to benchmarks/results/<study>/README.md"
+    # 379 lines held every table once with its command; the MT50 table (its protocol, commands and rows) added 45.
+    assert lines <= 424, f"docs/benchmarks.md has {lines} lines: move the history to benchmarks/results/<study>/README.md"
