@@ -337,7 +337,8 @@ def test_launch_helpers_name_missing_arguments_and_bad_numbers(capsys, monkeypat
 
 # Every program that reads its command line with argparse (python -m slurmvla.X).
 ARGPARSE_PROGRAMS = ("slurmvla.serve", "slurmvla.check", "slurmvla.rollout", "slurmvla.export", "slurmvla.sim.record",
-                     "slurmvla.plan", "slurmvla.data.synthetic", "slurmvla.evaluate", "slurmvla.profile", "slurmvla.table")
+                     "slurmvla.plan", "slurmvla.data.synthetic", "slurmvla.evaluate", "slurmvla.profile", "slurmvla.table",
+                     "slurmvla.eval_array")
 
 
 def test_the_argparse_programs_are_all_listed():

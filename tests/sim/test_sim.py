@@ -111,7 +111,7 @@ def test_two_cubes_mirror_each_other_and_either_one_lifted_succeeds():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--env", "libero"], "--env='libero' is not valid; choose one of ['metaworld', 'pick']"),
+    (["--env", "libero"], "--env='libero' is not valid; choose one of ['metaworld', 'mt50', 'pick']"),
     (["--env", "metaworld"], "--env metaworld needs --task"),
     (["--task", "three_cubes"], "--task='three_cubes' is not a variant of the pick task (--env pick); choose one of "
                                 "['two_cubes'] or null (one cube)"),
